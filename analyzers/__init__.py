@@ -1,0 +1,1 @@
+"""Pure functions over the normalised trace model (pandas only)."""

@@ -1,0 +1,1 @@
+"""Getting traces in: recorders (CUPTI, torch.profiler, Nsight Systems) and readers, plus the `kprof` CLI."""

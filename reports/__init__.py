@@ -1,0 +1,1 @@
+"""What people look at: the HTML diff report and native trace exports."""
