@@ -1,0 +1,260 @@
+"""Triton kernels of the generic (`auto`) path, where vLLM's generic forward uses Triton too.
+
+One operation per kernel: the fused AttnRes mix, the KDA short-convolution update, the KDA recurrent step, the gated
+RMSNorm, the SiTU-GLU activation and the MXFP4 routed-expert GEMV. Host wrappers take torch tensors and launch on
+the current stream, so they are captured by CUDA graphs.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _situ(gate, up):
+    # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25), with tanh(x) = 2 sigmoid(2x) - 1
+    tg = 2.0 * tl.sigmoid(gate * 0.5) - 1.0
+    tu = 2.0 * tl.sigmoid(up * (2.0 / 25.0)) - 1.0
+    return 4.0 * tg * tl.sigmoid(gate) * 25.0 * tu
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# AttnRes: optional residual update, optional block commit, softmax mix over candidates (online), input RMSNorm
+
+
+@triton.jit
+def _attn_res_kernel(blocks, partial, delta, query, key_norm, input_norm, out,
+                     H, s_bb, s_bs, s_pb, s_db, s_ob, eps,
+                     N_BLOCKS: tl.constexpr, COMMIT: tl.constexpr, DELTA: tl.constexpr, USE_PARTIAL: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    qk = tl.load(query + offs, mask=mask, other=0.0) * tl.load(key_norm + offs, mask=mask, other=0.0)
+    if COMMIT:
+        p_old = tl.load(partial + b * s_pb + offs, mask=mask, other=0.0)
+        tl.store(blocks + b * s_bb + (N_BLOCKS - 1) * s_bs + offs, p_old, mask=mask)
+    p = tl.zeros([BLOCK], dtype=tl.float32)
+    if USE_PARTIAL:
+        if DELTA == 1:  # add the previous sublayer's output
+            p = tl.load(partial + b * s_pb + offs, mask=mask, other=0.0)
+            p += tl.load(delta + b * s_db + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(partial + b * s_pb + offs, p, mask=mask)
+        elif DELTA == 2:  # the open block's first output
+            p = tl.load(delta + b * s_db + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(partial + b * s_pb + offs, p, mask=mask)
+        else:
+            p = tl.load(partial + b * s_pb + offs, mask=mask, other=0.0)
+
+    # online softmax over the candidates: one read of each
+    m_run = tl.sum(p * 0.0, axis=0)
+    l_run = m_run
+    acc = p * 0.0
+    for s in tl.static_range(N_BLOCKS + USE_PARTIAL):
+        if s < N_BLOCKS:
+            v = tl.load(blocks + b * s_bb + s * s_bs + offs, mask=mask, other=0.0)
+        else:
+            v = p
+        score = tl.sum(v * qk, axis=0) / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
+        if s == 0:
+            m_run = score
+            l_run = m_run * 0.0 + 1.0
+            acc = v
+        else:
+            m_new = tl.maximum(m_run, score)
+            alpha = tl.exp(m_run - m_new)
+            w = tl.exp(score - m_new)
+            acc = acc * alpha + w * v
+            l_run = l_run * alpha + w
+            m_run = m_new
+    mix = acc / l_run
+    rstd = 1.0 / tl.sqrt(tl.sum(mix * mix, axis=0) / H + eps)
+    y = mix * rstd * tl.load(input_norm + offs, mask=mask, other=0.0)
+    tl.store(out + b * s_ob + offs, y.to(out.dtype.element_ty), mask=mask)
+
+
+def attn_res(blocks, partial, delta, query, key_norm, input_norm, out, *, n_blocks, commit, delta_mode, use_partial,
+             eps):
+    B, H = partial.shape
+    _attn_res_kernel[(B,)](
+        blocks, partial, delta if delta is not None else partial, query, key_norm, input_norm, out,
+        H, blocks.stride(0), blocks.stride(1), partial.stride(0),
+        delta.stride(0) if delta is not None else 0, out.stride(0), eps,
+        N_BLOCKS=n_blocks, COMMIT=commit, DELTA=delta_mode, USE_PARTIAL=int(use_partial),
+        BLOCK=triton.next_power_of_2(H), num_warps=16 if H > 2048 else 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KDA: causal depthwise conv update (width 4) + SiLU
+
+
+@triton.jit
+def _conv_update_kernel(x, state, weight, out, C, s_xb, s_sb, s_sc, s_ob,
+                        WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = c < C
+    xv = tl.load(x + b * s_xb + c, mask=mask, other=0.0).to(tl.float32)
+    acc = xv * tl.load(weight + c * WIDTH + (WIDTH - 1), mask=mask, other=0.0)
+    for j in tl.static_range(WIDTH - 1):
+        sj = tl.load(state + b * s_sb + c * s_sc + j, mask=mask, other=0.0).to(tl.float32)
+        acc += sj * tl.load(weight + c * WIDTH + j, mask=mask, other=0.0)
+        if j > 0:
+            tl.store(state + b * s_sb + c * s_sc + (j - 1), sj.to(state.dtype.element_ty), mask=mask)
+    tl.store(state + b * s_sb + c * s_sc + (WIDTH - 2), xv.to(state.dtype.element_ty), mask=mask)
+    y = acc * tl.sigmoid(acc)
+    tl.store(out + b * s_ob + c, y.to(out.dtype.element_ty), mask=mask)
+
+
+def conv_update(x, state, weight, out):
+    """x [B, C] (strided view allowed), state [B, C, W-1] updated in place, weight [C, W] fp32 -> out [B, C]."""
+    B, C = x.shape
+    assert x.stride(1) == 1 and state.stride(2) == 1 and weight.is_contiguous()
+    BLOCK_C = 256
+    _conv_update_kernel[(B, triton.cdiv(C, BLOCK_C))](
+        x, state, weight, out, C, x.stride(0), state.stride(0), state.stride(1), out.stride(0),
+        WIDTH=weight.shape[1], BLOCK_C=BLOCK_C, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KDA recurrent step: q/k L2 norm, bounded decay gate, beta, delta rule on the fp32 state (value dim split in blocks)
+
+
+@triton.jit
+def _kda_recurrent_kernel(qkv, f, beta_src, A_log, dt_bias, S, o,
+                          H, s_qb, s_fb, s_bb, s_Sb, s_Sh, s_ob, lower_bound, scale,
+                          D: tl.constexpr, BV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    dk = tl.arange(0, D)
+    dv = vb * BV + tl.arange(0, BV)
+    q = tl.load(qkv + b * s_qb + h * D + dk).to(tl.float32)
+    k = tl.load(qkv + b * s_qb + H * D + h * D + dk).to(tl.float32)
+    v = tl.load(qkv + b * s_qb + 2 * H * D + h * D + dv).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    fv = tl.load(f + b * s_fb + h * D + dk).to(tl.float32) + tl.load(dt_bias + h * D + dk)
+    a = tl.exp(tl.load(A_log + h))
+    decay = tl.exp(lower_bound * tl.sigmoid(a * fv))
+    beta = tl.sigmoid(tl.load(beta_src + b * s_bb + h).to(tl.float32))
+
+    s_ptr = S + b * s_Sb + h * s_Sh + dk[:, None] * D + dv[None, :]
+    st = tl.load(s_ptr) * decay[:, None]
+    ks = tl.sum(k[:, None] * st, axis=0)
+    st += beta * k[:, None] * (v - ks)[None, :]
+    tl.store(s_ptr, st)
+    out = tl.sum(q[:, None] * st, axis=0)
+    tl.store(o + b * s_ob + h * D + dv, out.to(o.dtype.element_ty))
+
+
+def kda_recurrent(qkv, f, beta_src, A_log, dt_bias, S, o, *, lower_bound):
+    """qkv [B, 3 h D] after conv, f [B, h D], beta_src [B, h] (pre-sigmoid), S [B, h, D, D] in place -> o [B, h D]."""
+    B, h, D, _ = S.shape
+    assert S.is_contiguous() and qkv.stride(1) == 1 and f.stride(1) == 1
+    BV = 32
+    _kda_recurrent_kernel[(B, h, D // BV)](
+        qkv, f, beta_src, A_log, dt_bias, S, o, h, qkv.stride(0), f.stride(0), beta_src.stride(0),
+        S.stride(0), S.stride(1), o.stride(0), lower_bound, D**-0.5, D=D, BV=BV, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated RMSNorm over each head: RMSNorm(o) * w * sigmoid(g)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(o, g, w, out, s_ob, s_gb, s_outb, eps, D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    x = tl.load(o + b * s_ob + h * D + d).to(tl.float32)
+    gate = tl.load(g + b * s_gb + h * D + d).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, axis=0) / D + eps) * tl.load(w + d) * tl.sigmoid(gate)
+    tl.store(out + b * s_outb + h * D + d, y.to(out.dtype.element_ty))
+
+
+def gated_rmsnorm(o, g, w, out, *, heads, eps):
+    B = o.shape[0]
+    D = w.shape[0]
+    _gated_rmsnorm_kernel[(B, heads)](o, g, w, out, o.stride(0), g.stride(0), out.stride(0), eps, D=D, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SiTU-GLU activation: [rows, 2n] (gate | up) -> [rows, n]
+
+
+@triton.jit
+def _situ_glu_kernel(x, out, N, s_xb, s_ob, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < N
+    gate = tl.load(x + r * s_xb + n, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + r * s_xb + N + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + r * s_ob + n, _situ(gate, up).to(out.dtype.element_ty), mask=mask)
+
+
+def situ_glu(x, out):
+    rows, two_n = x.shape
+    N = two_n // 2
+    BLOCK = min(1024, triton.next_power_of_2(N))
+    _situ_glu_kernel[(rows, triton.cdiv(N, BLOCK))](x, out, N, x.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Routed experts, MXFP4 weights dequantised in registers: out[p, n] = scale_p * sum_k W[e_p, n, k] * x[row_p, k]
+
+
+@triton.jit
+def _e2m1(code):
+    mag = code & 7
+    e = (mag >> 1).to(tl.float32)
+    m = (mag & 1).to(tl.float32)
+    val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2(e - 1.0))
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit
+def _moe_gemv_mxfp4_kernel(x, w, w_scale, ids, order, row_scale, out,
+                           N, K, TOPK, s_xr, s_we, s_wn, s_se, s_sn, s_op,
+                           X_PER_PAIR: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    pair = tl.load(order + tl.program_id(0))  # programs run in expert order, so an expert's weights stay in L2
+    e = tl.load(ids + pair)
+    row = pair if X_PER_PAIR else pair // TOPK
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    j = tl.arange(0, BLOCK_K // 2)  # byte index inside the K tile
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_row = w + e.to(tl.int64) * s_we + n[:, None] * s_wn
+    s_row = w_scale + e.to(tl.int64) * s_se + n[:, None] * s_sn
+    for k0 in range(0, K, BLOCK_K):
+        packed = tl.load(w_row + k0 // 2 + j[None, :], mask=n_mask[:, None], other=0)
+        sc = tl.load(s_row + (k0 + 2 * j[None, :]) // GROUP, mask=n_mask[:, None], other=127)
+        scale = tl.exp2(sc.to(tl.float32) - 127.0)
+        x_even = tl.load(x + row * s_xr + k0 + 2 * j).to(tl.float32)
+        x_odd = tl.load(x + row * s_xr + k0 + 2 * j + 1).to(tl.float32)
+        lo = _e2m1(packed & 0xF)
+        hi = _e2m1(packed >> 4)
+        acc += tl.sum((lo * x_even[None, :] + hi * x_odd[None, :]) * scale, axis=1)
+    if HAS_SCALE:
+        acc = acc * tl.load(row_scale + pair)
+    tl.store(out + pair * s_op + n, acc.to(out.dtype.element_ty), mask=n_mask)
+
+
+def moe_gemv_mxfp4(x, w, w_scale, ids, order, out, *, x_per_pair, row_scale=None, group=32):
+    """x [rows, K] bf16; w [E, N, K/2] uint8; w_scale [E, N, K/group]; ids [P] expert per pair; order [P] a
+    permutation of pairs sorted by expert; out [P, N]. With `x_per_pair` row p of x feeds pair p, else row p // top_k.
+    """
+    P = ids.numel()
+    _, N, K2 = w.shape
+    K = 2 * K2
+    topk = P // x.shape[0] if not x_per_pair else 1
+    BLOCK_K = 256 if K % 256 == 0 else 64
+    BLOCK_N = 16 if N <= 1024 else 32
+    assert K % BLOCK_K == 0 and x.stride(1) == 1 and w.is_contiguous() and w_scale.is_contiguous()
+    _moe_gemv_mxfp4_kernel[(P, triton.cdiv(N, BLOCK_N))](
+        x, w, w_scale, ids, order, row_scale if row_scale is not None else x, out,
+        N, K, topk, x.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        X_PER_PAIR=x_per_pair, HAS_SCALE=row_scale is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP=group,
+        num_warps=4)
+
