@@ -4,9 +4,21 @@ Every command reports bad input as one line on stderr and exits non-zero; no tra
 """
 from __future__ import annotations
 
+import contextlib
+import csv
+import io
+import json
+import os
 import sys
+import tempfile
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
 
 import typer
+
+from analyzers.layers import DEFAULT_LAYER_REGEX, analyze as analyze_layers, compile_layer_regex
+from analyzers.trace import TraceError
 
 app = typer.Typer(
     name="kprof",
@@ -26,9 +38,128 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn library errors about the user's input into one line and exit code 2."""
+    try:
+        yield
+    except (UserError, TraceError) as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory, so no partial file is left."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as stream:
+            stream.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+TraceArg = Annotated[Path, typer.Argument(help="A .kprof run, a torch.profiler JSON (.json/.json.gz) or an Nsight "
+                                                "Systems SQLite export; the format is detected from the content.")]
+
+
 @app.callback()
 def _root() -> None:
     """kprof: per-layer kernel analysis of decode traces."""
+
+
+@app.command("import")
+def import_trace(
+    trace: TraceArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .kprof file to write.")],
+) -> None:
+    """Convert a trace into a .kprof run (kprof's compact, versioned capture format)."""
+    from profiler.readers import read_trace
+
+    with _user_errors():
+        read_trace(trace).save(output)
+
+
+@app.command()
+def analyze(
+    trace: TraceArg,
+    format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
+    layer_regex: Annotated[str, typer.Option(
+        "--layer-regex", help="Pattern for layer range names: a group 'index' (or the first group) is the layer "
+                              "number, an optional group 'kind' its kind.")] = DEFAULT_LAYER_REGEX,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
+) -> None:
+    """Per-layer and per-stage kernel count, kernel time, busy time and span: medians over decode steps."""
+    from profiler.readers import read_trace
+
+    with _user_errors():
+        try:
+            compile_layer_regex(layer_regex)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        result = analyze_layers(read_trace(trace), layer_regex=layer_regex)
+        if format is OutputFormat.table:
+            text = _as_table(result, color=output is None and sys.stdout.isatty())
+        else:
+            text = _as_json(result) if format is OutputFormat.json else _as_csv(result)
+        if output is None:
+            sys.stdout.write(text)
+        else:
+            _write_atomic(output, text)
+
+
+_METRICS = ("kernels_per_step", "kernel_us", "busy_us", "span_us")
+
+
+def _as_json(result: dict) -> str:
+    return json.dumps(result, indent=2) + "\n"
+
+
+def _as_csv(result: dict) -> str:
+    """One row per layer (``stage`` empty) followed by its stages."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["layer", "kind", "stage", *_METRICS])
+    for layer in result["layers"]:
+        writer.writerow([layer["layer"], layer["kind"] or "", "", *(layer[m] for m in _METRICS)])
+        for stage in layer["stages"]:
+            writer.writerow([layer["layer"], layer["kind"] or "", stage["name"], *(stage[m] for m in _METRICS)])
+    return buffer.getvalue()
+
+
+def _as_table(result: dict, color: bool = False) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    capture = result["capture"]
+    title = ", ".join(str(v) for v in (capture.get("source"), capture.get("gpu"), capture.get("backend")) if v)
+    table = Table(title=f"kprof analyze ({title})" if title else "kprof analyze",
+                  caption=f"{result['steps']} step(s), medians per step; "
+                          f"{result['unattributed_kernels']} kernel(s) unattributed to a layer")
+    table.add_column("layer")
+    table.add_column("stage")
+    for header in ("kernels", "kernel µs", "busy µs", "span µs"):
+        table.add_column(header, justify="right")
+    for layer in result["layers"]:
+        name = f"{layer['layer']}" + (f" {layer['kind']}" if layer["kind"] else "")
+        table.add_row(name, "", *_cells(layer), style="bold")
+        for stage in layer["stages"]:
+            table.add_row("", stage["name"], *_cells(stage))
+    buffer = io.StringIO()
+    Console(file=buffer, force_terminal=color, no_color=not color, width=100).print(table)
+    return buffer.getvalue()
+
+
+def _cells(row: dict) -> list[str]:
+    return [f"{row['kernels_per_step']:g}", f"{row['kernel_us']:.1f}", f"{row['busy_us']:.1f}", f"{row['span_us']:.1f}"]
 
 
 def main() -> None:
