@@ -33,12 +33,16 @@ _COPY_KINDS = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD",
                10: "PtoP"}
 
 
-def _pid(global_id: pd.Series) -> pd.Series:
-    return (global_id.fillna(-1).astype("int64") >> 24) & 0xFFFFFF
+def _pid(global_id: pd.Series) -> np.ndarray:
+    """Process id from a ``globalTid``/``globalPid`` (-1 where missing)."""
+    ids = pd.to_numeric(global_id, errors="coerce").fillna(-1).to_numpy(dtype=np.int64)
+    return np.where(ids < 0, -1, (ids >> 24) & 0xFFFFFF)
 
 
-def _tid(global_id: pd.Series) -> pd.Series:
-    return global_id.fillna(-1).astype("int64") & 0xFFFFFF
+def _tid(global_id: pd.Series) -> np.ndarray:
+    """Thread id from a ``globalTid`` (-1 where missing)."""
+    ids = pd.to_numeric(global_id, errors="coerce").fillna(-1).to_numpy(dtype=np.int64)
+    return np.where(ids < 0, -1, ids & 0xFFFFFF)
 
 
 def _ints(frame: pd.DataFrame, column: str) -> pd.Series:
@@ -94,7 +98,7 @@ class _Export:
         activities = pd.concat(frames, ignore_index=True)
         for column in ("start_ns", "end_ns", "device", "stream", "correlation_id", "graph_id", "graph_node_id"):
             activities[column] = _ints(activities, column)
-        activities["pid"] = np.where(activities["global_pid"].isna(), -1, _pid(activities["global_pid"]))
+        activities["pid"] = _pid(activities["global_pid"])
         return activities.drop(columns="global_pid")
 
     def launches(self) -> pd.DataFrame | None:
