@@ -25,6 +25,7 @@ categories as a JSON list in ``<table>/<column>.categories.json``. See ``docs/an
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -32,6 +33,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 import numpy as np
 import pandas as pd
@@ -118,29 +120,22 @@ class Trace:
     def save(self, path: str | os.PathLike) -> None:
         """Write the trace as a ``.kprof`` file, atomically: a reader never sees a partial file."""
         header = {"format": FORMAT, "version": FORMAT_VERSION, "meta": self.meta, "tables": {}}
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-        try:
-            with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
-                for table, columns in TABLES.items():
-                    frame = getattr(self, table)
-                    header["tables"][table] = {"rows": len(frame), "columns": dict(columns)}
-                    for column, dtype in columns.items():
-                        values = frame[column]
-                        if dtype == CAT:
-                            categories = [str(c) for c in values.cat.categories]
-                            zf.writestr(f"{table}/{column}.categories.json", json.dumps(categories))
-                            values = values.cat.codes.to_numpy(dtype=np.int32)
-                        else:
-                            values = values.to_numpy(dtype=np.int64)
-                        buffer = io.BytesIO()
-                        np.save(buffer, values, allow_pickle=False)
-                        zf.writestr(f"{table}/{column}.npy", buffer.getvalue())
-                zf.writestr("header.json", json.dumps(header, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with atomic_output(path) as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+            for table, columns in TABLES.items():
+                frame = getattr(self, table)
+                header["tables"][table] = {"rows": len(frame), "columns": dict(columns)}
+                for column, dtype in columns.items():
+                    values = frame[column]
+                    if dtype == CAT:
+                        categories = [str(c) for c in values.cat.categories]
+                        zf.writestr(f"{table}/{column}.categories.json", json.dumps(categories))
+                        values = values.cat.codes.to_numpy(dtype=np.int32)
+                    else:
+                        values = values.to_numpy(dtype=np.int64)
+                    buffer = io.BytesIO()
+                    np.save(buffer, values, allow_pickle=False)
+                    zf.writestr(f"{table}/{column}.npy", buffer.getvalue())
+            zf.writestr("header.json", json.dumps(header, indent=1, sort_keys=True))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Trace":
@@ -170,6 +165,24 @@ class Trace:
         if "kernels" not in tables:
             raise TraceError("damaged .kprof file: no kernels table")
         return cls(meta=header.get("meta") or {}, **tables)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Open ``path`` for binary writing through a temporary file in the same directory that replaces ``path`` only
+    when the block completes, so an error leaves no partial file behind."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            yield stream
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def read_header(zf: zipfile.ZipFile) -> dict:

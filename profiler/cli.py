@@ -8,9 +8,7 @@ import contextlib
 import csv
 import io
 import json
-import os
 import sys
-import tempfile
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
@@ -18,7 +16,7 @@ from typing import Annotated, Iterator, Optional
 import typer
 
 from analyzers.layers import DEFAULT_LAYER_REGEX, analyze as analyze_layers, compile_layer_regex
-from analyzers.trace import TraceError
+from analyzers.trace import TraceError, atomic_output
 
 app = typer.Typer(
     name="kprof",
@@ -47,18 +45,6 @@ def _user_errors() -> Iterator[None]:
         fail(str(exc))
     except OSError as exc:
         fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
-
-
-def _write_atomic(path: Path, data: str) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory, so no partial file is left."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as stream:
-            stream.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 class OutputFormat(str, Enum):
@@ -113,7 +99,8 @@ def analyze(
         if output is None:
             sys.stdout.write(text)
         else:
-            _write_atomic(output, text)
+            with atomic_output(output) as stream:
+                stream.write(text.encode())
 
 
 _METRICS = ("kernels_per_step", "kernel_us", "busy_us", "span_us")

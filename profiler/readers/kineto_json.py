@@ -144,7 +144,7 @@ class _KinetoReader:
         try:
             data = self.stream.read(_CHUNK)
         except (OSError, EOFError, zlib.error) as exc:
-            raise TraceReadError(f"{self.name}: cannot decompress: {exc}") from None
+            raise TraceReadError(f"{self.name}: truncated or corrupt gzip data ({exc})") from None
         if not data:
             self.eof = True
             return False
