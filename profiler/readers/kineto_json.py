@@ -130,6 +130,7 @@ class _KinetoReader:
         self.name = name
         self.buf = b""
         self.pos = 0
+        self.consumed = 0  # bytes dropped from the front of the buffer, for error positions
         self.eof = False
         self.top: dict = {}
         self.names = _Names()
@@ -148,6 +149,7 @@ class _KinetoReader:
         if not data:
             self.eof = True
             return False
+        self.consumed += self.pos
         self.buf = self.buf[self.pos:] + data
         self.pos = 0
         return True
@@ -267,8 +269,9 @@ class _KinetoReader:
                 if offset >= len(data) - 1:
                     limit = cut
                 else:
-                    corrupt = exc
-                    limit = min(cut, self.pos + offset - 1)
+                    at = self.pos + offset - 1
+                    corrupt = f"at byte {self.consumed + at}: {_ERROR_BYTE.sub('', str(exc)).strip()}"
+                    limit = min(cut, at)
                 continue
             self.pos = cut + 1
             return events
