@@ -97,19 +97,19 @@ def kernel_layers(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str
     launch_range = attribution["launch_range"].to_numpy()[is_kernel]
     source_range = attribution["range"].to_numpy()[is_kernel]
 
-    def take(column: str, rows: np.ndarray, missing):
-        values = labels[column].to_numpy()
-        out = np.full(len(rows), missing, dtype=values.dtype if len(values) else object)
-        out[rows >= 0] = values[rows[rows >= 0]]
+    def take(column: str, rows: np.ndarray, missing, dtype):
+        out = np.full(len(rows), missing, dtype=dtype)
+        found = rows >= 0
+        out[found] = labels[column].to_numpy()[rows[found]]
         return out
 
     if (labels["step"] >= 0).any():
-        kernels["step"] = take("step", launch_range, -1)
+        kernels["step"] = take("step", launch_range, -1, np.int64)
     else:
         kernels["step"] = 0
-    kernels["layer"] = take("layer", source_range, -1)
-    kernels["layer_kind"] = take("layer_kind", source_range, "")
-    kernels["stage"] = take("stage", source_range, "")
+    kernels["layer"] = take("layer", source_range, -1, np.int64)
+    kernels["layer_kind"] = take("layer_kind", source_range, "", object)
+    kernels["stage"] = take("stage", source_range, "", object)
     return kernels
 
 
