@@ -10,6 +10,7 @@ import pytest
 from profiler.readers import read_trace
 
 hta_analysis = pytest.importorskip("hta.trace_analysis")
+pytestmark = pytest.mark.filterwarnings("ignore:The inplace keyword:Warning")  # raised inside HTA
 
 NAMES = ["ampere_bf16_gemm", "rmsnorm_kernel", "ncclDevKernel_AllReduce_Sum_bf16", "triton_poi_fused_add_0"]
 
