@@ -1,0 +1,193 @@
+"""Per-layer decode benchmark: `python -m kimi_decode.bench --backend auto --tp 16 8 --batch 1 8 64`.
+
+For every (backend, tp, batch) it builds `--copies` slices with different weights (so consecutive replays of a layer
+read weights L2 no longer holds), records each layer as its own CUDA graph, and times graph replays with CUDA events,
+rotating the copies. It prints, per layer: median GPU microseconds, kernels launched (counted in a profiled replay),
+the bytes the layer must move (weights actually read, recurrent/conv state read and written, KV cache read), and the
+share of the HBM floor, bytes / 4.3 TB/s, that the measured time reaches. Every backend runs in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from .model import decode_layer
+from .slice import DecodeSlice
+from .state import KDAState, MLACache
+from .weights import DenseMLPWeights, LayerWeights, MoEWeights
+
+HBM_BYTES_PER_S = 4.3e12
+
+
+def expert_bytes(w: MoEWeights, used_inter: int, group: int = 32) -> int:
+    """MXFP4 bytes (codes and scales) of one expert's slice that the math needs: padding rows excluded."""
+    latent = w.w2.shape[1]
+    per_row = latent // 2 + latent // group  # a w1/w3 row over the latent width
+    return 2 * used_inter * per_row + latent * (used_inter // 2 + used_inter // group)
+
+
+def layer_bytes(lw: LayerWeights, state, routes: torch.Tensor | None, batch: int, used_inter: int,
+                n_blocks: int) -> dict[str, int]:
+    """The fewest bytes one decode step of this layer moves through HBM."""
+    hidden = lw.attn_res.query.numel()
+    weights = lw.attn_res.nbytes() + lw.mlp_res.nbytes() + lw.attn.nbytes()
+    if isinstance(lw.mlp, DenseMLPWeights):
+        weights += lw.mlp.nbytes()
+    else:
+        w = lw.mlp
+        dense = sum(t.numel() * t.element_size() for name, t in w.tensors() if not name.startswith("w"))
+        distinct = int(routes.unique().numel()) if routes is not None else 0
+        weights += dense + distinct * expert_bytes(w, used_inter)
+    # residual candidates, read by both AttnRes mixes
+    state_bytes = 2 * batch * (n_blocks + 1) * hidden * 4
+    if isinstance(state, KDAState):
+        state_bytes += 2 * state.nbytes()  # read and written
+    elif isinstance(state, MLACache):
+        tokens = int(state.lengths.sum().item())
+        state_bytes += tokens * state.kv.shape[2] * state.kv.element_size()
+    return {"weight_bytes": weights, "state_bytes": state_bytes}
+
+
+def _count_kernels(graph: torch.cuda.CUDAGraph) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
+
+
+class _Captured:
+    """One slice with one CUDA graph per layer, plus one for the step's input copy."""
+
+    def __init__(self, sl: DecodeSlice):
+        self.sl = sl
+        sl.capture()  # warm-up and the whole-step graph
+        self.step_graph = sl.graph
+        self.layer_graphs = []
+        sl.res.partial_empty = sl.input.partial_empty
+        for lw, st in zip(sl.layers, sl.states):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                decode_layer(sl.backend, lw, sl.res, st, sl.shard, sl.group)
+            self.layer_graphs.append(g)
+
+
+def bench_config(backend: str, tp: int, batch: int, args) -> dict:
+    copies = [
+        _Captured(DecodeSlice(backend=backend, tp=tp, batch=batch, first_layer=args.first_layer,
+                              num_layers=args.layers, context=args.context, seed=args.seed + c, device="cuda"))
+        for c in range(args.copies)
+    ]
+    n_layers = len(copies[0].layer_graphs)
+    for _ in range(args.warmup):
+        for cap in copies:
+            for g in cap.layer_graphs:
+                g.replay()
+    starts = [[torch.cuda.Event(enable_timing=True) for _ in range(n_layers + 1)] for _ in range(args.replays)]
+    for r in range(args.replays):
+        cap = copies[r % len(copies)]
+        ev = starts[r]
+        for i, g in enumerate(cap.layer_graphs):
+            ev[i].record()
+            g.replay()
+        ev[n_layers].record()
+    torch.cuda.synchronize()
+    layer_us = [statistics.median(starts[r][i].elapsed_time(starts[r][i + 1]) * 1e3 for r in range(args.replays))
+                for i in range(n_layers)]
+
+    step_events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(args.replays)]
+    for r, (a, b) in enumerate(step_events):
+        a.record()
+        copies[r % len(copies)].step_graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    step_us = statistics.median(a.elapsed_time(b) * 1e3 for a, b in step_events)
+
+    cap = copies[0]
+    sl = cap.sl
+    rows = []
+    for i, (lw, st, g) in enumerate(zip(sl.layers, sl.states, cap.layer_graphs)):
+        routes = sl.backend.last_routes.get(lw.index)
+        nbytes = layer_bytes(lw, st, routes, batch, sl.shard.expert_inter_used,
+                             sl.shard.model.completed_blocks(lw.index))
+        total = nbytes["weight_bytes"] + nbytes["state_bytes"]
+        floor_us = total / HBM_BYTES_PER_S * 1e6
+        rows.append({
+            "backend": backend, "tp": tp, "batch": batch, "layer": lw.index, "kind": lw.kind,
+            "us": round(layer_us[i], 2), "kernels": _count_kernels(g), **nbytes,
+            "floor_us": round(floor_us, 2), "pct_floor": round(100 * floor_us / layer_us[i], 1),
+        })
+    del copies
+    torch.cuda.empty_cache()
+    return {"rows": rows, "step_us": round(step_us, 2)}
+
+
+def _print_table(results: list[dict]) -> None:
+    head = (f"{'backend':<20}{'tp':>4}{'batch':>6}{'layer':>7}{'kind':>6}{'us':>10}{'kernels':>9}"
+            f"{'weights MB':>12}{'state MB':>10}{'floor us':>10}{'% floor':>9}")
+    print(head)
+    print("-" * len(head))
+    for res in results:
+        for r in res["rows"]:
+            print(f"{r['backend']:<20}{r['tp']:>4}{r['batch']:>6}{r['layer']:>7}{r['kind']:>6}{r['us']:>10.1f}"
+                  f"{r['kernels']:>9}{r['weight_bytes'] / 1e6:>12.1f}{r['state_bytes'] / 1e6:>10.2f}"
+                  f"{r['floor_us']:>10.1f}{r['pct_floor']:>9.1f}")
+        r0 = res["rows"][0]
+        print(f"{'':<20}{r0['tp']:>4}{r0['batch']:>6}   whole step (one graph, {len(res['rows'])} layers): "
+              f"{res['step_us']:.1f} us")
+    by = {}
+    for res in results:
+        for r in res["rows"]:
+            by.setdefault((r["tp"], r["batch"], r["layer"]), {})[r["backend"]] = r["us"]
+    ratios = [(k, v) for k, v in by.items() if "auto" in v and len(v) > 1]
+    if ratios:
+        print("\nspeed-up over auto (us_auto / us_backend)")
+        for (tp, batch, layer), v in ratios:
+            others = ", ".join(f"{b} {v['auto'] / us:.2f}x" for b, us in v.items() if b != "auto")
+            print(f"  tp {tp} batch {batch} layer {layer}: {others}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kimi_decode.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", nargs="+", default=["auto"])
+    p.add_argument("--tp", nargs="+", type=int, default=[16, 8])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
+    p.add_argument("--first-layer", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--copies", type=int, default=3, help="weight copies rotated between replays (cold L2)")
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write every row to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kimi_decode.bench: error: needs a CUDA device", file=sys.stderr)
+        return 2
+    results = []
+    try:
+        for tp in args.tp:
+            for batch in args.batch:
+                for backend in args.backend:
+                    results.append(bench_config(backend, tp, batch, args))
+    except ValueError as exc:
+        print(f"kimi_decode.bench: error: {exc}", file=sys.stderr)
+        return 2
+    _print_table(results)
+    if args.json:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
