@@ -172,7 +172,10 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Open ``path`` for binary writing through a temporary file in the same directory that replaces ``path`` only
     when the block completes, so an error leaves no partial file behind."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as stream:
             yield stream

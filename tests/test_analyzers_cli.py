@@ -144,3 +144,9 @@ def test_missing_file_and_bad_regex_are_user_errors(tmp_path):
     assert bad.exit_code == 2 and bad.stderr.startswith("kprof: error: invalid layer regex")
     no_group = run("analyze", DATA / "kineto_eager.json", "--layer-regex", "layer")
     assert no_group.exit_code == 2 and "group" in no_group.stderr
+
+
+def test_output_into_a_missing_directory_is_one_line_exit_2(tmp_path):
+    result = run("import", DATA / "kineto_eager.json", "-o", tmp_path / "missing" / "run.kprof")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"kprof: error: cannot write {tmp_path / 'missing' / 'run.kprof'}: No such file or directory"
