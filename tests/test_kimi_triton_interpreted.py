@@ -45,6 +45,22 @@ SCRIPT = textwrap.dedent("""
                 errs[name] = rel_err(getattr(tt, name), x)
         print(layer, errs)
         worst = max(worst, *errs.values())
+
+    # expert kernels alone: one expert chosen by 20 pairs (more than one 16-row tile), others by one or two
+    from kimi_decode.kernels import triton_kernels as tk
+    from kimi_decode.quant import mxfp4_dequantize, mxfp4_quantize
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([3] * 20 + [0, 7, 7, 1], dtype=torch.int32)[torch.randperm(24, generator=g)]
+    align = [torch.full((24,), -9, dtype=torch.int32) for _ in range(4)]
+    tk.moe_align(ids, *align)
+    assert sorted(align[2].tolist()) == [0] * 20 + [1, 1, 2, 20], align[2]
+    pk, sc = mxfp4_quantize(torch.randn(8, 48, 128, generator=g))
+    wd = mxfp4_dequantize(pk, sc)
+    x = torch.randn(6, 128, generator=g).bfloat16()  # 6 tokens x top-4
+    out = torch.full((24, 48), float("nan"))
+    tk.moe_mxfp4(x, pk, sc, align, out, x_per_pair=False)
+    want = torch.stack([wd[ids[p]] @ x[p // 4].float() for p in range(24)])
+    worst = max(worst, rel_err(out, want))
     print("WORST", worst)
 """)
 

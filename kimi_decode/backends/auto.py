@@ -40,7 +40,7 @@ class AutoBackend:
 
     def _empty(self, *shape, dtype=BF16, device=None) -> torch.Tensor:
         if self.poison:
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+            return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
 
     @staticmethod
@@ -172,14 +172,19 @@ class AutoBackend:
     def router(self, x: torch.Tensor, w: MoEWeights, shard: ShardConfig, layer: int):
         """fp32 logits, sigmoid scores, top-k on score + correction bias, renormalised weights."""
         m = shard.model
-        logits = torch.mm(x.float(), w.router.T.float()) if not x.is_cuda else \
-            torch.mm(x, w.router.T, out_dtype=torch.float32)
-        scores = torch.sigmoid(logits)
-        ids = torch.topk(scores + w.router_bias, m.top_k, dim=-1).indices
-        weights = scores.gather(-1, ids)
-        weights = weights / weights.sum(-1, keepdim=True)
-        if m.routed_scaling != 1.0:
-            weights = weights * m.routed_scaling
+        if x.is_cuda:  # bf16 operands, fp32 accumulation and output in one cuBLAS call
+            logits = torch.mm(x, w.router.T, out_dtype=torch.float32)
+        else:
+            logits = torch.mm(x.float(), w.router.T.float())
+        if self._use_triton(x):
+            ids = self._empty(x.shape[0], m.top_k, dtype=torch.int32, device=x.device)
+            weights = self._empty(x.shape[0], m.top_k, dtype=torch.float32, device=x.device)
+            tk.route_topk(logits, w.router_bias, ids, weights, scaling=m.routed_scaling)
+        else:
+            scores = torch.sigmoid(logits)
+            ids = torch.topk(scores + w.router_bias, m.top_k, dim=-1).indices
+            weights = scores.gather(-1, ids)
+            weights = weights / weights.sum(-1, keepdim=True) * m.routed_scaling
         self.last_routes[layer] = ids
         return ids, weights
 
@@ -192,15 +197,16 @@ class AutoBackend:
         B, k = ids.shape
         if self._use_triton(latent):
             flat = ids.reshape(-1)
-            order = torch.argsort(flat)
+            align = [torch.empty(B * k, dtype=torch.int32, device=x.device) for _ in range(4)]
+            tk.moe_align(flat, *align)
             h = self._empty(B * k, w.w13.shape[1], device=x.device)
-            tk.moe_gemv_mxfp4(latent, w.w13, w.w13_scale, flat, order, h, x_per_pair=False)
+            tk.moe_mxfp4(latent, w.w13, w.w13_scale, align, h, x_per_pair=False)
             act = self.situ_glu(h)
             out = self._empty(B * k, w.w2.shape[1], dtype=torch.float32, device=x.device)
-            tk.moe_gemv_mxfp4(act, w.w2, w.w2_scale, flat, order, out, x_per_pair=True,
-                              row_scale=weights.reshape(-1))
+            tk.moe_mxfp4(act, w.w2, w.w2_scale, align, out, x_per_pair=True, row_scale=weights.reshape(-1))
             return out.view(B, k, -1).sum(1)
         group = shard.model.mxfp4_group
+        ids = ids.long()
         w13 = mxfp4_dequantize(w.w13[ids], w.w13_scale[ids], torch.float32, group)  # [B, k, 2I, latent]
         w2 = mxfp4_dequantize(w.w2[ids], w.w2_scale[ids], torch.float32, group)  # [B, k, latent, I]
         h = torch.einsum("bkil,bl->bki", w13, latent.float()).to(BF16)

@@ -6,8 +6,14 @@ the current stream, so they are captured by CUDA graphs.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Triton's CPU interpreter (used by the CPU tests) multiplies bf16 tiles wrongly (numpy has no bf16): there the
+# expert kernel feeds tl.dot fp32 tiles; on a GPU it feeds bf16 tiles to the tensor cores.
+_DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -201,7 +207,77 @@ def situ_glu(x, out):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Routed experts, MXFP4 weights dequantised in registers: out[p, n] = scale_p * sum_k W[e_p, n, k] * x[row_p, k]
+# Routing: sigmoid scores, top-k on score + correction bias, renormalised weights (one program per token)
+
+
+@triton.jit
+def _route_topk_kernel(logits, bias, ids, weights, E, s_lb, scaling,
+                       TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    mask = e < E
+    scores = tl.sigmoid(tl.load(logits + b * s_lb + e, mask=mask, other=0.0))
+    sel = tl.where(mask, scores + tl.load(bias + e, mask=mask, other=0.0), float("-inf"))
+    k = tl.arange(0, TOPK)
+    picked = tl.zeros([TOPK], dtype=tl.int32)
+    w = tl.zeros([TOPK], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(sel, axis=0)
+        picked = tl.where(k == j, best, picked)
+        w = tl.where(k == j, tl.sum(tl.where(e == best, scores, 0.0), axis=0), w)
+        sel = tl.where(e == best, float("-inf"), sel)
+    tl.store(ids + b * TOPK + k, picked)
+    tl.store(weights + b * TOPK + k, w / tl.sum(w, axis=0) * scaling)
+
+
+def route_topk(logits, bias, ids, weights, *, scaling):
+    """logits [B, E] fp32 -> ids [B, k] int32 and weights [B, k] fp32 (written in place)."""
+    B, E = logits.shape
+    _route_topk_kernel[(B,)](logits, bias, ids, weights, E, logits.stride(0), scaling,
+                             TOPK=ids.shape[1], BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Expert alignment: group the (token, slot) pairs by expert, so each expert's weights are read once per step
+
+
+@triton.jit
+def _moe_align_kernel(ids, order, seg_start, seg_len, seg_expert, P, BLOCK_P: tl.constexpr):
+    p = tl.arange(0, BLOCK_P)
+    mask = p < P
+    e = tl.load(ids + p, mask=mask, other=2**20)
+    key = e * BLOCK_P + p  # sort by expert, then by pair: a stable order
+    key = tl.sort(key)
+    e_sorted = key // BLOCK_P
+    tl.store(order + p, key % BLOCK_P, mask=mask)
+    tl.store(seg_expert + p, e_sorted, mask=mask)  # scratch: read back shifted by one below
+    tl.debug_barrier()
+    prev = tl.load(seg_expert + p - 1, mask=mask & (p > 0), other=-1)
+    starts = mask & (e_sorted != prev)
+    seg = tl.cumsum(starts.to(tl.int32), axis=0) - 1  # segment of each sorted pair
+    n_seg = tl.max(tl.where(mask, seg, -1), axis=0) + 1
+    tl.debug_barrier()
+    # segment s starts at the s-th start; its length runs to the next start
+    tl.store(seg_start + seg, p, mask=starts)
+    tl.store(seg_expert + seg, e_sorted, mask=starts)
+    tl.debug_barrier()
+    nxt = tl.load(seg_start + p + 1, mask=p + 1 < n_seg, other=P)
+    first = tl.load(seg_start + p, mask=p < n_seg, other=0)
+    tl.store(seg_len + p, tl.where(p < n_seg, nxt - first, 0), mask=mask)
+
+
+def moe_align(ids, order, seg_start, seg_len, seg_expert):
+    """ids [P] -> order [P] (pairs sorted by expert), and per segment (one per distinct expert, the rest with
+    length 0): start in `order`, length, expert. All [P] int32, written in place."""
+    P = ids.numel()
+    _moe_align_kernel[(1,)](ids, order, seg_start, seg_len, seg_expert, P,
+                            BLOCK_P=max(16, triton.next_power_of_2(P)), num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Routed experts, MXFP4 weights dequantised in registers, one program per (expert segment, block of N):
+#   out[pair, n] = row_scale[pair] * sum_k W[e, n, k] * x[row(pair), k]
+# The expert's weight tile is dequantised once and used for all of its tokens (tensor cores, M padded to 16).
 
 
 @triton.jit
@@ -214,47 +290,57 @@ def _e2m1(code):
 
 
 @triton.jit
-def _moe_gemv_mxfp4_kernel(x, w, w_scale, ids, order, row_scale, out,
-                           N, K, TOPK, s_xr, s_we, s_wn, s_se, s_sn, s_op,
-                           X_PER_PAIR: tl.constexpr, HAS_SCALE: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    pair = tl.load(order + tl.program_id(0))  # programs run in expert order, so an expert's weights stay in L2
-    e = tl.load(ids + pair)
-    row = pair if X_PER_PAIR else pair // TOPK
+def _moe_mxfp4_kernel(x, w, w_scale, order, seg_start, seg_len, seg_expert, row_scale, out,
+                      N, K, TOPK, s_xr, s_we, s_wn, s_se, s_sn, s_op,
+                      X_PER_PAIR: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    dot_dtype = tl.float32 if DOT_FP32 else tl.bfloat16
+    seg = tl.program_id(0)
+    length = tl.load(seg_len + seg)
+    if length == 0:
+        return
+    start = tl.load(seg_start + seg)
+    e = tl.load(seg_expert + seg).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     j = tl.arange(0, BLOCK_K // 2)  # byte index inside the K tile
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    w_row = w + e.to(tl.int64) * s_we + n[:, None] * s_wn
-    s_row = w_scale + e.to(tl.int64) * s_se + n[:, None] * s_sn
-    for k0 in range(0, K, BLOCK_K):
-        packed = tl.load(w_row + k0 // 2 + j[None, :], mask=n_mask[:, None], other=0)
-        sc = tl.load(s_row + (k0 + 2 * j[None, :]) // GROUP, mask=n_mask[:, None], other=127)
-        scale = tl.exp2(sc.to(tl.float32) - 127.0)
-        x_even = tl.load(x + row * s_xr + k0 + 2 * j).to(tl.float32)
-        x_odd = tl.load(x + row * s_xr + k0 + 2 * j + 1).to(tl.float32)
-        lo = _e2m1(packed & 0xF)
-        hi = _e2m1(packed >> 4)
-        acc += tl.sum((lo * x_even[None, :] + hi * x_odd[None, :]) * scale, axis=1)
-    if HAS_SCALE:
-        acc = acc * tl.load(row_scale + pair)
-    tl.store(out + pair * s_op + n, acc.to(out.dtype.element_ty), mask=n_mask)
+    mm = tl.arange(0, BLOCK_M)
+    w_row = w + e * s_we + n[:, None] * s_wn
+    s_row = w_scale + e * s_se + n[:, None] * s_sn
+    for m0 in range(0, length, BLOCK_M):
+        m_mask = m0 + mm < length
+        pair = tl.load(order + start + m0 + mm, mask=m_mask, other=0)
+        row = pair if X_PER_PAIR else pair // TOPK
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            packed = tl.load(w_row + k0 // 2 + j[None, :], mask=n_mask[:, None], other=0)
+            sc = tl.load(s_row + (k0 + 2 * j[None, :]) // GROUP, mask=n_mask[:, None], other=127)
+            scale = tl.exp2(sc.to(tl.float32) - 127.0)
+            lo = (_e2m1(packed & 0xF) * scale).to(dot_dtype)
+            hi = (_e2m1(packed >> 4) * scale).to(dot_dtype)
+            x_even = tl.load(x + row[:, None] * s_xr + k0 + 2 * j[None, :], mask=m_mask[:, None], other=0.0)
+            x_odd = tl.load(x + row[:, None] * s_xr + k0 + 2 * j[None, :] + 1, mask=m_mask[:, None], other=0.0)
+            acc = tl.dot(x_even.to(dot_dtype), tl.trans(lo), acc)
+            acc = tl.dot(x_odd.to(dot_dtype), tl.trans(hi), acc)
+        if HAS_SCALE:
+            acc = acc * tl.load(row_scale + pair, mask=m_mask, other=0.0)[:, None]
+        tl.store(out + pair[:, None] * s_op + n[None, :], acc.to(out.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
-def moe_gemv_mxfp4(x, w, w_scale, ids, order, out, *, x_per_pair, row_scale=None, group=32):
-    """x [rows, K] bf16; w [E, N, K/2] uint8; w_scale [E, N, K/group]; ids [P] expert per pair; order [P] a
-    permutation of pairs sorted by expert; out [P, N]. With `x_per_pair` row p of x feeds pair p, else row p // top_k.
-    """
-    P = ids.numel()
+def moe_mxfp4(x, w, w_scale, align, out, *, x_per_pair, row_scale=None, group=32):
+    """x [rows, K] bf16; w [E, N, K/2] uint8; w_scale [E, N, K/group]; `align` = (order, seg_start, seg_len,
+    seg_expert) from `moe_align`; out [P, N]. With `x_per_pair` row p of x feeds pair p, else row p // top_k."""
+    order, seg_start, seg_len, seg_expert = align
+    P = order.numel()
     _, N, K2 = w.shape
     K = 2 * K2
-    topk = P // x.shape[0] if not x_per_pair else 1
-    BLOCK_K = 256 if K % 256 == 0 else 64
-    BLOCK_N = 16 if N <= 1024 else 32
+    topk = 1 if x_per_pair else P // x.shape[0]
+    BLOCK_K = next(b for b in (512, 256, 128, 64, 32) if K % b == 0)
+    BLOCK_N = 32 if N <= 1024 else 64
     assert K % BLOCK_K == 0 and x.stride(1) == 1 and w.is_contiguous() and w_scale.is_contiguous()
-    _moe_gemv_mxfp4_kernel[(P, triton.cdiv(N, BLOCK_N))](
-        x, w, w_scale, ids, order, row_scale if row_scale is not None else x, out,
+    _moe_mxfp4_kernel[(P, triton.cdiv(N, BLOCK_N))](
+        x, w, w_scale, order, seg_start, seg_len, seg_expert, row_scale if row_scale is not None else x, out,
         N, K, topk, x.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
-        X_PER_PAIR=x_per_pair, HAS_SCALE=row_scale is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP=group,
-        num_warps=4)
-
+        X_PER_PAIR=x_per_pair, HAS_SCALE=row_scale is not None, DOT_FP32=_DOT_FP32, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        GROUP=group, num_warps=4)
