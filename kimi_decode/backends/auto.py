@@ -159,12 +159,17 @@ class AutoBackend:
         kv_b = w.kv_b.view(h, nope + vd, C)
         q_abs = torch.bmm(q[..., :nope].transpose(0, 1), kv_b[:, :nope])  # [h, B, C]
         q_full = torch.cat([q_abs.transpose(0, 1), q[..., nope:]], dim=-1)  # [B, h, C + rope]
-        lat = cache.kv.to(BF16)  # [B, T, C + rope], unscaled: the scale multiplies the scores and the output
-        scores = torch.bmm(q_full, lat.transpose(1, 2)).float() * (cache.scale * m.qk_head_dim**-0.5)
-        t = torch.arange(cache.capacity, device=q.device)
-        scores.masked_fill_(t.view(1, 1, -1) >= cache.lengths.view(B, 1, 1), float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(BF16)
-        o_lat = torch.bmm(p, lat[..., :C]) * cache.scale.to(BF16)  # [B, h, C]
+        sm_scale = m.qk_head_dim**-0.5
+        if self._use_triton(q):
+            o_lat = self._empty(B, h, C, device=q.device)
+            tk.mla_decode(q_full, cache.kv, cache.scale, cache.lengths, o_lat, sm_scale=sm_scale, kv_lora=C)
+        else:
+            lat = cache.kv.to(BF16)  # unscaled: the scale multiplies the scores and the output
+            scores = torch.bmm(q_full, lat.transpose(1, 2)).float() * (cache.scale * sm_scale)
+            t = torch.arange(cache.capacity, device=q.device)
+            scores.masked_fill_(t.view(1, 1, -1) >= cache.lengths.view(B, 1, 1), float("-inf"))
+            p = torch.softmax(scores, dim=-1).to(BF16)
+            o_lat = torch.bmm(p, lat[..., :C]) * cache.scale.to(BF16)  # [B, h, C]
         o = torch.bmm(o_lat.transpose(0, 1), kv_b[:, nope:].transpose(1, 2))  # [h, B, v]
         return (o.transpose(0, 1) * torch.sigmoid(gate.view(B, h, vd))).reshape(B, h * vd)
 

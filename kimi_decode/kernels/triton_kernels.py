@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 # Triton's CPU interpreter (used by the CPU tests) multiplies bf16 tiles wrongly (numpy has no bf16): there the
-# expert kernel feeds tl.dot fp32 tiles; on a GPU it feeds bf16 tiles to the tensor cores.
+# expert and MLA kernels widen their bf16 tiles to fp32 before tl.dot; on a GPU bf16 tiles go to the tensor cores.
 _DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -281,12 +282,17 @@ def moe_align(ids, order, seg_start, seg_len, seg_expert):
 
 
 @triton.jit
-def _e2m1(code):
-    mag = code & 7
-    e = (mag >> 1).to(tl.float32)
-    m = (mag & 1).to(tl.float32)
-    val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2(e - 1.0))
-    return tl.where((code & 8) != 0, -val, val)
+def _mxfp4_to_bf16(code, scale_byte):
+    """e2m1 code (4 bits) times 2**(scale_byte - 127), built directly as bf16 bits: integer work only.
+
+    Exact for scale bytes in [2, 252] (every MXFP4 weight of magnitude between 2**-125 and 2**125).
+    """
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = c & 1
+    field = tl.where(e > 0, e - 1 + scale_byte, tl.where(m > 0, scale_byte - 1, 0))
+    bits = ((c >> 3) << 15) | (field << 7) | tl.where(e > 0, m << 6, 0)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -304,6 +310,7 @@ def _moe_mxfp4_kernel(x, w, w_scale, order, seg_start, seg_len, seg_expert, row_
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     j = tl.arange(0, BLOCK_K // 2)  # byte index inside the K tile
+    g = tl.arange(0, BLOCK_K // GROUP)  # scale index inside the K tile
     mm = tl.arange(0, BLOCK_M)
     w_row = w + e * s_we + n[:, None] * s_wn
     s_row = w_scale + e * s_se + n[:, None] * s_sn
@@ -314,10 +321,11 @@ def _moe_mxfp4_kernel(x, w, w_scale, order, seg_start, seg_len, seg_expert, row_
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             packed = tl.load(w_row + k0 // 2 + j[None, :], mask=n_mask[:, None], other=0)
-            sc = tl.load(s_row + (k0 + 2 * j[None, :]) // GROUP, mask=n_mask[:, None], other=127)
-            scale = tl.exp2(sc.to(tl.float32) - 127.0)
-            lo = (_e2m1(packed & 0xF) * scale).to(dot_dtype)
-            hi = (_e2m1(packed >> 4) * scale).to(dot_dtype)
+            sc = tl.load(s_row + k0 // GROUP + g[None, :], mask=n_mask[:, None], other=127).to(tl.int32)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)),
+                            (BLOCK_N, BLOCK_K // 2))
+            lo = _mxfp4_to_bf16(packed & 0xF, sc).to(dot_dtype)
+            hi = _mxfp4_to_bf16(packed >> 4, sc).to(dot_dtype)
             x_even = tl.load(x + row[:, None] * s_xr + k0 + 2 * j[None, :], mask=m_mask[:, None], other=0.0)
             x_odd = tl.load(x + row[:, None] * s_xr + k0 + 2 * j[None, :] + 1, mask=m_mask[:, None], other=0.0)
             acc = tl.dot(x_even.to(dot_dtype), tl.trans(lo), acc)
@@ -344,3 +352,89 @@ def moe_mxfp4(x, w, w_scale, align, out, *, x_per_pair, row_scale=None, group=32
         N, K, topk, x.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         X_PER_PAIR=x_per_pair, HAS_SCALE=row_scale is not None, DOT_FP32=_DOT_FP32, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         GROUP=group, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MLA decode over the FP8 latent cache (absorbed, NoPE): split-KV flash decoding, then a combine over the splits.
+#   scores[h, t] = q[h, :] . kv[t, :] * kv_scale * sm_scale;  o[h, :] = softmax(scores)[h, :] @ kv[:, :C] * kv_scale
+
+
+@triton.jit
+def _mla_split_kernel(q, kv, kv_scale, lengths, m_out, l_out, acc_out,
+                      H, T_cap, chunk, s_qb, s_qh, s_kb, s_kt, sm_scale,
+                      C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                      DOT_FP32: tl.constexpr):
+    dot_dtype = tl.float32 if DOT_FP32 else tl.bfloat16
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_sp = tl.num_programs(2)
+    hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = hh < H
+    c = tl.arange(0, C)
+    r = tl.arange(0, R)
+    q_c = tl.load(q + b * s_qb + hh[:, None] * s_qh + c[None, :], mask=h_mask[:, None], other=0.0).to(dot_dtype)
+    q_r = tl.load(q + b * s_qb + hh[:, None] * s_qh + C + r[None, :], mask=h_mask[:, None], other=0.0).to(dot_dtype)
+    length = tl.load(lengths + b)
+    scale = tl.load(kv_scale) * sm_scale
+    t0 = sp * chunk
+    t1 = tl.minimum(t0 + chunk, length)
+    m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    for ts in range(t0, t1, BLOCK_T):
+        t = ts + tl.arange(0, BLOCK_T)
+        t_mask = t < t1
+        base = kv + b * s_kb + t[:, None] * s_kt
+        k_c = tl.load(base + c[None, :], mask=t_mask[:, None], other=0.0).to(tl.bfloat16).to(dot_dtype)
+        k_r = tl.load(base + C + r[None, :], mask=t_mask[:, None], other=0.0).to(tl.bfloat16).to(dot_dtype)
+        s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
+        s = tl.where(t_mask[None, :], s * scale, -1e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(dot_dtype), k_c)
+        m_i = m_new
+    row = (b * H + hh) * n_sp + sp
+    tl.store(m_out + row, m_i, mask=h_mask)
+    tl.store(l_out + row, l_i, mask=h_mask)
+    tl.store(acc_out + row[:, None] * C + c[None, :], acc, mask=h_mask[:, None])
+
+
+@triton.jit
+def _mla_combine_kernel(m_in, l_in, acc_in, kv_scale, out, H, s_ob, s_oh,
+                        C: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    row = (b * H + h) * SPLITS + sp
+    m = tl.load(m_in + row)
+    l = tl.load(l_in + row)
+    m_all = tl.max(m, axis=0)
+    w = tl.exp(m - m_all)
+    c = tl.arange(0, C)
+    acc = tl.load(acc_in + row[:, None] * C + c[None, :])
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0) * tl.load(kv_scale)
+    tl.store(out + b * s_ob + h * s_oh + c, o.to(out.dtype.element_ty))
+
+
+def mla_decode(q, kv, kv_scale, lengths, out, *, sm_scale, kv_lora):
+    """q [B, h, C + R] bf16 (absorbed nope part, then the rope slot), kv [B, T, C + R] FP8, lengths [B] (tokens to
+    attend, the new one included) -> out [B, h, C]."""
+    B, H, D = q.shape
+    T_cap = kv.shape[1]
+    BLOCK_H, BLOCK_T = 16, 64
+    hb = triton.cdiv(H, BLOCK_H)
+    # enough programs to cover the GPU's multiprocessors about twice, in whole BLOCK_T chunks
+    splits = triton.next_power_of_2(max(1, min(64, triton.cdiv(264, B * hb), triton.cdiv(T_cap, BLOCK_T))))
+    chunk = triton.cdiv(triton.cdiv(T_cap, splits), BLOCK_T) * BLOCK_T
+    m = q.new_empty((B * H * splits,), dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = q.new_empty((B * H * splits, kv_lora), dtype=torch.float32)
+    _mla_split_kernel[(B, hb, splits)](
+        q, kv, kv_scale, lengths, m, l, acc, H, T_cap, chunk, q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
+        sm_scale, C=kv_lora, R=D - kv_lora, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, DOT_FP32=_DOT_FP32,
+        num_warps=8, num_stages=2)
+    _mla_combine_kernel[(B, H)](m, l, acc, kv_scale, out, H, out.stride(0), out.stride(1), C=kv_lora,
+                                SPLITS=splits, num_warps=4)
