@@ -22,7 +22,11 @@ import numpy as np
 import pandas as pd
 
 from analyzers.attribution import attribute, range_nesting
+from analyzers.classes import ClassTable, classify
 from analyzers.intervals import union_length_by_group
+from analyzers.overlap import comm_compute, comm_kernel_records
+from analyzers.prefetch import prefetch_effect
+from analyzers.trace import KINDS
 
 SCHEMA = "kprof.analyze/1"
 STEP_RANGE = "decode_step"
@@ -87,13 +91,16 @@ def label_ranges(ranges: pd.DataFrame, layer_regex: str = DEFAULT_LAYER_REGEX,
     return pd.DataFrame({"step": step, "layer": layer, "layer_kind": kind, "stage": stage})
 
 
-def kernel_layers(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STEP_RANGE) -> pd.DataFrame:
-    """The kernel rows of ``trace`` (``kind == "kernel"``) with their ``step``, ``layer``, ``layer_kind`` and
-    ``stage`` (-1 / "" where there is none), plus ``name``, ``start_ns`` and ``end_ns``."""
+def kernel_layers(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STEP_RANGE,
+                  kinds: tuple[str, ...] = ("kernel",)) -> pd.DataFrame:
+    """The rows of ``trace.kernels`` whose ``kind`` is in ``kinds`` (default: kernels only) with their ``step``,
+    ``layer``, ``layer_kind`` and ``stage`` (-1 / "" where there is none), plus ``name``, ``start_ns``, ``end_ns``,
+    ``kind``, ``device`` and ``stream``."""
     labels = label_ranges(trace.ranges, layer_regex, step_range)
     attribution = attribute(trace)
-    is_kernel = (trace.kernels["kind"] == "kernel").to_numpy()
-    kernels = trace.kernels.loc[is_kernel, ["name", "start_ns", "end_ns"]].reset_index(drop=True)
+    is_kernel = trace.kernels["kind"].isin(kinds).to_numpy()
+    kernels = trace.kernels.loc[is_kernel, ["name", "start_ns", "end_ns", "kind", "device", "stream"]]
+    kernels = kernels.reset_index(drop=True)
     launch_range = attribution["launch_range"].to_numpy()[is_kernel]
     source_range = attribution["range"].to_numpy()[is_kernel]
 
@@ -111,6 +118,15 @@ def kernel_layers(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str
     kernels["layer_kind"] = take("layer_kind", source_range, "", object)
     kernels["stage"] = take("stage", source_range, "", object)
     return kernels
+
+
+def activity_layers(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STEP_RANGE,
+                    classes: ClassTable | None = None) -> pd.DataFrame:
+    """Every GPU activity (kernels, memcpy and memset) labelled as in :func:`kernel_layers`, plus its class
+    (``klass``, see :mod:`analyzers.classes`). The input of :mod:`analyzers.overlap` and :mod:`analyzers.prefetch`."""
+    activities = kernel_layers(trace, layer_regex, step_range, kinds=KINDS)
+    activities["klass"] = classify(activities, classes)
+    return activities
 
 
 def _per_step(kernels: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -146,19 +162,28 @@ def _medians(per_step: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return medians.reset_index()
 
 
-def analyze(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STEP_RANGE) -> dict:
+def analyze(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STEP_RANGE,
+            classes: ClassTable | None = None) -> dict:
     """Per-layer metrics of ``trace`` as the ``kprof.analyze/1`` document (a JSON-ready dict)::
 
         {"schema": "kprof.analyze/1", "capture": {...}, "steps": int, "unattributed_kernels": int,
          "layers": [{"layer": int, "kind": str|None, "kernels_per_step": float, "kernel_us": float,
                      "busy_us": float, "span_us": float,
                      "stages": [{"name": str, "kernels_per_step": float, "kernel_us": float, "busy_us": float,
-                                 "span_us": float}]}]}
+                                 "span_us": float}]}],
+         "overlap": {"comm_us": float, "compute_us": float, "overlap_us": float, "comm_hidden_pct": float|None,
+                     "layers": [{"layer", "kind", "comm_us", "compute_us", "overlap_us", "comm_hidden_pct"}],
+                     "comm_kernels": [{"name", "count", "kernel_us", "overlap_us", "overlap_pct"}]},
+         "prefetch": {"prefetch_us", "hidden_us", "exposed_us", "hidden_pct",
+                      "layers": [{"layer", "kind", "prefetch_us", "hidden_us", "exposed_us", "hidden_pct"}]}}
 
     Values are medians over steps, in microseconds; layers are ordered by number then kind, stages by first start.
-    ``unattributed_kernels`` counts, over the whole trace, the kernel rows not in any (step, layer).
+    ``unattributed_kernels`` counts, over the whole trace, the kernel rows not in any (step, layer). ``overlap``
+    and ``prefetch`` follow :mod:`analyzers.overlap` and :mod:`analyzers.prefetch`, with kernel classes from
+    ``classes`` (default table when None).
     """
-    kernels = kernel_layers(trace, layer_regex, step_range)
+    activities = activity_layers(trace, layer_regex, step_range, classes)
+    kernels = activities[(activities["kind"] == "kernel").to_numpy()].reset_index(drop=True)
     names = trace.ranges["name"]
     n_steps = int((names == step_range).sum()) or 1
     unattributed = int(((kernels["step"] < 0) | (kernels["layer"] < 0)).sum())
@@ -171,6 +196,8 @@ def analyze(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STE
         return {"kernels_per_step": float(row.kernels), "kernel_us": _us(row.kernel_ns),
                 "busy_us": _us(row.busy_ns), "span_us": _us(row.span_ns)}
 
+    overlap, layer_overlap = comm_compute(activities)
+    prefetch, layer_prefetch = prefetch_effect(activities)
     layers = []
     for row in layer_medians.itertuples(index=False):
         stages = stages_by_layer.get((row.layer, row.layer_kind))
@@ -186,4 +213,10 @@ def analyze(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STE
         "steps": n_steps,
         "unattributed_kernels": unattributed,
         "layers": layers,
+        "overlap": {**overlap,
+                    "layers": [{"layer": layer, "kind": kind or None, **values}
+                               for (layer, kind), values in sorted(layer_overlap.items())],
+                    "comm_kernels": comm_kernel_records(activities)},
+        "prefetch": {**prefetch, "layers": [{"layer": layer, "kind": kind or None, **values}
+                                            for (layer, kind), values in sorted(layer_prefetch.items())]},
     }

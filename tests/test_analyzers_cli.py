@@ -27,7 +27,7 @@ def test_analyze_json_follows_the_schema():
     result = run("analyze", DATA / "kineto_eager.json", "--format", "json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert list(doc) == ["schema", "capture", "steps", "unattributed_kernels", "layers"]
+    assert list(doc) == ["schema", "capture", "steps", "unattributed_kernels", "layers", "overlap", "prefetch"]
     assert doc["schema"] == "kprof.analyze/1"
     assert doc["capture"]["gpu"] == "NVIDIA H200"
     assert (doc["steps"], doc["unattributed_kernels"]) == (3, 4)
