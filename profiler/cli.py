@@ -74,6 +74,52 @@ def import_trace(
         read_trace(trace).save(output)
 
 
+class Profiler(str, Enum):
+    cupti = "cupti"
+    torch = "torch"
+    nsys = "nsys"
+
+
+@app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})
+def capture(
+    ctx: typer.Context,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .kprof capture to write.")],
+    backend: Annotated[str, typer.Option(help="Decode backend: auto, latency_specialized, ...")] = "auto",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree of the shard (one rank is run).")] = 16,
+    batch: Annotated[int, typer.Option(help="Sequences decoded per step.")] = 1,
+    layers: Annotated[int, typer.Option(help="Number of consecutive layers in the slice.")] = 4,
+    first_layer: Annotated[int, typer.Option(help="Index of the slice's first layer.")] = 1,
+    context: Annotated[int, typer.Option(help="Context length (tokens in the MLA caches).")] = 8192,
+    steps: Annotated[int, typer.Option(help="CUDA-graph replays recorded.")] = 50,
+    warmup: Annotated[int, typer.Option(help="Eager warm-up steps before the first capture.")] = 2,
+    profiler: Annotated[Profiler, typer.Option(help="Recorder: cupti-python, torch.profiler or Nsight Systems.")]
+    = Profiler.cupti,
+    model: Annotated[str, typer.Option(hidden=True)] = "k3",
+    device: Annotated[str, typer.Option(hidden=True)] = "cuda",
+) -> None:
+    """Record decode steps on the GPU: warm up, capture one step as a CUDA graph, replay it --steps times.
+
+    With `-- python SCRIPT ARGS...` after the options, record that program instead (CUPTI through an interpreter
+    start-up hook, or Nsight Systems). See docs/capture.md.
+    """
+    import shlex
+
+    from profiler.capture import CaptureError, ProgressBars, WorkloadOptions, capture_script, capture_workload
+
+    command_line = shlex.join(["kprof", *sys.argv[1:]])
+    try:
+        with ProgressBars(enabled=sys.stderr.isatty()) as bars:
+            if ctx.args:
+                capture_script(ctx.args, profiler.value, output, command_line, bars.update, bars.echo)
+            else:
+                options = WorkloadOptions(backend=backend, tp=tp, batch=batch, layers=layers, first_layer=first_layer,
+                                          context=context, steps=steps, warmup=warmup, model=model, device=device)
+                capture_workload(options, profiler.value, output, command_line, bars.update)
+    except CaptureError as exc:
+        fail(str(exc), exc.code)
+    typer.echo(f"kprof: wrote {output}", err=True)
+
+
 @app.command()
 def analyze(
     trace: TraceArg,
