@@ -128,6 +128,8 @@ def analyze(
         "--layer-regex", help="Pattern for layer range names: a group 'index' (or the first group) is the layer "
                               "number, an optional group 'kind' its kind.")] = DEFAULT_LAYER_REGEX,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
+    classes: Annotated[Optional[Path], typer.Option("--classes", help="JSON kernel class table for the overlap "
+                                                    "figures (see docs/diff.md).")] = None,
 ) -> None:
     """Per-layer and per-stage kernel count, kernel time, busy time and span: medians over decode steps."""
     from profiler.readers import read_trace
@@ -137,7 +139,7 @@ def analyze(
             compile_layer_regex(layer_regex)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        result = analyze_layers(read_trace(trace), layer_regex=layer_regex)
+        result = analyze_layers(read_trace(trace), layer_regex=layer_regex, classes=_class_table(classes))
         if format is OutputFormat.table:
             text = _as_table(result, color=output is None and sys.stdout.isatty())
         else:
@@ -193,6 +195,200 @@ def _as_table(result: dict, color: bool = False) -> str:
 
 def _cells(row: dict) -> list[str]:
     return [f"{row['kernels_per_step']:g}", f"{row['kernel_us']:.1f}", f"{row['busy_us']:.1f}", f"{row['span_us']:.1f}"]
+
+
+class DiffFormat(str, Enum):
+    html = "html"
+    json = "json"
+    table = "table"
+
+
+class DiffMetric(str, Enum):
+    busy_us = "busy_us"
+    span_us = "span_us"
+    kernel_us = "kernel_us"
+
+
+def _class_table(path: Optional[Path]):
+    from analyzers.classes import load_class_table
+
+    if path is None:
+        return None
+    try:
+        return load_class_table(path)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _read_ncu(path: Optional[Path]):
+    from analyzers.prefetch import parse_ncu_csv
+
+    if path is None:
+        return None
+    try:
+        text = path.read_text(errors="strict")
+    except UnicodeDecodeError:
+        raise UserError(f"{path.name}: not a text file (expected an ncu --csv export)") from None
+    try:
+        return parse_ncu_csv(text, source=path.name)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _side_label(trace, path: Path, other_trace, other_path: Path, fallback: str) -> str:
+    mine, theirs = trace.meta.get("backend"), other_trace.meta.get("backend")
+    if mine and mine != theirs:
+        return str(mine)
+    return path.stem if path.stem != other_path.stem else fallback
+
+
+@app.command()
+def diff(
+    base: Annotated[Path, typer.Argument(help="The baseline capture (any format kprof analyze reads).")],
+    new: Annotated[Path, typer.Argument(help="The capture to compare with the baseline.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file (html, json) "
+                                                   "instead of stdout (json, table).")] = None,
+    format: Annotated[Optional[DiffFormat], typer.Option(
+        "--format", "-f", help="Output format [default: html when -o ends in .html, json for .json, else "
+                               "table].")] = None,
+    gate: Annotated[Optional[float], typer.Option(
+        "--gate", help="Exit with code 1 when NEW takes more than RATIO times BASE's time per layer, for any "
+                       "layer kind or over all layers (e.g. 1.05 allows 5% slower).", metavar="RATIO")] = None,
+    metric: Annotated[DiffMetric, typer.Option("--metric", help="Time per layer compared: busy (union of kernel "
+                                               "intervals), span or summed kernel time.")] = DiffMetric.busy_us,
+    classes: Annotated[Optional[Path], typer.Option("--classes", help="JSON kernel class table (see "
+                                                    "docs/diff.md).")] = None,
+    pair: Annotated[Optional[list[str]], typer.Option(
+        "--pair", help="Also report the overlap of A with B, as 'A,B' with class:NAME, stage:NAME or "
+                       "kernel:REGEX selectors; repeatable.")] = None,
+    consumer: Annotated[Optional[list[str]], typer.Option(
+        "--consumer", help="A stage that consumes prefetched data; repeatable [default: every stage but prefetch "
+                           "and allreduce].")] = None,
+    ncu_base: Annotated[Optional[Path], typer.Option("--ncu-base", help="ncu --csv export of BASE's consumer "
+                                                     "kernels (L2 hit rate, DRAM bytes).")] = None,
+    ncu_new: Annotated[Optional[Path], typer.Option("--ncu-new", help="ncu --csv export of NEW's consumer "
+                                                    "kernels.")] = None,
+    base_label: Annotated[Optional[str], typer.Option("--base-label", help="Name of BASE in the output "
+                                                      "[default: its backend or file name].")] = None,
+    new_label: Annotated[Optional[str], typer.Option("--new-label", help="Name of NEW in the output.")] = None,
+    layer_regex: Annotated[str, typer.Option("--layer-regex", help="As for kprof analyze.")] = DEFAULT_LAYER_REGEX,
+) -> None:
+    """Compare two captures layer kind by layer kind and stage by stage: a verdict, JSON, or an HTML report."""
+    from analyzers.diff import diff as diff_captures, layer_timeline, representative_layer
+    from analyzers.layers import activity_layers
+    from analyzers.overlap import pair_summary, select
+    from analyzers.prefetch import ncu_records
+    from profiler.readers import read_trace
+
+    with _user_errors():
+        if format is None:
+            suffix = output.suffix.lower() if output else ""
+            format = {".html": DiffFormat.html, ".htm": DiffFormat.html, ".json": DiffFormat.json}.get(
+                suffix, DiffFormat.table)
+        if format is DiffFormat.html and output is None:
+            raise UserError("the html report needs a file: add -o report.html")
+        if gate is not None and not gate > 0:
+            raise UserError(f"--gate must be a positive ratio, got {gate}")
+        pairs = []
+        for spec in pair or []:
+            a, sep, b = spec.partition(",")
+            if not sep or not a or not b:
+                raise UserError(f"--pair {spec!r}: expected 'A,B', e.g. stage:shared_experts,stage:routed_experts")
+            pairs.append((a.strip(), b.strip()))
+        try:
+            compile_layer_regex(layer_regex)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        table = _class_table(classes)
+        ncu = (_read_ncu(ncu_base), _read_ncu(ncu_new))
+        traces = (read_trace(base), read_trace(new))
+        labels = (base_label or _side_label(traces[0], base, traces[1], new, "BASE"),
+                  new_label or _side_label(traces[1], new, traces[0], base, "NEW"))
+        docs, acts = [], []
+        for trace in traces:
+            docs.append(analyze_layers(trace, layer_regex=layer_regex, classes=table))
+            acts.append(activity_layers(trace, layer_regex=layer_regex, classes=table))
+        stages = [set(a["stage"]) for a in acts]
+        if not pair and all({"shared_experts", "routed_experts"} <= s for s in stages):
+            pairs.append(("stage:shared_experts", "stage:routed_experts"))
+        names = ("a_us", "b_us", "overlap_us", "hidden_pct")
+        pair_docs = []
+        for a, b in pairs:
+            try:
+                sides = [pair_summary(x, select(x, a), select(x, b), names)[0] for x in acts]
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            pair_docs.append({"a": a, "b": b, "base": sides[0], "new": sides[1]})
+        ncu_doc = None
+        if ncu[0] is not None or ncu[1] is not None:
+            by_side = [{r["name"]: r for r in ncu_records(f)} if f is not None else {} for f in ncu]
+            ncu_doc = [{"name": name, "base": by_side[0].get(name), "new": by_side[1].get(name)}
+                       for name in sorted(set(by_side[0]) | set(by_side[1]))]
+        kernels = [a[(a["kind"] == "kernel").to_numpy()] for a in acts]
+        result = diff_captures(docs[0], docs[1], kernels[0], kernels[1], metric=metric.value, gate=gate,
+                               labels=labels, pairs=pair_docs, consumer_stages=consumer, ncu=ncu_doc,
+                               paths=(str(base), str(new)))
+        if format is DiffFormat.html:
+            from reports.html import render_diff
+
+            layer = representative_layer(result)
+            timelines = None if layer is None else {
+                side: layer_timeline(a, *layer) for side, a in zip(("base", "new"), acts)}
+            text = render_diff(result, timelines, layer)
+        elif format is DiffFormat.json:
+            text = _as_json(result)
+        else:
+            text = _diff_table(result, color=output is None and sys.stdout.isatty())
+        if output is None:
+            sys.stdout.write(text)
+        else:
+            with atomic_output(output) as stream:
+                stream.write(text.encode())
+            typer.echo(f"kprof: wrote {output}", err=True)
+    if output is not None or format is not DiffFormat.table:
+        for line in result["verdict"][:1]:
+            typer.echo(f"kprof: {line}", err=True)
+    if result["gate"] is not None and not result["gate"]["passed"]:
+        for failure in result["gate"]["failures"]:
+            typer.echo(f"kprof: gate failed: {failure}", err=True)
+        raise typer.Exit(1)
+
+
+def _diff_table(result: dict, color: bool = False) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    b, n = result["base"]["label"], result["new"]["label"]
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=color, no_color=not color, width=110)
+    for line in result["verdict"]:
+        console.print(line)
+    table = Table(title=f"per layer kind ({result['metric']}, medians over steps, mean over layers)")
+    for header in ("kind", f"{b} kernels", f"{n} kernels", f"{b} µs", f"{n} µs", "speed-up"):
+        table.add_column(header, justify="left" if header == "kind" else "right")
+    for k in result["kinds"]:
+        cells = [(k[s] or {}).get(f) for f in ("kernels_per_layer", "us_per_layer") for s in ("base", "new")]
+        table.add_row((k["kind"] or "all").upper(), *("–" if c is None else f"{c:g}" for c in cells),
+                      "–" if k["speedup"] is None else f"{k['speedup']:.2f}x")
+    console.print(table)
+    stages = Table(title="per stage (per layer of the kind)")
+    for header in ("kind", "stage", f"{b} kernels", f"{n} kernels", f"{b} µs", f"{n} µs", "speed-up"):
+        stages.add_column(header, justify="left" if header in ("kind", "stage") else "right")
+    for s in result["stages"]:
+        cells = [s["base_kernels"], s["new_kernels"], s["base_us"], s["new_us"]]
+        stages.add_row(s["kind"] or "", s["stage"], *("–" if c is None else f"{c:g}" for c in cells),
+                       "–" if s["speedup"] is None else f"{s['speedup']:.2f}x")
+    console.print(stages)
+    ov = result["overlap"]
+    console.print(f"communication hidden under compute: {b} {_pct_text(ov['base']['comm_hidden_pct'])}, "
+                  f"{n} {_pct_text(ov['new']['comm_hidden_pct'])}")
+    pf = result["prefetch"]
+    console.print(f"prefetch exposed per step: {b} {pf['base']['exposed_us']:g} µs, {n} {pf['new']['exposed_us']:g} µs")
+    return buffer.getvalue()
+
+
+def _pct_text(value) -> str:
+    return "n/a (no communication)" if value is None else f"{value:.1f}%"
 
 
 def main() -> None:
