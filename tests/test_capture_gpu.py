@@ -4,10 +4,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from analyzers.attribution import attribute
 from analyzers.layers import analyze, kernel_layers
 from analyzers.trace import Trace
+from profiler.recorders import CAPTURED_STEP
 
 pytestmark = pytest.mark.gpu
 
@@ -34,10 +37,19 @@ def captures(tmp_path_factory):
 def test_every_replayed_kernel_is_attributed_to_a_layer_and_stage(captures, profiler):
     trace = captures[profiler]
     kernels = kernel_layers(trace)
+    # The source range of each kernel: a kernel outside every layer must have run outside layers, that is, directly
+    # in the captured step (the step's input copies), not somewhere unmapped.
+    source = attribute(trace)["range"].to_numpy()[(trace.kernels["kind"] == "kernel").to_numpy()]
+    names = trace.ranges["name"].astype(str).to_numpy()
+    kernels["source"] = np.where(source >= 0, names[np.maximum(source, 0)], "")
     stepped = kernels[kernels["step"] >= 0]
     assert len(stepped) > 0, "no kernel inside a decode_step"
-    assert (stepped["layer"] >= 0).all(), stepped[stepped["layer"] < 0]["name"].value_counts().head(10)
-    assert (stepped["stage"] != "").all(), stepped[stepped["stage"] == ""]["name"].value_counts().head(10)
+    outside = stepped[stepped["layer"] < 0]
+    assert (outside["source"] == CAPTURED_STEP).all(), outside.groupby(["source", "name"]).size().head(10)
+    layered = stepped[stepped["layer"] >= 0]
+    assert len(layered) > 0
+    assert (layered["stage"] != "").all(), layered[layered["stage"] == ""]["name"].value_counts().head(10)
+    assert analyze(trace)["unattributed_kernels"] == len(outside) + int((kernels["step"] < 0).sum())
     result = analyze(trace)
     assert result["steps"] == STEPS
     assert [l["layer"] for l in result["layers"]] == [1, 2]
