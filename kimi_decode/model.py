@@ -27,6 +27,7 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
     n_blocks = m.completed_blocks(lw.index)
     commit = m.starts_block(lw.index) and not res.partial_empty
     empty = res.partial_empty or commit
+    backend.begin_layer(lw, res.partial.shape[0])
     with rng(layer_range_name(lw.index, lw.kind)):
         with rng("attn_res"):
             x = backend.attn_res(res, lw.attn_res, n_blocks=n_blocks, commit=commit, delta=None, delta_mode=0,
@@ -42,7 +43,7 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
             with rng("mla_core"):
                 o = backend.mla_core(q, entry, gate, lw.attn, attn_state, shard)
         with rng("o_proj"):
-            a = backend.linear(o, lw.attn.o_proj)
+            a = backend.attn_out_proj(o, lw.attn)
         _all_reduce(a, group)
 
         with rng("attn_res"):

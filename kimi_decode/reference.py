@@ -57,13 +57,13 @@ def _l2norm(x):
     return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
-def kda_step(x, w: KDAWeights, state: KDAState, shard: ShardConfig):
-    """x [B, H] (already normalised) -> (out [B, H], new KDAState in float64)."""
+def kda_core(y, f, w: KDAWeights, state: KDAState, shard: ShardConfig):
+    """From the fused input projection's output y [B, rows] and the decay-gate projection f [B, d]: short conv, gate,
+    beta, L2 norms, delta rule, gated RMSNorm. -> (o [B, d], new KDAState in float64)."""
     m, h, D = shard.model, shard.kda_heads, shard.model.kda_head_dim
-    B = x.shape[0]
-    y = linear(x, w.in_proj)
+    y, f = _f(y), _f(f)
+    B = y.shape[0]
     part = {name: y[:, a:b] for name, (a, b) in shard.kda_in_proj_layout.items()}
-    f = linear(part["f_a"], w.f_b)
 
     qkv = torch.cat([part["q"], part["k"], part["v"]], dim=-1)
     window = torch.cat([_f(state.conv), qkv.unsqueeze(-1)], dim=-1)  # [B, 3d, width]
@@ -82,8 +82,15 @@ def kda_step(x, w: KDAWeights, state: KDAState, shard: ShardConfig):
     o = torch.einsum("bhk,bhkv->bhv", q, S)
 
     o = rms_norm(o, w.o_norm, m.rms_eps) * torch.sigmoid(part["g"].reshape(B, h, D))
-    out = linear(o.reshape(B, h * D), w.o_proj)
-    return out, KDAState(recurrent=S, conv=window[..., 1:])
+    return o.reshape(B, h * D), KDAState(recurrent=S, conv=window[..., 1:])
+
+
+def kda_step(x, w: KDAWeights, state: KDAState, shard: ShardConfig):
+    """x [B, H] (already normalised) -> (out [B, H], new KDAState in float64)."""
+    y = linear(x, w.in_proj)
+    a, b = shard.kda_in_proj_layout["f_a"]
+    o, state = kda_core(y, linear(y[:, a:b], w.f_b), w, state, shard)
+    return linear(o, w.o_proj), state
 
 
 def mla_write_positions(cache: MLACache) -> torch.Tensor:

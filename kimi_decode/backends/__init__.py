@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from ..config import ShardConfig
 from .auto import AutoBackend
+from .latency_specialized import LatencySpecializedBackend
 
-BACKENDS = {"auto": AutoBackend}
+BACKENDS = {"auto": AutoBackend, "latency_specialized": LatencySpecializedBackend}
 
 
 def get_backend(name: str, shard: ShardConfig | None = None, batch: int = 1, **kwargs) -> AutoBackend:

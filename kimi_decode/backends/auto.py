@@ -51,6 +51,9 @@ class AutoBackend:
         """Why this backend cannot run a configuration (None: it can)."""
         return None
 
+    def begin_layer(self, lw, batch: int) -> None:
+        """Called before each layer; a specialized backend picks its kernels (or falls back) here."""
+
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w: AttnResWeights, *, n_blocks: int, commit: bool,
                  delta: torch.Tensor | None, delta_mode: int, use_partial: bool, eps: float) -> torch.Tensor:
@@ -80,6 +83,9 @@ class AutoBackend:
     @staticmethod
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
+
+    def attn_out_proj(self, o: torch.Tensor, w) -> torch.Tensor:
+        return self.linear(o, w.o_proj)
 
     def situ_glu(self, h: torch.Tensor) -> torch.Tensor:
         if self._use_triton(h):
@@ -177,10 +183,7 @@ class AutoBackend:
     def router(self, x: torch.Tensor, w: MoEWeights, shard: ShardConfig, layer: int):
         """fp32 logits, sigmoid scores, top-k on score + correction bias, renormalised weights."""
         m = shard.model
-        if x.is_cuda:  # bf16 operands, fp32 accumulation and output in one cuBLAS call
-            logits = torch.mm(x, w.router.T, out_dtype=torch.float32)
-        else:
-            logits = torch.mm(x.float(), w.router.T.float())
+        logits = self.router_logits(x, w)
         if self._use_triton(x):
             ids = self._empty(x.shape[0], m.top_k, dtype=torch.int32, device=x.device)
             weights = self._empty(x.shape[0], m.top_k, dtype=torch.float32, device=x.device)
@@ -193,12 +196,18 @@ class AutoBackend:
         self.last_routes[layer] = ids
         return ids, weights
 
+    @staticmethod
+    def router_logits(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+        if x.is_cuda:  # bf16 operands, fp32 accumulation and output in one cuBLAS call
+            return torch.mm(x, w.router.T, out_dtype=torch.float32)
+        return torch.mm(x.float(), w.router.T.float())
+
     def shared_experts(self, x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         return self.glu_mlp(x, w.shared_gate_up, w.shared_down)
 
     def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig) -> torch.Tensor:
         """Latent down-projection, then the selected experts (this rank's slice) -> weighted sum, fp32 [B, latent]."""
-        latent = self.linear(x, w.down)
+        latent = self.latent_down(x, w)
         B, k = ids.shape
         if self._use_triton(latent):
             flat = ids.reshape(-1)
@@ -217,6 +226,9 @@ class AutoBackend:
         h = torch.einsum("bkil,bl->bki", w13, latent.float()).to(BF16)
         act = _situ_glu_torch(h).to(BF16).float()
         return torch.einsum("bkli,bki,bk->bl", w2, act, weights)
+
+    def latent_down(self, x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+        return self.linear(x, w.down)
 
     def moe_tail(self, routed: torch.Tensor, shared: torch.Tensor, w: MoEWeights, res: ResidualState,
                  shard: ShardConfig) -> None:

@@ -1,0 +1,103 @@
+"""The latency-specialized decode path (part 1): CuTe DSL kernels for KDA layers and the latent MoE block.
+
+What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
+- every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
+  (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual;
+- the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`).
+It falls back to `auto`, logging the reason once per reason: MLA layers (attention), batches over 8 (no tensor-core
+CuTe kernel yet), no CUDA device or no cutlass-dsl. Routing top-k, AttnRes and the MXFP4 expert kernels are still the
+generic path's.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import KDA, ShardConfig
+from ..kernels import cute_common
+from ..state import KDAState, ResidualState
+from ..weights import KDAWeights, MoEWeights
+from .auto import BF16, AutoBackend
+
+log = logging.getLogger(__name__)
+
+GEMV_MAX_ROWS = 8
+
+
+class LatencySpecializedBackend(AutoBackend):
+    name = "latency_specialized"
+
+    def __init__(self, poison: bool = False):
+        super().__init__(poison)
+        self._attn_fast = False
+        self._mlp_fast = False
+        self._said: set[str] = set()
+
+    def _fallback(self, reason: str) -> None:
+        if reason not in self._said:
+            self._said.add(reason)
+            log.warning("latency_specialized: %s; running auto there", reason)
+
+    def begin_layer(self, lw, batch: int) -> None:
+        device_ok = cute_common.HAVE_CUTE and lw.attn_res.query.is_cuda
+        if not cute_common.HAVE_CUTE:
+            self._fallback("cutlass-dsl is not installed")
+        elif not lw.attn_res.query.is_cuda:
+            self._fallback("no CUDA device")
+        small = batch <= GEMV_MAX_ROWS
+        if device_ok and not small:
+            self._fallback(f"batch {batch} > {GEMV_MAX_ROWS} (the tensor-core projection kernel is not written yet)")
+        if device_ok and lw.attn_kind != KDA:
+            self._fallback("MLA attention is not specialized yet")
+        self._attn_fast = device_ok and small and lw.attn_kind == KDA
+        self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
+
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16) -> torch.Tensor:
+        from ..kernels.gemv import gemv
+
+        y = self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device)
+        return gemv(w, x, y)
+
+    # ---- KDA ---------------------------------------------------------------------------------------------------------
+    def kda_in_proj(self, x: torch.Tensor, w: KDAWeights, shard: ShardConfig):
+        if not self._attn_fast:
+            return super().kda_in_proj(x, w, shard)
+        y = self._gemv(x, w.in_proj)
+        a, b = shard.kda_in_proj_layout["f_a"]
+        return y, self._gemv(y[:, a:b], w.f_b)
+
+    def kda_core(self, y, f, w: KDAWeights, state: KDAState, shard: ShardConfig):
+        if not self._attn_fast:
+            return super().kda_core(y, f, w, state, shard)
+        from ..kernels.kda_decode import kda_decode
+
+        m = shard.model
+        out = self._empty(y.shape[0], shard.kda_dim, device=y.device)
+        return kda_decode(y, f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent, w.o_norm, out,
+                          b_col=shard.kda_in_proj_layout["b"][0], eps=m.rms_eps, lower_bound=m.kda_gate_lower_bound)
+
+    def attn_out_proj(self, o, w):
+        return self._gemv(o, w.o_proj) if self._attn_fast else super().attn_out_proj(o, w)
+
+    # ---- MoE ---------------------------------------------------------------------------------------------------------
+    def router_logits(self, x, w: MoEWeights):
+        return self._gemv(x, w.router, torch.float32) if self._mlp_fast else super().router_logits(x, w)
+
+    def shared_experts(self, x, w: MoEWeights):
+        if not self._mlp_fast:
+            return super().shared_experts(x, w)
+        return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down)
+
+    def latent_down(self, x, w: MoEWeights):
+        return self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)
+
+    def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
+        if not self._mlp_fast:
+            return super().moe_tail(routed, shared, w, res, shard)
+        from ..kernels.gemv import gemv
+
+        m = shard.model
+        normed = torch.nn.functional.rms_norm(routed, (m.moe_latent,), w.latent_norm, m.rms_eps).to(BF16)
+        res.partial.add_(shared)
+        gemv(w.up, normed, res.partial, accumulate=True)

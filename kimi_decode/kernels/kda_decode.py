@@ -1,0 +1,133 @@
+"""Fused KDA decode step: one kernel for what the generic path does in three.
+
+For each (head, sequence), one CTA of head_dim threads does:
+  1. the causal depthwise conv (width 4) on the q, k, v channels, with the conv-state shift, then SiLU;
+  2. q and k L2 normalisation (q scaled by head_dim**-0.5), the bounded decay gate
+     exp(lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))) and beta = sigmoid(b);
+  3. the delta rule on the fp32 state: thread v owns column v of S (head_dim registers), so
+     S = diag(decay) S,  S += beta * k^T (v - k S),  o = q S  need no communication beyond q, k, decay in shared memory;
+  4. per-head RMSNorm of o times o_norm and the sigmoid output gate.
+The inputs come straight from the fused input projection's output (q, k, v, g, b at their column offsets).
+"""
+from __future__ import annotations
+
+import torch
+
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+
+if HAVE_CUTE:
+    from cutlass import Float32, Int32
+
+    def _sigmoid(x):
+        return 1.0 / (1.0 + cute.math.exp(-x))
+
+    class KDADecode:
+        def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float):
+            self.H, self.D, self.W = heads, head_dim, width
+            self.d = heads * head_dim
+            self.b_col, self.eps, self.lb = b_col, eps, lower_bound
+
+        @cute.jit
+        def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
+                     A_log: cute.Tensor, dt_bias: cute.Tensor, S: cute.Tensor, o_norm: cute.Tensor,
+                     out: cute.Tensor, stream):
+            B = y.shape[0]
+            self.kernel(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out).launch(
+                grid=[self.H, B, 1], block=[self.D, 1, 1], stream=stream)
+
+        @cute.jit
+        def _block_sum2(self, a: Float32, b: Float32, red: cute.Tensor):
+            """Sums of a and of b over the CTA (red: 2 * warps floats of shared memory)."""
+            tidx, _, _ = cute.arch.thread_idx()
+            warp = tidx // 32
+            a = cute.arch.warp_reduction(a, lambda x, z: x + z)
+            b = cute.arch.warp_reduction(b, lambda x, z: x + z)
+            if tidx % 32 == 0:
+                red[warp] = a
+                red[warp + self.D // 32] = b
+            cute.arch.barrier()
+            sa = Float32(0.0)
+            sb = Float32(0.0)
+            for w in cutlass.range_constexpr(self.D // 32):
+                sa = sa + red[w]
+                sb = sb + red[w + self.D // 32]
+            cute.arch.barrier()
+            return sa, sb
+
+        @cute.kernel
+        def kernel(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
+                   A_log: cute.Tensor, dt_bias: cute.Tensor, S: cute.Tensor, o_norm: cute.Tensor,
+                   out: cute.Tensor):
+            t, _, _ = cute.arch.thread_idx()
+            h, b, _ = cute.arch.block_idx()
+            D = self.D
+            smem = cutlass.utils.SmemAllocator()
+            sQ = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
+            sK = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
+            sDecay = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout(2 * (D // 32)), 16)
+            ch = h * D + t
+
+            qkv = cute.make_rmem_tensor((3,), Float32)
+            for part in cutlass.range_constexpr(3):
+                c = part * self.d + ch
+                x_new = y[b, c].to(Float32)
+                acc = x_new * conv_w[c, self.W - 1]
+                for j in cutlass.range_constexpr(self.W - 1):
+                    s_j = conv_state[b, c, j].to(Float32)
+                    acc = acc + s_j * conv_w[c, j]
+                    if cutlass.const_expr(j > 0):
+                        conv_state[b, c, j - 1] = s_j.to(conv_state.element_type)
+                conv_state[b, c, self.W - 2] = x_new.to(conv_state.element_type)
+                qkv[part] = acc * _sigmoid(acc)
+
+            q = qkv[0]
+            k = qkv[1]
+            v = qkv[2]
+            sum_q, sum_k = self._block_sum2(q * q, k * k, red)
+            sQ[t] = q * cute.math.rsqrt(sum_q + 1e-6) * (D ** -0.5)
+            sK[t] = k * cute.math.rsqrt(sum_k + 1e-6)
+            gate_in = cute.math.exp(A_log[h]) * (f[b, ch].to(Float32) + dt_bias[ch])
+            sDecay[t] = cute.math.exp(self.lb * _sigmoid(gate_in))
+            beta = _sigmoid(y[b, self.b_col + h].to(Float32))
+            cute.arch.barrier()
+
+            col = cute.make_rmem_tensor((D,), Float32)
+            k_s = Float32(0.0)
+            for kk in cutlass.range_constexpr(D):
+                s = S[b, h, kk, t] * sDecay[kk]
+                col[kk] = s
+                k_s = k_s + sK[kk] * s
+            delta = beta * (v - k_s)
+            o = Float32(0.0)
+            for kk in cutlass.range_constexpr(D):
+                s = col[kk] + sK[kk] * delta
+                S[b, h, kk, t] = s
+                o = o + sQ[kk] * s
+
+            sum_o, _ = self._block_sum2(o * o, Float32(0.0), red)
+            g = y[b, 3 * self.d + ch].to(Float32)
+            res = o * cute.math.rsqrt(sum_o / D + self.eps) * o_norm[t] * _sigmoid(g)
+            out[b, ch] = res.to(out.element_type)
+
+
+def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound):
+    B, H, D, _ = S.shape
+    key = ("kda_decode", b_col, eps, lower_bound, *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound)
+    return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
+                                                                      o_norm, out)))
+
+
+def kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col: int, eps: float,
+               lower_bound: float) -> torch.Tensor:
+    """In place: conv_state and S advance one token; out [B, heads * head_dim] receives the gated, normed o."""
+    B, H, D, _ = S.shape
+    if D % 32 or D > 1024 or not S.is_contiguous() or S.dtype != torch.float32:
+        raise ValueError("KDA decode needs a contiguous fp32 state with head_dim a multiple of 32")
+    if y.stride(1) != 1 or f.stride(1) != 1 or out.stride(1) != 1 or not conv_state.is_contiguous():
+        raise ValueError("KDA decode needs row-contiguous inputs")
+    fn = compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, b_col=b_col, eps=eps,
+                            lower_bound=lower_bound)
+    launch(fn, y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, align=4)
+    return out

@@ -1,0 +1,88 @@
+"""latency_specialized on the CPU: it falls back to `auto` (and says so once), and its CuTe DSL kernels compile for
+sm_90a with the cutlass-dsl version installed here (no GPU needed)."""
+import logging
+
+import pytest
+import torch
+
+from kimi_decode.backends import get_backend
+from kimi_decode.config import shard
+from kimi_decode.state import init_kda_state, init_residual
+from kimi_decode.testing import BF16_TOL, check_layer
+from kimi_decode.weights import init_layer
+
+
+def test_falls_back_to_auto_without_a_gpu(caplog):
+    s = shard("tiny")
+    backend = get_backend("latency_specialized", poison=True)
+    with caplog.at_level(logging.WARNING):
+        for layer in (1, 2):
+            lw = init_layer(s, layer, seed=layer)
+            check = check_layer(backend, lw, init_residual(s, 4, layer, seed=layer),
+                                init_kda_state(s, 4, layer, seed=layer), s)
+            check.assert_within(BF16_TOL)
+    reasons = [r.getMessage() for r in caplog.records if "latency_specialized" in r.getMessage()]
+    assert len(reasons) == 1 and ("no CUDA device" in reasons[0] or "cutlass-dsl" in reasons[0])
+
+
+cute_common = pytest.importorskip("kimi_decode.kernels.cute_common")
+needs_cute = pytest.mark.skipif(not cute_common.HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
+
+
+@pytest.fixture
+def sm90a(monkeypatch):
+    monkeypatch.setenv("KIMI_DECODE_CUTE_ARCH", "sm_90a")
+    cute_common._cache.clear()
+    yield
+    cute_common._cache.clear()
+
+
+def _projection_shapes(tp):
+    s = shard("k3", tp=tp)
+    m = s.model
+    return [(s.kda_in_proj_rows, m.hidden), (s.kda_dim, m.kda_f_rank), (m.hidden, s.kda_dim),
+            (m.num_experts, m.hidden), (m.moe_latent, m.hidden), (m.hidden, m.moe_latent),
+            (2 * s.shared_inter, m.hidden), (m.hidden, s.shared_inter)]
+
+
+@needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_gemv_compiles_for_sm90a(sm90a, tp):
+    from kimi_decode.kernels.gemv import compile_gemv
+
+    for n, k in _projection_shapes(tp):
+        for rows in (1, 8):
+            w = torch.empty(n, k, dtype=torch.bfloat16)
+            x = torch.empty(rows, k, dtype=torch.bfloat16)
+            assert compile_gemv(w, x, torch.empty(rows, n, dtype=torch.bfloat16)) is not None
+    w = torch.empty(7168, 3584, dtype=torch.bfloat16)
+    assert compile_gemv(w, torch.empty(1, 3584, dtype=torch.bfloat16), torch.empty(1, 7168), accumulate=True)
+
+
+@needs_cute
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 8), (1, 1)])
+def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
+    from kimi_decode.kernels.kda_decode import compile_kda_decode
+
+    s = shard("k3", tp=tp)
+    h, D, d = s.kda_heads, s.model.kda_head_dim, s.kda_dim
+    bf = torch.bfloat16
+    args = (torch.empty(batch, s.kda_in_proj_rows, dtype=bf), torch.empty(batch, d, dtype=bf),
+            torch.empty(batch, 3 * d, 3, dtype=bf), torch.empty(3 * d, 4), torch.empty(h), torch.empty(d),
+            torch.empty(batch, h, D, D), torch.empty(D), torch.empty(batch, d, dtype=bf))
+    assert compile_kda_decode(*args, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0) is not None
+
+
+@needs_cute
+def test_gemv_refuses_bad_shapes():
+    from kimi_decode.kernels.gemv import gemv
+
+    w = torch.empty(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(w, torch.empty(9, 64, dtype=torch.bfloat16), torch.empty(9, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="chain"):
+        gemv(w, torch.empty(1, 32, dtype=torch.bfloat16), torch.empty(1, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32"):
+        gemv(w, torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(1, 16, dtype=torch.bfloat16), accumulate=True)
+
+

@@ -1,0 +1,81 @@
+"""latency_specialized on the GPU: each CuTe DSL kernel against the float64 reference on fresh random inputs (outputs
+poisoned first), and whole layers at the TP16 / TP8 shard shapes."""
+import pytest
+import torch
+
+from kimi_decode import reference as R
+from kimi_decode.backends import get_backend
+from kimi_decode.config import shard
+from kimi_decode.state import init_kda_state, init_mla_cache, init_residual
+from kimi_decode.testing import BF16_TOL, check_layer, rel_err
+from kimi_decode.weights import init_layer
+
+pytestmark = pytest.mark.gpu
+
+
+def _projection_shapes(tp):
+    s = shard("k3", tp=tp)
+    m = s.model
+    return [(s.kda_in_proj_rows, m.hidden), (s.kda_dim, m.kda_f_rank), (m.hidden, s.kda_dim),
+            (m.num_experts, m.hidden), (m.moe_latent, m.hidden), (m.hidden, m.moe_latent),
+            (2 * s.shared_inter, m.hidden), (m.hidden, s.shared_inter)]
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gemv_matches_float64(tp, rows):
+    from kimi_decode.kernels.gemv import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(tp * 10 + rows)
+    for n, k in _projection_shapes(tp):
+        w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+        x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+        want = x.double() @ w.double().T
+        for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-4)):
+            y = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
+            gemv(w, x, y)
+            assert rel_err(y, want) < tol, (n, k, dtype)
+        y0 = torch.randn(rows, n, device="cuda", generator=g)
+        y = y0.clone()
+        gemv(w, x, y, accumulate=True)
+        assert rel_err(y, y0.double() + want) < 1e-4
+
+
+@pytest.mark.parametrize("tp", [16, 8, 1])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_kda_decode_matches_float64(tp, batch):
+    from kimi_decode.kernels.kda_decode import kda_decode
+
+    s = shard("k3", tp=tp)
+    seed = 7 * tp + batch
+    lw = init_layer(s, 1, seed=seed, device="cuda")
+    state = init_kda_state(s, batch, 1, seed=seed, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    y = torch.randn(batch, s.kda_in_proj_rows, device="cuda", generator=g).bfloat16()
+    f = torch.randn(batch, s.kda_dim, device="cuda", generator=g).bfloat16()
+    want_o, want_state = R.kda_core(y, f, lw.attn, state, s)
+    st = state.clone()
+    out = torch.full((batch, s.kda_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    m = s.model
+    kda_decode(y, f, st.conv, lw.attn.conv, lw.attn.A_log, lw.attn.dt_bias, st.recurrent, lw.attn.o_norm, out,
+               b_col=s.kda_in_proj_layout["b"][0], eps=m.rms_eps, lower_bound=m.kda_gate_lower_bound)
+    torch.cuda.synchronize()
+    errs = {"o": rel_err(out, want_o), "S": rel_err(st.recurrent, want_state.recurrent),
+            "conv": rel_err(st.conv, want_state.conv)}
+    print(tp, batch, errs)
+    assert max(errs.values()) < BF16_TOL, errs
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("layer", [1, 3])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_specialized_layer_matches_reference(tp, layer, batch):
+    s = shard("k3", tp=tp)
+    seed = 1000 + 100 * tp + 10 * layer + batch
+    lw = init_layer(s, layer, seed=seed, device="cuda")
+    state = (init_kda_state(s, batch, layer, seed=seed, device="cuda") if lw.attn_kind == "kda"
+             else init_mla_cache(s, batch, layer, context=2048, seed=seed, device="cuda"))
+    res = init_residual(s, batch, layer, seed=seed, device="cuda")
+    check = check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s)
+    print(tp, layer, batch, check.errors)
+    check.assert_within(BF16_TOL)
