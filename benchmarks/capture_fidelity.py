@@ -58,9 +58,13 @@ def timing_child(args: dict) -> dict:
     slice_module.decode_layer = timed_layer
     s = DecodeSlice(backend=args["backend"], tp=args["tp"], batch=args["batch"], first_layer=args["first_layer"],
                     num_layers=args["layers"], context=args["context"], device="cuda")
+    from profiler.recorders import CAPTURE_RANGE
+    from profiler.workload import capture_range
+
     s.capture(warmup=2)
     recording["on"] = True
-    s.capture(warmup=0)
+    with capture_range(CAPTURE_RANGE):
+        s.capture(warmup=0)
     recording["on"] = False
     torch.cuda.synchronize()
     per_layer: list[list[float]] = [[] for _ in events]
@@ -72,10 +76,10 @@ def timing_child(args: dict) -> dict:
     out = {"layer_us": [statistics.median(v) for v in per_layer], "layers": s.layer_ids}
     if session is not None:
         from analyzers.layers import analyze
+        from profiler.recorders import trim_to_capture
         from profiler.recorders.cupti import records_to_trace
 
-        result = analyze(records_to_trace(session.stop()))
-        # This trace holds warm-up steps too; per-layer spans are medians over all steps that ran the layer.
+        result = analyze(trim_to_capture(records_to_trace(session.stop())))
         out["cupti_span_us"] = {l["layer"]: l["span_us"] for l in result["layers"]}
     return out
 
