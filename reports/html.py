@@ -276,7 +276,7 @@ def render_diff(doc: dict, timelines: dict[str, pd.DataFrame] | None = None,
                                   for f in ("layers", "kernels_per_layer", "us_per_layer")]
                 + [_ratio_text(a["speedup"])])
     parts.append("<h3>Per layer kind</h3>" + _table(
-        ["layers", f"{b} layers", f"{b} kernels/layer", f"{b} µs/layer", f"{n} layers", f"{n} kernels/layer",
+        ["layer kind", f"{b} layers", f"{b} kernels/layer", f"{b} µs/layer", f"{n} layers", f"{n} kernels/layer",
          f"{n} µs/layer", "speed-up"], rows))
 
     # --- per layer --------------------------------------------------------------------------------------------
