@@ -10,9 +10,8 @@ the warm-up that came before.
 """
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
-
+# numpy and pandas are imported inside the functions: the start-up hook imports this package in every process of a
+# recorded program, and should cost little there.
 CAPTURE_RANGE = "kprof:graph_capture"
 STEP_RANGE = "decode_step"
 CAPTURED_STEP = "captured_step"
@@ -32,6 +31,8 @@ def trim_to_capture(trace, capture_range: str = CAPTURE_RANGE, step_range: str =
     the layer and stage ranges under them still attribute the replayed kernels. A trace without ``capture_range``
     is returned unchanged.
     """
+    import numpy as np
+
     from analyzers.trace import Trace
 
     ranges = trace.ranges
@@ -55,6 +56,9 @@ def trim_to_capture(trace, capture_range: str = CAPTURE_RANGE, step_range: str =
 def merge_traces(traces: list, meta: dict):
     """One trace from several processes' traces. Graph node ids are only unique within a process, so each
     process's ids are moved into their own range (process index in the bits above 40)."""
+    import numpy as np
+    import pandas as pd
+
     from analyzers.trace import Trace
 
     if len(traces) == 1:
