@@ -18,8 +18,15 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, la
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
+    # math on explicit Float32 values: cutlass-dsl 4.3.5 hands back raw MLIR values from mixed Python-float arithmetic
+    def _exp(x):
+        return cute.math.exp(Float32(x))
+
+    def _rsqrt(x):
+        return cute.math.rsqrt(Float32(x))
+
     def _sigmoid(x):
-        return 1.0 / (1.0 + cute.math.exp(-x))
+        return Float32(1.0) / (Float32(1.0) + _exp(Float32(0.0) - Float32(x)))
 
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float):
@@ -79,16 +86,16 @@ if HAVE_CUTE:
                     if cutlass.const_expr(j > 0):
                         conv_state[b, c, j - 1] = s_j.to(conv_state.element_type)
                 conv_state[b, c, self.W - 2] = x_new.to(conv_state.element_type)
-                qkv[part] = acc * _sigmoid(acc)
+                qkv[part] = Float32(acc) * _sigmoid(acc)
 
             q = qkv[0]
             k = qkv[1]
             v = qkv[2]
             sum_q, sum_k = self._block_sum2(q * q, k * k, red)
-            sQ[t] = q * cute.math.rsqrt(sum_q + 1e-6) * (D ** -0.5)
-            sK[t] = k * cute.math.rsqrt(sum_k + 1e-6)
-            gate_in = cute.math.exp(A_log[h]) * (f[b, ch].to(Float32) + dt_bias[ch])
-            sDecay[t] = cute.math.exp(self.lb * _sigmoid(gate_in))
+            sQ[t] = q * _rsqrt(sum_q + Float32(1e-6)) * Float32(D ** -0.5)
+            sK[t] = k * _rsqrt(sum_k + Float32(1e-6))
+            gate_in = _exp(A_log[h]) * (f[b, ch].to(Float32) + dt_bias[ch])
+            sDecay[t] = _exp(Float32(self.lb) * _sigmoid(gate_in))
             beta = _sigmoid(y[b, self.b_col + h].to(Float32))
             cute.arch.barrier()
 
@@ -107,7 +114,7 @@ if HAVE_CUTE:
 
             sum_o, _ = self._block_sum2(o * o, Float32(0.0), red)
             g = y[b, 3 * self.d + ch].to(Float32)
-            res = o * cute.math.rsqrt(sum_o / D + self.eps) * o_norm[t] * _sigmoid(g)
+            res = o * _rsqrt(sum_o * Float32(1.0 / D) + Float32(self.eps)) * o_norm[t] * _sigmoid(g)
             out[b, ch] = res.to(out.element_type)
 
 
