@@ -23,6 +23,7 @@ from .auto import BF16, AutoBackend
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8
+_said: set[str] = set()  # fallback reasons already logged in this process
 
 
 class LatencySpecializedBackend(AutoBackend):
@@ -32,11 +33,11 @@ class LatencySpecializedBackend(AutoBackend):
         super().__init__(poison)
         self._attn_fast = False
         self._mlp_fast = False
-        self._said: set[str] = set()
 
-    def _fallback(self, reason: str) -> None:
-        if reason not in self._said:
-            self._said.add(reason)
+    @staticmethod
+    def _fallback(reason: str) -> None:
+        if reason not in _said:
+            _said.add(reason)
             log.warning("latency_specialized: %s; running auto there", reason)
 
     def begin_layer(self, lw, batch: int) -> None:
