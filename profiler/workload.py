@@ -140,6 +140,8 @@ def run(args: dict) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kprof: error: no CUDA device is visible to the capture process")
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     slice_ = DecodeSlice(backend=args["backend"], model=args["model"], tp=args["tp"], rank=args["rank"],
                          batch=args["batch"], first_layer=args["first_layer"], num_layers=args["layers"],
