@@ -138,7 +138,9 @@ def capture_calls(trace) -> pd.DataFrame:
     matched = by_call["tid"].notna().to_numpy()
     anchor = pd.DataFrame({"graph_node_id": nodes["graph_node_id"]})
     for column in ("pid", "tid", "start_ns", "end_ns"):
-        anchor[column] = np.where(matched, by_call[column].fillna(-1).to_numpy(), nodes[column].to_numpy())
+        # int64 throughout: epoch nanoseconds do not survive a round trip through float64
+        anchor[column] = np.where(matched, by_call[column].fillna(-1).astype("int64").to_numpy(),
+                                  nodes[column].to_numpy())
     joined = trace.kernels[["graph_node_id"]].merge(anchor, on="graph_node_id", how="left")
     joined.loc[trace.kernels["graph_node_id"].to_numpy() < 0, ["pid", "tid", "start_ns", "end_ns"]] = -1
     return joined[["pid", "tid", "start_ns", "end_ns"]].fillna(-1).astype("int64")

@@ -161,3 +161,30 @@ def test_records_to_trace_demangles_kernel_names_when_cxxfilt_exists():
     records.kernels.append(("kernel", 0, 7, 1, 2, "_Z3addPfS_", 1, 0, 0, 0))
     name = str(records_to_trace(records).kernels["name"].iloc[0])
     assert name == ("add(float*, float*)" if shutil.which("c++filt") else "_Z3addPfS_")
+
+
+def test_instantiated_copy_reported_as_created_nodes_maps_to_the_capture():
+    """As seen on the H200 (CUDA 13): cudaGraphInstantiate's copy arrives as GRAPHNODE_CREATED records (no clone
+    records, no source node id on the kernels), numbered graph_id << 32 | index, plus extra non-kernel nodes."""
+    records = graph_records(steps=2)
+    captured = [n for n in records.nodes if n[2] < 0]
+    renumber = {old: (1 << 32) | i for i, old in enumerate(range(11, 15))}
+    copy = {old + 10: (2 << 32) | i for i, old in enumerate(range(11, 15))}
+    records.nodes = [(g, renumber[node], -1, tid, ident, ts) for g, node, _, tid, ident, ts in captured]
+    records.nodes += [(2, (2 << 32) | i, -1, TID, 99, 2100 + i) for i in range(6)]  # 4 copies, 2 extra nodes
+    records.apis.append((PID, TID, 2090, 2200, "cudaGraphInstantiateWithFlags_v11040", 4000))
+    records.kernels = [k[:8] + (copy.get(k[8], k[8]), 0) for k in records.kernels]
+    trace = trim_to_capture(records_to_trace(records))
+    result = analyze(trace)
+    assert result["unattributed_kernels"] == 0
+    assert [(l["layer"], l["kernels_per_step"]) for l in result["layers"]] == [(1, 2.0), (2, 2.0)]
+
+
+def test_a_second_capture_is_not_taken_for_a_copy():
+    records = graph_records(steps=1)
+    # no instantiate call in the records: graph 2's nodes stay where they were created
+    records.nodes = [(g, n, -1, tid, ident, ts) for g, n, _, tid, ident, ts in records.nodes]
+    records.kernels = [k[:9] + (0,) for k in records.kernels]
+    trace = records_to_trace(records)
+    nodes = trace.graph_nodes.set_index("graph_node_id")
+    assert nodes.loc[21, "start_ns"] == 2100

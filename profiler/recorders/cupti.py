@@ -145,6 +145,7 @@ def _node_rows(records: CuptiRecords, thread_ids: set[int]) -> list[tuple]:
             node_id = original[node_id][1]
         return created.get(node_id)
 
+    _anchor_instantiated_copies(created, original, records.apis)
     rows = {}
     for node_id, (graph_id, tid, ts) in created.items():
         rows[node_id] = (graph_id, node_id, -1, records.pid, tid, ts, ts)
@@ -159,6 +160,40 @@ def _node_rows(records: CuptiRecords, thread_ids: set[int]) -> list[tuple]:
             if found is not None:
                 rows[node_id] = (k[7], node_id, -1, records.pid, found[1], found[2], found[2])
     return list(rows.values())
+
+
+def _anchor_instantiated_copies(created: dict, original: dict, apis) -> None:
+    """Point the nodes of an instantiated copy of a graph back to the nodes they copy, in place.
+
+    cudaGraphInstantiate copies the captured graph, and replayed kernels name the copy's nodes. When CUPTI reports
+    the copy's nodes as created rather than cloned (seen with CUDA 13 on an H200), nothing links them to the
+    capture. Such a graph is recognised by its nodes being created inside a ``*GraphInstantiate*`` call; it copies
+    the latest earlier graph that is not itself a copy, and CUPTI numbers each graph's nodes in creation order
+    (node id = graph id << 32 | index), so node i of the copy is node i of its source. Graphs that have clone
+    records keep them.
+    """
+    windows = [(start, end) for _, _, start, end, name, _ in apis if "GraphInstantiate" in name]
+    if not windows:
+        return
+    by_graph: dict[int, list[int]] = {}
+    for node_id, (graph_id, _, _) in created.items():
+        by_graph.setdefault(graph_id, []).append(node_id)
+    cloned_graphs = {graph_id for graph_id, _ in original.values()}
+    source = None
+    for graph_id in sorted(by_graph):
+        nodes = sorted(by_graph[graph_id])
+        first = min(created[n][2] for n in nodes)
+        is_copy = any(start <= first <= end for start, end in windows)
+        if not is_copy or graph_id in cloned_graphs:
+            source = nodes
+            continue
+        if source is None or len(nodes) < len(source):
+            continue
+        if [n & 0xFFFFFFFF for n in source] != list(range(len(source))) or \
+                [n & 0xFFFFFFFF for n in nodes[: len(source)]] != list(range(len(source))):
+            continue
+        for s_node, d_node in zip(source, nodes):
+            created[d_node] = (graph_id, created[s_node][1], created[s_node][2])
 
 
 def demangle(names: list[str]) -> dict[str, str]:
