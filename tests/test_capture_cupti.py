@@ -188,3 +188,12 @@ def test_a_second_capture_is_not_taken_for_a_copy():
     trace = records_to_trace(records)
     nodes = trace.graph_nodes.set_index("graph_node_id")
     assert nodes.loc[21, "start_ns"] == 2100
+
+
+def test_clone_link_wins_over_the_clone_own_creation_record():
+    records = graph_records(steps=2)
+    # the copy's nodes arrive twice: created (at instantiation time) and cloned (with their original)
+    records.nodes += [(2, created + 10, -1, TID, 99, 2100) for created in range(11, 15)]
+    trace = trim_to_capture(records_to_trace(records))
+    assert analyze(trace)["unattributed_kernels"] == 0
+    assert trace.meta["graph_node_callbacks"] == {"created": 8, "cloned": 4}

@@ -139,15 +139,18 @@ def _node_rows(records: CuptiRecords, thread_ids: set[int]) -> list[tuple]:
             original[node_id] = (graph_id, original_id)
 
     def anchor(node_id: int):
+        # a clone link wins over the clone's own creation record (CUPTI may send both for one node)
         seen = set()
-        while node_id not in created and node_id in original and node_id not in seen:
+        while node_id in original and node_id not in seen:
             seen.add(node_id)
             node_id = original[node_id][1]
         return created.get(node_id)
 
-    _anchor_instantiated_copies(created, original, records.apis)
+    _anchor_instantiated_copies(created, records.apis)
     rows = {}
     for node_id, (graph_id, tid, ts) in created.items():
+        found = anchor(node_id) if node_id in original else None
+        tid, ts = (found[1], found[2]) if found is not None else (tid, ts)
         rows[node_id] = (graph_id, node_id, -1, records.pid, tid, ts, ts)
     for node_id, (graph_id, _) in original.items():
         found = anchor(node_id)
@@ -162,15 +165,15 @@ def _node_rows(records: CuptiRecords, thread_ids: set[int]) -> list[tuple]:
     return list(rows.values())
 
 
-def _anchor_instantiated_copies(created: dict, original: dict, apis) -> None:
+def _anchor_instantiated_copies(created: dict, apis) -> None:
     """Point the nodes of an instantiated copy of a graph back to the nodes they copy, in place.
 
     cudaGraphInstantiate copies the captured graph, and replayed kernels name the copy's nodes. When CUPTI reports
     the copy's nodes as created rather than cloned (seen with CUDA 13 on an H200), nothing links them to the
     capture. Such a graph is recognised by its nodes being created inside a ``*GraphInstantiate*`` call; it copies
     the latest earlier graph that is not itself a copy, and CUPTI numbers each graph's nodes in creation order
-    (node id = graph id << 32 | index), so node i of the copy is node i of its source. Graphs that have clone
-    records keep them.
+    (node id = graph id << 32 | index), so node i of the copy is node i of its source. Clone records, where CUPTI
+    sends them, still take precedence (see `_node_rows`).
     """
     windows = [(start, end) for _, _, start, end, name, _ in apis if "GraphInstantiate" in name]
     if not windows:
@@ -178,13 +181,12 @@ def _anchor_instantiated_copies(created: dict, original: dict, apis) -> None:
     by_graph: dict[int, list[int]] = {}
     for node_id, (graph_id, _, _) in created.items():
         by_graph.setdefault(graph_id, []).append(node_id)
-    cloned_graphs = {graph_id for graph_id, _ in original.values()}
     source = None
     for graph_id in sorted(by_graph):
         nodes = sorted(by_graph[graph_id])
         first = min(created[n][2] for n in nodes)
         is_copy = any(start <= first <= end for start, end in windows)
-        if not is_copy or graph_id in cloned_graphs:
+        if not is_copy:
             source = nodes
             continue
         if source is None or len(nodes) < len(source):
@@ -233,6 +235,8 @@ def records_to_trace(records: CuptiRecords, meta: dict | None = None):
     graph_nodes = pd.DataFrame(_node_rows(records, thread_ids), columns=[
         "graph_id", "graph_node_id", "correlation_id", "pid", "tid", "start_ns", "end_ns"])
     meta = {"source": "cupti", **(meta or {})}
+    cloned = sum(1 for n in records.nodes if n[2] >= 0)
+    meta["graph_node_callbacks"] = {"created": len(records.nodes) - cloned, "cloned": cloned}
     if records.errors:
         meta["recorder_errors"] = records.errors[:5]
     return Trace(kernels=kernels, launches=launches, ranges=ranges, graph_nodes=graph_nodes, meta=meta)
