@@ -92,3 +92,15 @@ def test_a_trace_without_capture_range_is_left_unmapped(tmp_path):
         _x("kernel", "k", 3, 1, correlation=1, device=0, stream=7)]}))
     trace = map_graph_replays(read_kineto_json(path))
     assert trace.meta["graph_mapping"].startswith("none: no kprof:graph_capture range")
+
+
+def test_a_driver_launch_nested_in_its_runtime_launch_counts_once(tmp_path):
+    trace = kineto_trace(tmp_path, steps=2, launch="cudaLaunchKernelExC")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    nested = [dict(e, name="cuLaunchKernelEx", cat="cuda_driver", ts=e["ts"] + 0.5, dur=e["dur"] - 1,
+                   args={"correlation": e["args"]["correlation"] + 1000})
+              for e in events if e.get("name") == "cudaLaunchKernelExC"][:2]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events + nested}))
+    trace = trim_to_capture(map_graph_replays(read_kineto_json(tmp_path / "trace.json")))
+    assert trace.meta["graph_mapping"].startswith("ok: 4 node(s), 2 replay(s)"), trace.meta["graph_mapping"]
+    assert analyze(trace)["unattributed_kernels"] == 0

@@ -6,7 +6,8 @@ id. kprof therefore records the graph capture too, inside a ``kprof:graph_captur
 (:func:`map_graph_replays`):
 
 1. The *capture-time launches* are the node-creating calls (kernel launches, async memcpy/memset) made on the
-   capturing thread inside the capture range, in call order. During stream capture nothing runs on the GPU, so
+   capturing thread inside the capture range, in call order; a call nested in another one (a runtime launch and
+   the driver launch it makes) counts once. During stream capture nothing runs on the GPU, so
    these calls have no kernels of their own; the ranges around them name their layer and stage.
 2. For each ``cudaGraphLaunch`` after the capture, its GPU activities are ordered by graph node id when Kineto
    reports ``graph node id`` (node ids are handed out in creation order, and instantiation clones nodes in that
@@ -51,7 +52,7 @@ def map_graph_replays(trace, capture_range: str = CAPTURE_RANGE):
     names = launches["name"].astype(str)
     inside = ((launches["start_ns"] >= mark.start_ns) & (launches["end_ns"] <= mark.end_ns)
               & (launches["pid"] == mark.pid) & (launches["tid"] == mark.tid))
-    captured = launches[inside & names.str.match(NODE_CALL)].sort_values("start_ns", kind="stable")
+    captured = _outermost(launches[inside & names.str.match(NODE_CALL)])
     graph_launches = launches[names.str.match(GRAPH_LAUNCH) & (launches["start_ns"] >= mark.end_ns)]
     replayed = kernels["correlation_id"].isin(graph_launches["correlation_id"]) & (kernels["correlation_id"] >= 0)
     if captured.empty or not replayed.any():
@@ -100,6 +101,17 @@ def map_graph_replays(trace, capture_range: str = CAPTURE_RANGE):
                              f"{'graph node id' if by_node_id else 'start order'}"
                              + (f", {skipped} replay(s) with another activity count left unmapped" if skipped else ""))
     return _with(trace, kernels, graph_nodes, meta)
+
+
+def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
+    """Calls in start order without those nested in another one: a runtime launch that Kineto also reports as the
+    driver launch it makes (cudaLaunchKernelExC around cuLaunchKernelEx) creates one node, not two."""
+    calls = calls.sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable")
+    ends = calls["end_ns"].to_numpy()
+    covered = np.zeros(len(calls), dtype=bool)
+    if len(calls) > 1:
+        covered[1:] = ends[1:] <= np.maximum.accumulate(ends)[:-1]
+    return calls[~covered]
 
 
 def _with(trace, kernels, graph_nodes, meta):
