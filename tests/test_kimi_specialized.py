@@ -89,3 +89,21 @@ def test_gemv_refuses_bad_shapes():
         gemv(w, torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(1, 16, dtype=torch.bfloat16), accumulate=True)
 
 
+
+
+@needs_cute
+@pytest.mark.parametrize("tp, batch, pad", [(16, 1, True), (8, 8, True), (16, 4, False)])
+def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    m = s.model
+    E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
+    u8 = torch.uint8
+    f13, f2 = compile_moe(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
+                          torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+                          torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+                          torch.empty(E, L, I // 32, dtype=u8),
+                          torch.empty(batch * k, s.expert_inter_used, dtype=torch.bfloat16), torch.empty(batch, L),
+                          s.expert_inter_used)
+    assert f13 is not None and f2 is not None

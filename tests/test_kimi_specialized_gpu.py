@@ -79,3 +79,23 @@ def test_specialized_layer_matches_reference(tp, layer, batch):
     check = check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s)
     print(tp, layer, batch, check.errors)
     check.assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_moe_mxfp4_matches_float64(tp, pad, batch):
+    from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    seed = 31 * tp + batch + pad
+    w = init_layer(s, 1, seed=seed, device="cuda").mlp
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    latent = torch.randn(batch, s.model.moe_latent, device="cuda", generator=g).bfloat16()
+    scores = torch.rand(batch, s.model.num_experts, device="cuda", generator=g)
+    ids = torch.topk(scores, s.model.top_k, dim=-1).indices.int()
+    weights = torch.softmax(torch.randn(batch, s.model.top_k, device="cuda", generator=g), dim=-1)
+    out = torch.full((batch, s.model.moe_latent), float("nan"), device="cuda")
+    act = torch.full((batch * s.model.top_k, s.expert_inter_used), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out)
+    want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
+    assert rel_err(out, want) < BF16_TOL

@@ -3,10 +3,11 @@
 What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
   (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual;
-- the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`).
+- the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
+- the routed experts: two MXFP4 kernels that read only the selected experts' unpadded rows, the second one doing
+  the weighted sum over experts in registers (`kernels/moe_mxfp4.py`).
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), batches over 8 (no tensor-core
-CuTe kernel yet), no CUDA device or no cutlass-dsl. Routing top-k, AttnRes and the MXFP4 expert kernels are still the
-generic path's.
+CuTe kernel yet), no CUDA device or no cutlass-dsl. Routing top-k and AttnRes are still the generic path's.
 """
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ class LatencySpecializedBackend(AutoBackend):
 
     def latent_down(self, x, w: MoEWeights):
         return self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)
+
+    def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig):
+        if not self._mlp_fast:
+            return super().routed_experts(x, ids, weights, w, shard)
+        from ..kernels.moe_mxfp4 import moe_mxfp4
+
+        B, k = ids.shape
+        used = shard.expert_inter_used
+        act = self._empty(B * k, used, device=x.device)
+        out = self._empty(B, w.w2.shape[1], dtype=torch.float32, device=x.device)
+        return moe_mxfp4(self.latent_down(x, w), ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used,
+                         act=act, out=out)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if not self._mlp_fast:
