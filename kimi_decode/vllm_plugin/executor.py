@@ -1,0 +1,195 @@
+"""Our decode executor inside vLLM: vLLM's loaded K3 weights repacked once, run by `kimi_decode`'s layer code.
+
+Built after the weights load (the model's ``process_weights_after_loading``). A decode step runs:
+- the embedding through vLLM's own module;
+- every KDA layer through `kimi_decode.model.decode_layer` with our backend (``latency_specialized`` on CUDA, whose
+  stages fall back to ``auto`` by construction; ``auto`` on the CPU build), on the KDA states gathered from vLLM's
+  state cache by the step's state indices and written back afterwards;
+- every MLA layer through the same stages except the attention itself, which is vLLM's own MLA module (its paged FP8
+  latent cache and its kernels: our MLA attention is not specialized, and vLLM's cache is paged where ours is not);
+- the final AttnRes mix, returned as the pre-norm hidden states vLLM's ``compute_logits`` expects.
+
+vLLM cache layouts assumed (``kimi_k3/nvidia/kda.py``): a KDA layer's ``self_attn.kv_cache`` is (conv_state
+[slots, 3d, width - 1] in the "DS" layout or its transpose, recurrent_state [slots, heads, key, value] fp32), and the
+step's rows index it through ``attn_metadata[layer].non_spec_state_indices_tensor``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends import get_backend
+from ..config import KDA, MLA, ModelConfig, ShardConfig
+from ..instrument import layer_range_name, rng
+from ..model import _all_reduce, decode_layer
+from ..state import KDAState, ResidualState
+from ..weights import DenseMLPWeights, LayerWeights
+from .repack import RepackReport, params_and_buffers, repack_layer
+
+SITU = (4.0, 25.0)
+
+
+def _get(cfg, name, default=None):
+    return getattr(cfg, name, default)
+
+
+def model_config_from_hf(hf) -> tuple[ModelConfig | None, list[str]]:
+    """Our `ModelConfig` for a vLLM Kimi K3 text config, and every way the config differs from what our layers
+    compute (empty: it matches)."""
+    reasons = []
+    lin = _get(hf, "linear_attn_config") or {}
+    if not lin.get("use_full_rank_gate", False):
+        reasons.append("the model's KDA layers are not Kimi K3's (no full-rank gate)")
+    if not _get(hf, "q_lora_rank") or not _get(hf, "mla_use_output_gate") or not _get(hf, "mla_use_nope", False):
+        reasons.append("the model's MLA layers are not Kimi K3's (q-LoRA, output gate, NoPE)")
+    if _get(hf, "routed_expert_hidden_size") is None or not _get(hf, "latent_moe_use_norm", False):
+        reasons.append("the model's MoE is not the latent MoE with a latent RMSNorm")
+    if _get(hf, "hidden_act") != "situ" or (_get(hf, "activation_situ_beta"),
+                                            _get(hf, "activation_situ_linear_beta")) != SITU:
+        reasons.append(f"activation is not SiTU-GLU with betas {SITU}")
+    if _get(hf, "moe_router_activation_func") != "sigmoid" or not _get(hf, "moe_renormalize", True):
+        reasons.append("router is not sigmoid scores renormalised over the top-k")
+    if _get(hf, "use_grouped_topk") and (_get(hf, "num_expert_group", 1), _get(hf, "topk_group", 1)) != (1, 1):
+        reasons.append("grouped top-k with more than one group")
+    if _get(hf, "first_k_dense_replace", 1) != 1 or _get(hf, "moe_layer_freq", 1) != 1:
+        reasons.append("layer 0 alone is dense in our model")
+    if _get(hf, "attn_res_block_size") is None:
+        reasons.append("the model has no attention residuals (AttnRes)")
+    if reasons:
+        return None, reasons
+    n = hf.num_hidden_layers
+    m = ModelConfig(
+        name=_get(hf, "model_type", "kimi"),
+        hidden=hf.hidden_size, num_layers=n, vocab=hf.vocab_size, rms_eps=hf.rms_norm_eps,
+        kda_heads=lin["num_heads"], kda_head_dim=lin["head_dim"], kda_conv_width=lin["short_conv_kernel_size"],
+        kda_f_rank=lin["head_dim"], kda_gate_lower_bound=lin.get("gate_lower_bound", -5.0),
+        mla_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+        latent_eps=hf.rms_norm_eps,  # vLLM's q_a/kv_a norms use the model eps: match its stock forward
+        num_experts=hf.num_experts, top_k=hf.num_experts_per_token, moe_latent=hf.routed_expert_hidden_size,
+        expert_inter=hf.moe_intermediate_size,
+        shared_inter=hf.moe_intermediate_size * (_get(hf, "num_shared_experts") or 0),
+        dense_inter=hf.intermediate_size, routed_scaling=_get(hf, "routed_scaling_factor", 1.0) or 1.0,
+        attn_res_block=hf.attn_res_block_size,
+    )
+    kda_layers = set(lin.get("kda_layers", ()))  # 1-indexed in the checkpoint config
+    for i in range(n):
+        theirs = KDA if (i + 1) in kda_layers else MLA
+        if m.attention_kind(i) != theirs:
+            reasons.append(f"layer {i} is {theirs} in the checkpoint but {m.attention_kind(i)} in our schedule")
+            break
+    return (None if reasons else m), reasons
+
+
+def shard_for(m: ModelConfig, tp: int, rank: int) -> tuple[ShardConfig | None, list[str]]:
+    try:
+        return ShardConfig(model=m, tp=tp, rank=rank, pad_experts=True), []
+    except ValueError as e:
+        return None, [str(e)]
+
+
+def _kda_metadata(attn_metadata, prefix: str):
+    if isinstance(attn_metadata, list):
+        attn_metadata = attn_metadata[0]
+    return attn_metadata[prefix]
+
+
+class K3DecodeExecutor:
+    """Repacked layers of one rank plus the references to vLLM modules a decode step still uses."""
+
+    def __init__(self, language_model: torch.nn.Module, shard: ShardConfig, backend: str, group=None):
+        self.model = language_model  # vLLM's KimiLinearModel
+        self.shard, self.group = shard, group
+        self.report = RepackReport()
+        params = params_and_buffers(language_model)
+        self.layers: list[LayerWeights] = [repack_layer(params, f"layers.{i}", i, shard, self.report)
+                                           for i in range(shard.model.num_layers)]
+        self.backend = get_backend(backend)
+        self.attn_modules = [layer.self_attn for layer in language_model.layers]
+        out = language_model.output_attn_res_proj.weight
+        self.out_query = out.detach().reshape(-1).float()
+        self.out_key_norm = language_model.output_attn_res_norm.weight.detach().float()
+
+    # ---- KDA state binding -------------------------------------------------------------------------------------------
+    def _kda_views(self, i: int, batch: int):
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+        attn = self.attn_modules[i]
+        conv, recurrent = attn.kv_cache[:2]
+        if not is_conv_state_dim_first():
+            conv = conv.transpose(-1, -2)
+        meta = _kda_metadata(get_forward_context().attn_metadata, attn.prefix)
+        # padded rows carry PAD_SLOT_ID (-1): they read and write slot 0, vLLM's null block
+        idx = meta.non_spec_state_indices_tensor[:batch].long().clamp_min(0)
+        return conv, recurrent, idx
+
+    def _run_kda(self, lw: LayerWeights, res: ResidualState, batch: int) -> None:
+        conv, recurrent, idx = self._kda_views(lw.index, batch)
+        state = KDAState(recurrent=recurrent.index_select(0, idx), conv=conv.index_select(0, idx).contiguous())
+        decode_layer(self.backend, lw, res, state, self.shard, self.group)
+        recurrent.index_copy_(0, idx, state.recurrent)
+        conv.index_copy_(0, idx, state.conv)
+
+    # ---- MLA: vLLM's attention inside our layer ----------------------------------------------------------------------
+    def _run_mla(self, lw: LayerWeights, res: ResidualState, positions: torch.Tensor) -> None:
+        attention = self.attn_modules[lw.index]
+        decode_layer_hosted_attention(self.backend, lw, res, lambda x: attention(hidden_states=x, positions=positions),
+                                      self.shard, self.group)
+
+    def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+            inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """One pure-decode step for ``positions.shape[0]`` rows -> pre-norm hidden states [rows, H]."""
+        m = self.shard.model
+        x = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
+        B = x.shape[0]
+        blocks = x.new_zeros(B, m.num_blocks, m.hidden, dtype=torch.float32)
+        blocks[:, 0] = x.float()
+        res = ResidualState(blocks=blocks, partial=torch.zeros_like(blocks[:, 0]), partial_empty=True)
+        for lw in self.layers:
+            if lw.attn_kind == KDA:
+                self._run_kda(lw, res, B)
+            else:
+                self._run_mla(lw, res, positions)
+        n = m.completed_blocks(m.num_layers - 1)
+        cands = torch.cat([res.blocks[:, :n], res.partial.unsqueeze(1)], dim=1)
+        keys = cands * torch.rsqrt(cands.pow(2).mean(-1, keepdim=True) + m.rms_eps)
+        probs = torch.softmax(keys @ (self.out_key_norm * self.out_query), dim=-1)
+        return (probs.unsqueeze(-1) * cands).sum(1).to(x.dtype)
+
+
+def decode_layer_hosted_attention(backend, lw: LayerWeights, res: ResidualState, attention, shard: ShardConfig,
+                                  group=None) -> None:
+    """`kimi_decode.model.decode_layer` with the attention sublayer replaced by `attention(x) -> [B, H]`, which
+    returns the attention output already projected and reduced over the tensor-parallel group (vLLM's MLA module)."""
+    m = shard.model
+    eps = m.rms_eps
+    n_blocks = m.completed_blocks(lw.index)
+    commit = m.starts_block(lw.index) and not res.partial_empty
+    empty = res.partial_empty or commit
+    backend.begin_layer(lw, res.partial.shape[0])
+    with rng(layer_range_name(lw.index, lw.kind)):
+        with rng("attn_res"):
+            x = backend.attn_res(res, lw.attn_res, n_blocks=n_blocks, commit=commit, delta=None, delta_mode=0,
+                                 use_partial=not empty, eps=eps)
+        with rng("mla_core"):
+            a = attention(x)
+        with rng("attn_res"):
+            x = backend.attn_res(res, lw.mlp_res, n_blocks=n_blocks, commit=False, delta=a,
+                                 delta_mode=2 if empty else 1, use_partial=True, eps=eps)
+        res.partial_empty = False
+        if isinstance(lw.mlp, DenseMLPWeights):
+            with rng("dense_mlp"):
+                out = backend.glu_mlp(x, lw.mlp.gate_up, lw.mlp.down)
+            _all_reduce(out, group)
+            res.partial.add_(out)
+            return
+        with rng("router"):
+            ids, weights = backend.router(x, lw.mlp, shard, lw.index)
+        with rng("shared_experts"):
+            shared = backend.shared_experts(x, lw.mlp)
+        with rng("routed_experts"):
+            routed = backend.routed_experts(x, ids, weights, lw.mlp, shard)
+        _all_reduce(routed, group)
+        _all_reduce(shared, group)
+        with rng("moe_tail"):
+            backend.moe_tail(routed, shared, lw.mlp, res, shard)
