@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
 
-from .model import KimiDecodeMixin, check_settings
+from .routing import KimiDecodeMixin, check_settings
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
