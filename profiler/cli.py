@@ -15,6 +15,11 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
+try:  # typer ships its own copy of click in recent releases
+    from typer import _click as click
+except ImportError:
+    import click
+
 from analyzers.layers import DEFAULT_LAYER_REGEX, analyze as analyze_layers, compile_layer_regex
 from analyzers.trace import TraceError, atomic_output
 
@@ -393,13 +398,21 @@ def _pct_text(value) -> str:
 
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
     except UserError as exc:  # raised from deep inside a command
         typer.echo(f"kprof: error: {exc}", err=True)
         sys.exit(2)
+    except click.exceptions.UsageError as exc:  # unknown option, missing argument, bad value
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        typer.echo(f"kprof: error: {exc.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        typer.echo("kprof: interrupted", err=True)
+        sys.exit(130)
     except KeyboardInterrupt:
         typer.echo("kprof: interrupted", err=True)
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
