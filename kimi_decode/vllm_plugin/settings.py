@@ -194,6 +194,7 @@ def resolve(additional_config, deployment=None, model_reasons=()) -> DecodeSetti
         problems += list(model_reasons() if callable(model_reasons) else model_reasons)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(f"kimi_decode cannot run decode_backend={settings.decode_backend!r} here:\n{lines}\n"
+        asked = _namespace(additional_config).get("decode_backend", AUTO)
+        raise ValueError(f"kimi_decode cannot run decode_backend={asked!r} here:\n{lines}\n"
                          f"{AUTO_HINT}")
     return settings
