@@ -56,10 +56,20 @@ def union_length_by_group(groups, starts, ends, n_groups: int | None = None) -> 
     if n_groups is None:
         n_groups = int(groups.max()) + 1 if groups.size else 0
     out = np.zeros(n_groups, dtype=np.int64)
+    g, s, e = merge_by_group(groups, starts, ends)
+    np.add.at(out, g, e - s)
+    return out
+
+
+def merge_by_group(groups: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+    """Union of each group's intervals: (group, start, end) arrays of disjoint intervals, sorted by group, start.
+
+    Empty intervals are dropped; ``groups`` are integer codes.
+    """
     keep = ends > starts
     groups, starts, ends = groups[keep], starts[keep], ends[keep]
     if groups.size == 0:
-        return out
+        return groups, starts, ends
     order = np.lexsort((starts, groups))
     groups, starts, ends = groups[order], starts[order], ends[order]
     # The running maximum of ends restarts at each group: a segmented cummax.
@@ -69,8 +79,7 @@ def union_length_by_group(groups, starts, ends, n_groups: int | None = None) -> 
     first[1:] = (groups[1:] != groups[:-1]) | (starts[1:] > reach[:-1])
     heads = np.flatnonzero(first)
     tails = np.append(heads[1:] - 1, groups.size - 1)
-    np.add.at(out, groups[heads], reach[tails] - starts[heads])
-    return out
+    return groups[heads], starts[heads], reach[tails]
 
 
 def intersection(a_starts, a_ends, b_starts, b_ends) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from analyzers.classes import COMMUNICATION, COMPUTE
+from analyzers.intervals import merge_by_group
 
 STEP_KEYS = ["step"]
 LAYER_KEYS = ["step", "layer", "layer_kind"]
@@ -54,28 +55,11 @@ def select(activities: pd.DataFrame, selector: str) -> np.ndarray:
     raise ValueError(f"unknown selector {selector!r}: use class:NAME, stage:NAME or kernel:REGEX")
 
 
-def _merge_by_group(groups: np.ndarray, starts: np.ndarray, ends: np.ndarray):
-    """Union of each group's intervals: (group, start, end) arrays of disjoint intervals, sorted by group, start."""
-    keep = ends > starts
-    groups, starts, ends = groups[keep], starts[keep], ends[keep]
-    if groups.size == 0:
-        return groups, starts, ends
-    order = np.lexsort((starts, groups))
-    groups, starts, ends = groups[order], starts[order], ends[order]
-    reach = pd.Series(ends).groupby(groups).cummax().to_numpy()
-    first = np.empty(groups.size, dtype=bool)
-    first[0] = True
-    first[1:] = (groups[1:] != groups[:-1]) | (starts[1:] > reach[:-1])
-    heads = np.flatnonzero(first)
-    tails = np.append(heads[1:] - 1, groups.size - 1)
-    return groups[heads], starts[heads], reach[tails]
-
-
 def covered_length(starts, ends, cover_starts, cover_ends) -> np.ndarray:
     """For each query interval, how much of it lies under the union of the cover intervals."""
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
-    _, c_start, c_end = _merge_by_group(np.zeros(len(cover_starts), dtype=np.int64),
+    _, c_start, c_end = merge_by_group(np.zeros(len(cover_starts), dtype=np.int64),
                                         np.asarray(cover_starts, dtype=np.int64),
                                         np.asarray(cover_ends, dtype=np.int64))
     if c_start.size == 0 or starts.size == 0:
@@ -102,7 +86,7 @@ def hidden_under(activities: pd.DataFrame, target: np.ndarray, cover: np.ndarray
     grouped = group_frame.groupby(keys + ["device"], sort=True)
     codes = grouped.ngroup().to_numpy()
     index = grouped.size().index
-    g, s, e = _merge_by_group(codes, t["start_ns"].to_numpy(), t["end_ns"].to_numpy())
+    g, s, e = merge_by_group(codes, t["start_ns"].to_numpy(), t["end_ns"].to_numpy())
     a_ns = np.zeros(len(index), dtype=np.int64)
     np.add.at(a_ns, g, e - s)
     # The (step, device) of each merged interval: every row of a group shares it.
@@ -133,7 +117,7 @@ def union_by(activities: pd.DataFrame, rows: np.ndarray, keys: list[str]) -> pd.
     t = activities[rows]
     grouped = t.groupby(keys + ["device"], sort=True)
     codes = grouped.ngroup().to_numpy()
-    g, s, e = _merge_by_group(codes, t["start_ns"].to_numpy(), t["end_ns"].to_numpy())
+    g, s, e = merge_by_group(codes, t["start_ns"].to_numpy(), t["end_ns"].to_numpy())
     ns = np.zeros(grouped.ngroups, dtype=np.int64)
     np.add.at(ns, g, e - s)
     out = pd.DataFrame({"ns": ns}, index=grouped.size().index).reset_index()

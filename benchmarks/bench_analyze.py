@@ -177,7 +177,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), file=sys.stderr)
             os.unlink(trace)
 
-    print(f"| kernels | trace MiB | stage | seconds | peak RSS MiB | notes |")
+    print("| kernels | trace MiB | stage | seconds | peak RSS MiB | notes |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         notes = ", ".join(f"{k}={v}" for k, v in row.items()

@@ -7,9 +7,10 @@ import torch
 
 from . import reference as R
 from .model import decode_layer
+from .config import KDA, ShardConfig
 from .quant import fp8_dequantize
-from .state import MLACache, ResidualState
-from .weights import LayerWeights, MoEWeights
+from .state import MLACache, ResidualState, init_kda_state, init_mla_cache, init_residual
+from .weights import LayerWeights, MoEWeights, init_layer
 
 # bf16 operands: errors land between 1e-3 and 1e-2; the issue's bound for a whole layer is 1e-2
 BF16_TOL = 1e-2
@@ -71,3 +72,19 @@ def check_layer(backend, lw: LayerWeights, res: ResidualState, state, shard) -> 
     for name, got in _state_tensors(state_b).items():
         out.errors[name] = rel_err(got, want[name])
     return out
+
+
+def layer_case(shard: ShardConfig, layer: int, batch: int, seed: int, device="cpu", context: int = 2048):
+    """Fresh random weights, residual state and attention state (KDA state or MLA cache) for one layer check."""
+    lw = init_layer(shard, layer, seed=seed, device=device)
+    state = (init_kda_state(shard, batch, layer, seed=seed, device=device) if lw.attn_kind == KDA
+             else init_mla_cache(shard, batch, layer, context=context, seed=seed, device=device))
+    return lw, init_residual(shard, batch, layer, seed=seed, device=device), state
+
+
+def projection_shapes(shard: ShardConfig) -> list[tuple[int, int]]:
+    """(N, K) of every bf16 projection of a KDA layer and the MoE block on one rank."""
+    m = shard.model
+    return [(shard.kda_in_proj_rows, m.hidden), (shard.kda_dim, m.kda_f_rank), (m.hidden, shard.kda_dim),
+            (m.num_experts, m.hidden), (m.moe_latent, m.hidden), (m.hidden, m.moe_latent),
+            (2 * shard.shared_inter, m.hidden), (m.hidden, shard.shared_inter)]

@@ -24,7 +24,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
 
 PROGRESS_PREFIX = "KPROF-PROGRESS "
 VERSIONED = ("torch", "triton", "nvidia-cutlass-dsl", "cupti-python", "nvtx", "kprof")

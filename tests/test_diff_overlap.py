@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analyzers.classes import ClassTable, classify, load_class_table
+from analyzers.classes import classify, load_class_table
 from analyzers.layers import activity_layers, analyze
 from analyzers.overlap import comm_kernel_overlap, covered_length, pair_summary, select
 from analyzers.prefetch import prefetch_effect

@@ -5,18 +5,14 @@ import torch
 from kimi_decode import DecodeSlice, reference as R
 from kimi_decode.backends import get_backend
 from kimi_decode.config import shard
-from kimi_decode.state import init_kda_state, init_mla_cache, init_residual
-from kimi_decode.testing import BF16_TOL, check_layer, check_routing, rel_err
+from kimi_decode.testing import BF16_TOL, check_layer, check_routing, layer_case, rel_err
 from kimi_decode.weights import init_layer
 
 TINY = shard("tiny")
 
 
 def _layer_inputs(layer, batch, seed):
-    lw = init_layer(TINY, layer, seed=seed)
-    state = (init_kda_state(TINY, batch, layer, seed=seed) if lw.attn_kind == "kda"
-             else init_mla_cache(TINY, batch, layer, context=40, seed=seed))
-    return lw, init_residual(TINY, batch, layer, seed=seed), state
+    return layer_case(TINY, layer, batch, seed, context=40)
 
 
 # layer 0: dense MLP and a block start; 1: KDA + MoE; 3: MLA + MoE; 4: KDA at a block start; 12: the last (MLA)

@@ -5,9 +5,7 @@ import torch
 from kimi_decode import DecodeSlice
 from kimi_decode.backends import get_backend
 from kimi_decode.config import shard
-from kimi_decode.state import init_kda_state, init_mla_cache, init_residual
-from kimi_decode.testing import BF16_TOL, check_layer, rel_err
-from kimi_decode.weights import init_layer
+from kimi_decode.testing import BF16_TOL, check_layer, layer_case, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -17,11 +15,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_auto_layer_matches_reference_at_shard_shapes(tp, layer, batch):
     s = shard("k3", tp=tp)
-    seed = 100 * tp + 10 * layer + batch
-    lw = init_layer(s, layer, seed=seed, device="cuda")
-    state = (init_kda_state(s, batch, layer, seed=seed, device="cuda") if lw.attn_kind == "kda"
-             else init_mla_cache(s, batch, layer, context=2048, seed=seed, device="cuda"))
-    res = init_residual(s, batch, layer, seed=seed, device="cuda")
+    lw, res, state = layer_case(s, layer, batch, seed=100 * tp + 10 * layer + batch, device="cuda")
     check = check_layer(get_backend("auto", poison=True), lw, res, state, s)
     print(tp, layer, batch, check.errors)
     check.assert_within(BF16_TOL)

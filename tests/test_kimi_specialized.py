@@ -8,7 +8,7 @@ import torch
 from kimi_decode.backends import get_backend
 from kimi_decode.config import shard
 from kimi_decode.state import init_kda_state, init_residual
-from kimi_decode.testing import BF16_TOL, check_layer
+from kimi_decode.testing import BF16_TOL, check_layer, projection_shapes
 from kimi_decode.weights import init_layer
 
 
@@ -40,20 +40,12 @@ def sm90a(monkeypatch):
     cute_common._cache.clear()
 
 
-def _projection_shapes(tp):
-    s = shard("k3", tp=tp)
-    m = s.model
-    return [(s.kda_in_proj_rows, m.hidden), (s.kda_dim, m.kda_f_rank), (m.hidden, s.kda_dim),
-            (m.num_experts, m.hidden), (m.moe_latent, m.hidden), (m.hidden, m.moe_latent),
-            (2 * s.shared_inter, m.hidden), (m.hidden, s.shared_inter)]
-
-
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
 def test_gemv_compiles_for_sm90a(sm90a, tp):
     from kimi_decode.kernels.gemv import compile_gemv
 
-    for n, k in _projection_shapes(tp):
+    for n, k in projection_shapes(shard("k3", tp=tp)):
         for rows in (1, 8):
             w = torch.empty(n, k, dtype=torch.bfloat16)
             x = torch.empty(rows, k, dtype=torch.bfloat16)

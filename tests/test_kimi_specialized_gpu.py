@@ -6,19 +6,11 @@ import torch
 from kimi_decode import reference as R
 from kimi_decode.backends import get_backend
 from kimi_decode.config import shard
-from kimi_decode.state import init_kda_state, init_mla_cache, init_residual
-from kimi_decode.testing import BF16_TOL, check_layer, rel_err
+from kimi_decode.state import init_kda_state
+from kimi_decode.testing import BF16_TOL, check_layer, layer_case, projection_shapes, rel_err
 from kimi_decode.weights import init_layer
 
 pytestmark = pytest.mark.gpu
-
-
-def _projection_shapes(tp):
-    s = shard("k3", tp=tp)
-    m = s.model
-    return [(s.kda_in_proj_rows, m.hidden), (s.kda_dim, m.kda_f_rank), (m.hidden, s.kda_dim),
-            (m.num_experts, m.hidden), (m.moe_latent, m.hidden), (m.hidden, m.moe_latent),
-            (2 * s.shared_inter, m.hidden), (m.hidden, s.shared_inter)]
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -27,7 +19,7 @@ def test_gemv_matches_float64(tp, rows):
     from kimi_decode.kernels.gemv import gemv
 
     g = torch.Generator(device="cuda").manual_seed(tp * 10 + rows)
-    for n, k in _projection_shapes(tp):
+    for n, k in projection_shapes(shard("k3", tp=tp)):
         w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
         x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
         want = x.double() @ w.double().T
@@ -71,11 +63,7 @@ def test_kda_decode_matches_float64(tp, batch):
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_specialized_layer_matches_reference(tp, layer, batch):
     s = shard("k3", tp=tp)
-    seed = 1000 + 100 * tp + 10 * layer + batch
-    lw = init_layer(s, layer, seed=seed, device="cuda")
-    state = (init_kda_state(s, batch, layer, seed=seed, device="cuda") if lw.attn_kind == "kda"
-             else init_mla_cache(s, batch, layer, context=2048, seed=seed, device="cuda"))
-    res = init_residual(s, batch, layer, seed=seed, device="cuda")
+    lw, res, state = layer_case(s, layer, batch, seed=1000 + 100 * tp + 10 * layer + batch, device="cuda")
     check = check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s)
     print(tp, layer, batch, check.errors)
     check.assert_within(BF16_TOL)

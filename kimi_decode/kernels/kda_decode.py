@@ -16,7 +16,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from cutlass import Float32, Int32
+    from cutlass import Float32
 
     # math on explicit Float32 values: cutlass-dsl 4.3.5 hands back raw MLIR values from mixed Python-float arithmetic
     def _exp(x):

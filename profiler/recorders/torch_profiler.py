@@ -40,8 +40,6 @@ def map_graph_replays(trace, capture_range: str = CAPTURE_RANGE):
     """Return ``trace`` with ``graph_nodes`` (and kernel ``graph_node_id`` where Kineto had none) mapping each
     replayed activity to its capture-time launch; see the module docstring. ``meta["graph_mapping"]`` records
     ``"ok: N node(s), M replay(s)"`` or the reason nothing was mapped."""
-    from analyzers.trace import Trace
-
     meta = dict(trace.meta)
     ranges, launches, kernels = trace.ranges, trace.launches, trace.kernels.copy()
     marks = ranges[ranges["name"].astype(str) == capture_range]
