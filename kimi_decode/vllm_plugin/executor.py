@@ -19,7 +19,7 @@ import torch
 
 from ..backends import get_backend
 from ..config import KDA, MLA, ModelConfig, ShardConfig
-from ..instrument import layer_range_name, rng
+from ..instrument import DECODE_STEP, layer_range_name, rng
 from ..model import _all_reduce, decode_layer
 from ..state import KDAState, ResidualState
 from ..weights import DenseMLPWeights, LayerWeights
@@ -138,7 +138,12 @@ class K3DecodeExecutor:
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """One pure-decode step for ``positions.shape[0]`` rows -> pre-norm hidden states [rows, H]."""
+        """One pure-decode step for ``positions.shape[0]`` rows -> pre-norm hidden states [rows, H]. Named
+        ``decode_step`` with our layer and stage ranges inside, as in a `DecodeSlice` capture."""
+        with rng(DECODE_STEP):
+            return self._run(input_ids, positions, inputs_embeds)
+
+    def _run(self, input_ids, positions, inputs_embeds):
         m = self.shard.model
         x = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
         B = x.shape[0]
