@@ -20,8 +20,14 @@ def _all_reduce(t: torch.Tensor, group) -> None:
             dist.all_reduce(t, group=group)
 
 
-def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shard: ShardConfig, group=None) -> None:
-    """Runs layer `lw.index` in place: `res` (AttnRes state) and `attn_state` (KDA state or MLA cache) are updated."""
+def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shard: ShardConfig, group=None,
+                 attention=None) -> None:
+    """Runs layer `lw.index` in place: `res` (AttnRes state) and `attn_state` (KDA state or MLA cache) are updated.
+
+    `attention`, when given, replaces the attention sublayer: a callable x [B, H] -> output [B, H], already projected
+    and reduced over the tensor-parallel group (a serving engine's own MLA module, for example); it runs under the
+    `mla_core` stage and `attn_state` is not used.
+    """
     m = shard.model
     eps = m.rms_eps
     n_blocks = m.completed_blocks(lw.index)
@@ -32,7 +38,10 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
         with rng("attn_res"):
             x = backend.attn_res(res, lw.attn_res, n_blocks=n_blocks, commit=commit, delta=None, delta_mode=0,
                                  use_partial=not empty, eps=eps)
-        if lw.attn_kind == KDA:
+        if attention is not None:
+            with rng("mla_core"):
+                a = attention(x)
+        elif lw.attn_kind == KDA:
             with rng("qkv_proj"):
                 y, f = backend.kda_in_proj(x, lw.attn, shard)
             with rng("kda_core"):
@@ -42,9 +51,10 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
                 q, entry, gate = backend.mla_in_proj(x, lw.attn, shard)
             with rng("mla_core"):
                 o = backend.mla_core(q, entry, gate, lw.attn, attn_state, shard)
-        with rng("o_proj"):
-            a = backend.attn_out_proj(o, lw.attn)
-        _all_reduce(a, group)
+        if attention is None:
+            with rng("o_proj"):
+                a = backend.attn_out_proj(o, lw.attn)
+            _all_reduce(a, group)
 
         with rng("attn_res"):
             x = backend.attn_res(res, lw.mlp_res, n_blocks=n_blocks, commit=False, delta=a,

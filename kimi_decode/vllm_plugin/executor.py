@@ -19,10 +19,10 @@ import torch
 
 from ..backends import get_backend
 from ..config import KDA, MLA, ModelConfig, ShardConfig
-from ..instrument import DECODE_STEP, layer_range_name, rng
-from ..model import _all_reduce, decode_layer
+from ..instrument import DECODE_STEP, rng
+from ..model import decode_layer
 from ..state import KDAState, ResidualState
-from ..weights import DenseMLPWeights, LayerWeights
+from ..weights import LayerWeights
 from .repack import RepackReport, params_and_buffers, repack_layer
 
 SITU = (4.0, 25.0)
@@ -133,8 +133,8 @@ class K3DecodeExecutor:
     # ---- MLA: vLLM's attention inside our layer ----------------------------------------------------------------------
     def _run_mla(self, lw: LayerWeights, res: ResidualState, positions: torch.Tensor) -> None:
         attention = self.attn_modules[lw.index]
-        decode_layer_hosted_attention(self.backend, lw, res, lambda x: attention(hidden_states=x, positions=positions),
-                                      self.shard, self.group)
+        decode_layer(self.backend, lw, res, None, self.shard, self.group,
+                     attention=lambda x: attention(hidden_states=x, positions=positions))
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,41 +160,3 @@ class K3DecodeExecutor:
         keys = cands * torch.rsqrt(cands.pow(2).mean(-1, keepdim=True) + m.rms_eps)
         probs = torch.softmax(keys @ (self.out_key_norm * self.out_query), dim=-1)
         return (probs.unsqueeze(-1) * cands).sum(1).to(x.dtype)
-
-
-def decode_layer_hosted_attention(backend, lw: LayerWeights, res: ResidualState, attention, shard: ShardConfig,
-                                  group=None) -> None:
-    """`kimi_decode.model.decode_layer` with the attention sublayer replaced by `attention(x) -> [B, H]`, which
-    returns the attention output already projected and reduced over the tensor-parallel group (vLLM's MLA module)."""
-    m = shard.model
-    eps = m.rms_eps
-    n_blocks = m.completed_blocks(lw.index)
-    commit = m.starts_block(lw.index) and not res.partial_empty
-    empty = res.partial_empty or commit
-    backend.begin_layer(lw, res.partial.shape[0])
-    with rng(layer_range_name(lw.index, lw.kind)):
-        with rng("attn_res"):
-            x = backend.attn_res(res, lw.attn_res, n_blocks=n_blocks, commit=commit, delta=None, delta_mode=0,
-                                 use_partial=not empty, eps=eps)
-        with rng("mla_core"):
-            a = attention(x)
-        with rng("attn_res"):
-            x = backend.attn_res(res, lw.mlp_res, n_blocks=n_blocks, commit=False, delta=a,
-                                 delta_mode=2 if empty else 1, use_partial=True, eps=eps)
-        res.partial_empty = False
-        if isinstance(lw.mlp, DenseMLPWeights):
-            with rng("dense_mlp"):
-                out = backend.glu_mlp(x, lw.mlp.gate_up, lw.mlp.down)
-            _all_reduce(out, group)
-            res.partial.add_(out)
-            return
-        with rng("router"):
-            ids, weights = backend.router(x, lw.mlp, shard, lw.index)
-        with rng("shared_experts"):
-            shared = backend.shared_experts(x, lw.mlp)
-        with rng("routed_experts"):
-            routed = backend.routed_experts(x, ids, weights, lw.mlp, shard)
-        _all_reduce(routed, group)
-        _all_reduce(shared, group)
-        with rng("moe_tail"):
-            backend.moe_tail(routed, shared, lw.mlp, res, shard)

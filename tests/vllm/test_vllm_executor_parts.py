@@ -12,7 +12,7 @@ from kimi_decode.backends import get_backend  # noqa: E402
 from kimi_decode.config import K3, MLA, shard  # noqa: E402
 from kimi_decode.model import decode_layer  # noqa: E402
 from kimi_decode.state import init_mla_cache, init_residual  # noqa: E402
-from kimi_decode.vllm_plugin.executor import decode_layer_hosted_attention, model_config_from_hf  # noqa: E402
+from kimi_decode.vllm_plugin.executor import model_config_from_hf  # noqa: E402
 from kimi_decode.weights import init_layer  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def test_mla_layer_with_hosted_attention_equals_decode_layer():
         q, entry, gate = backend.mla_in_proj(x, lw.attn, s)
         return backend.attn_out_proj(backend.mla_core(q, entry, gate, lw.attn, cache_b, s), lw.attn)
 
-    decode_layer_hosted_attention(backend, lw, res_b, attention, s)
+    decode_layer(backend, lw, res_b, None, s, attention=attention)
     torch.testing.assert_close(res_b.partial, res_a.partial)
     torch.testing.assert_close(res_b.blocks, res_a.blocks, equal_nan=True)
     assert torch.equal(cache_b.lengths, cache_a.lengths)
