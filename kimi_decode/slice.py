@@ -13,8 +13,6 @@ group of one) they are skipped.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .backends import get_backend
@@ -23,8 +21,6 @@ from .instrument import DECODE_STEP, rng
 from .model import decode_layer
 from .state import init_kda_state, init_mla_cache, init_residual
 from .weights import init_layer
-
-log = logging.getLogger(__name__)
 
 MAX_BATCH = 64
 
