@@ -104,3 +104,18 @@ def test_a_driver_launch_nested_in_its_runtime_launch_counts_once(tmp_path):
     trace = trim_to_capture(map_graph_replays(read_kineto_json(tmp_path / "trace.json")))
     assert trace.meta["graph_mapping"].startswith("ok: 4 node(s), 2 replay(s)"), trace.meta["graph_mapping"]
     assert analyze(trace)["unattributed_kernels"] == 0
+
+
+def test_memcpy_nodes_without_replay_activity_leave_the_kernels_mapped(tmp_path):
+    """As on the H200: the captured step starts with two device-to-device copies (memcpy nodes) that Kineto does
+    not report in the replays; the kernels must still map, by kind."""
+    kineto_trace(tmp_path, steps=2)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    copies = [_x("cuda_runtime", "cudaMemcpyAsync", 101.2 + 0.2 * i, 0.1, correlation=900 + i) for i in range(2)]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events + copies}))
+    trace = trim_to_capture(map_graph_replays(read_kineto_json(tmp_path / "trace.json")))
+    assert trace.meta["graph_mapping"].startswith("ok: 4 node(s), 2 replay(s)"), trace.meta["graph_mapping"]
+    assert "memcpy" in trace.meta["graph_mapping"]
+    result = analyze(trace)
+    assert result["unattributed_kernels"] == 0
+    assert [l["kernels_per_step"] for l in result["layers"]] == [2.0, 2.0]
