@@ -30,6 +30,17 @@ def layer_range_name(index: int, kind: str) -> str:
     return f"layer[{index}]:{kind}"
 
 
+_layer_ranges: dict[tuple[int, str], "Range"] = {}
+
+
+def layer_range(index: int, kind: str) -> "Range":
+    """The `layer[{i}]:{kind}` range, built once per layer (no string formatting on later calls)."""
+    r = _layer_ranges.get((index, kind))
+    if r is None:
+        r = _layer_ranges[(index, kind)] = rng(layer_range_name(index, kind))
+    return r
+
+
 _torch_profiling = torch._C._autograd._profiler_enabled
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .config import KDA, ShardConfig
-from .instrument import layer_range_name, rng
+from .instrument import layer_range, rng
 from .state import ResidualState
 from .weights import DenseMLPWeights, LayerWeights
 
@@ -34,7 +34,7 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
     commit = m.starts_block(lw.index) and not res.partial_empty
     empty = res.partial_empty or commit
     backend.begin_layer(lw, res.partial.shape[0])
-    with rng(layer_range_name(lw.index, lw.kind)):
+    with layer_range(lw.index, lw.kind):
         with rng("attn_res"):
             x = backend.attn_res(res, lw.attn_res, n_blocks=n_blocks, commit=commit, delta=None, delta_mode=0,
                                  use_partial=not empty, eps=eps)
