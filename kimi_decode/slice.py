@@ -40,7 +40,7 @@ class DecodeSlice:
         self.device = torch.device(device)
         self.batch, self.context, self.seed, self.group = batch, context, seed, group
         self.layer_ids = list(range(first_layer, first_layer + num_layers))
-        self.backend = get_backend(backend, self.shard, batch)
+        self.backend = get_backend(backend)
         self.layers = [init_layer(self.shard, i, seed=seed, device=self.device) for i in self.layer_ids]
         self.states = [
             init_kda_state(self.shard, batch, i, seed=seed, device=self.device) if m.attention_kind(i) == KDA

@@ -6,23 +6,17 @@ it is zero: zeros would hide unwritten elements and make kernels look faster tha
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from .config import ShardConfig
 from .quant import FP8_DTYPE, fp8_quantize, fp8_scale_for
-from .weights import _Draw
+from .weights import _Draw, _Tensors
 
 
 @dataclass
-class _State:
-    def tensors(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                yield f.name, v
-
+class _State(_Tensors):
     def clone(self):
         out = copy.copy(self)
         for name, t in self.tensors():
@@ -32,9 +26,6 @@ class _State:
     def copy_(self, other) -> None:
         for name, t in self.tensors():
             t.copy_(getattr(other, name))
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors())
 
 
 @dataclass

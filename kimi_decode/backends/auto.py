@@ -47,10 +47,6 @@ class AutoBackend:
     def _use_triton(t: torch.Tensor) -> bool:
         return tk is not None and t.is_cuda
 
-    def unsupported_reason(self, shard: ShardConfig, batch: int) -> str | None:
-        """Why this backend cannot run a configuration (None: it can)."""
-        return None
-
     def begin_layer(self, lw, batch: int) -> None:
         """Called before each layer; a specialized backend picks its kernels (or falls back) here."""
 
