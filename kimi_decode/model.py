@@ -33,7 +33,7 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
     n_blocks = m.completed_blocks(lw.index)
     commit = m.starts_block(lw.index) and not res.partial_empty
     empty = res.partial_empty or commit
-    backend.begin_layer(lw, res.partial.shape[0])
+    backend.begin_layer(lw, res.partial.shape[0], reduced=group is not None and dist.get_world_size(group) > 1)
     with layer_range(lw.index, lw.kind):
         with rng("attn_res"):
             x = backend.attn_res(res, lw.attn_res, n_blocks=n_blocks, commit=commit, delta=None, delta_mode=0,

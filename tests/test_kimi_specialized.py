@@ -96,6 +96,45 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
                           torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
                           torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
                           torch.empty(E, L, I // 32, dtype=u8),
-                          torch.empty(batch * k, s.expert_inter_used, dtype=torch.bfloat16), torch.empty(batch, L),
-                          s.expert_inter_used)
+                          torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
+                          torch.empty(batch, L // 16), s.expert_inter_used)
     assert f13 is not None and f2 is not None
+
+
+@needs_cute
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_route_topk_and_rmsnorm_compile_for_sm90a(sm90a, batch):
+    from kimi_decode.kernels.rmsnorm import rmsnorm_rows
+    from kimi_decode.kernels.route_topk import RouteTopK
+    from kimi_decode.kernels import cute_common as cc
+
+    m = shard("k3", tp=16).model
+    logits, bias = torch.empty(batch, m.num_experts), torch.empty(m.num_experts)
+    ids, weights = torch.empty(batch, m.top_k, dtype=torch.int32), torch.empty(batch, m.top_k)
+    assert cc.compile_kernel(("t", batch), RouteTopK(m.num_experts, m.top_k, 1.0),
+                             *(cc.fake_like(t, align=4) for t in (logits, bias, ids, weights))) is not None
+    x, out = torch.empty(batch, m.moe_latent), torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
+    from kimi_decode.kernels.rmsnorm import RMSNormRows
+
+    assert cc.compile_kernel(("n", batch), RMSNormRows(m.moe_latent, 1e-5),
+                             *(cc.fake_like(t, align=4) for t in (x, torch.empty(m.moe_latent), out))) is not None
+    with pytest.raises(ValueError, match="bf16 out"):
+        rmsnorm_rows(x, torch.empty(m.moe_latent), torch.empty(batch, m.moe_latent), 1e-5)
+
+
+def test_gemv_split_k_only_for_few_rows():
+    from kimi_decode.kernels.gemv import WARPS, split_for
+
+    assert split_for(896, 7168) == WARPS  # router: 4 warps per row
+    assert split_for(768, 7168) == WARPS  # shared experts' gate/up
+    assert split_for(3216, 7168) == 1 and split_for(7168, 3584) == 1  # enough rows already
+    assert split_for(768, 128) == 1  # f_b: K too short to split
+
+
+def test_gemv_addend_needs_accumulate():
+    from kimi_decode.kernels.gemv import gemv
+
+    w = torch.empty(16, 64, dtype=torch.bfloat16)
+    x = torch.empty(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="addend"):
+        gemv(w, x, torch.empty(1, 16), addend=torch.empty(1, 16, dtype=torch.bfloat16))

@@ -83,7 +83,61 @@ def test_moe_mxfp4_matches_float64(tp, pad, batch):
     ids = torch.topk(scores, s.model.top_k, dim=-1).indices.int()
     weights = torch.softmax(torch.randn(batch, s.model.top_k, device="cuda", generator=g), dim=-1)
     out = torch.full((batch, s.model.moe_latent), float("nan"), device="cuda")
-    act = torch.full((batch * s.model.top_k, s.expert_inter_used), float("nan"), dtype=torch.bfloat16, device="cuda")
-    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out)
+    act = torch.full((batch * s.model.top_k, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
+    ssq = torch.full((batch, s.model.moe_latent // 16), float("nan"), device="cuda")
+    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
+              ssq=ssq)
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert rel_err(out, want) < BF16_TOL
+    assert rel_err(ssq.sum(-1), out.double().pow(2).sum(-1)) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gemv_addend_matches_float64(tp, rows):
+    from kimi_decode.kernels.gemv import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(500 + tp + rows)
+    s = shard("k3", tp=tp)
+    n, k = s.model.hidden, s.model.moe_latent  # the latent up-projection with the shared experts' output
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    y0 = torch.randn(rows, n, device="cuda", generator=g)
+    y = y0.clone()
+    gemv(w, x, y, accumulate=True, addend=add)
+    assert rel_err(y, y0.double() + x.double() @ w.double().T + add.double()) < 1e-4
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_route_topk_matches_reference(batch):
+    from kimi_decode.kernels.route_topk import route_topk
+    from kimi_decode.testing import check_routing
+
+    s = shard("k3", tp=16)
+    m = s.model
+    g = torch.Generator(device="cuda").manual_seed(900 + batch)
+    logits = torch.randn(batch, m.num_experts, device="cuda", generator=g) * 3
+    bias = torch.randn(m.num_experts, device="cuda", generator=g) * 0.1
+    ids = torch.full((batch, m.top_k), -1, dtype=torch.int32, device="cuda")
+    weights = torch.full((batch, m.top_k), float("nan"), device="cuda")
+    route_topk(logits, bias, ids, weights, scaling=2.5)
+    scores = torch.sigmoid(logits.double())
+    check_routing(scores + bias.double(), ids.long(), tie=1e-6)
+    want = scores.gather(-1, ids.long())
+    assert rel_err(weights, want / want.sum(-1, keepdim=True) * 2.5) < 1e-5
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_rmsnorm_rows_matches_float64(batch):
+    from kimi_decode.kernels.rmsnorm import rmsnorm_rows
+
+    g = torch.Generator(device="cuda").manual_seed(700 + batch)
+    L = shard("k3", tp=16).model.moe_latent
+    x = torch.randn(batch, L, device="cuda", generator=g) * 5
+    w = 1 + 0.1 * torch.randn(L, device="cuda", generator=g)
+    out = torch.full((batch, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+    rmsnorm_rows(x, w, out, 1e-5)
+    xd = x.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert rel_err(out, want) < 1e-2

@@ -47,8 +47,9 @@ class AutoBackend:
     def _use_triton(t: torch.Tensor) -> bool:
         return tk is not None and t.is_cuda
 
-    def begin_layer(self, lw, batch: int) -> None:
-        """Called before each layer; a specialized backend picks its kernels (or falls back) here."""
+    def begin_layer(self, lw, batch: int, reduced: bool = False) -> None:
+        """Called before each layer; a specialized backend picks its kernels (or falls back) here. `reduced`: the
+        layer's partial results are all-reduced across ranks between stages (tensor parallel over several GPUs)."""
 
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w: AttnResWeights, *, n_blocks: int, commit: bool,

@@ -4,10 +4,14 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
   (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual;
 - the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
-- the routed experts: two MXFP4 kernels that read only the selected experts' unpadded rows, the second one doing
-  the weighted sum over experts in registers (`kernels/moe_mxfp4.py`).
+- routing: the router GEMV, then one kernel for sigmoid, bias, top-k and renormalisation (`kernels/route_topk.py`);
+- the routed experts: two MXFP4 tensor-core kernels that read only the selected experts' unpadded rows, the second
+  one doing the weighted sum over experts in registers (`kernels/moe_mxfp4.py`);
+- the MoE tail: one GEMV that normalises the routed sum in its prologue (the expert kernel leaves partial sums of
+  squares) and adds the up-projection and the shared experts' output into the residual in its epilogue; with a
+  cross-rank all-reduce of the routed sum in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`).
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), batches over 8 (no tensor-core
-CuTe kernel yet), no CUDA device or no cutlass-dsl. Routing top-k and AttnRes are still the generic path's.
+CuTe kernel yet), no CUDA device or no cutlass-dsl. AttnRes is still the generic path's.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ class LatencySpecializedBackend(AutoBackend):
         super().__init__(poison)
         self._attn_fast = False
         self._mlp_fast = False
+        self._fused_norm = False
+        self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
 
     @staticmethod
     def _fallback(reason: str) -> None:
@@ -41,7 +47,7 @@ class LatencySpecializedBackend(AutoBackend):
             _said.add(reason)
             log.warning("latency_specialized: %s; running auto there", reason)
 
-    def begin_layer(self, lw, batch: int) -> None:
+    def begin_layer(self, lw, batch: int, reduced: bool = False) -> None:
         device_ok = cute_common.HAVE_CUTE and lw.attn_res.query.is_cuda
         if not cute_common.HAVE_CUTE:
             self._fallback("cutlass-dsl is not installed")
@@ -54,6 +60,9 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback("MLA attention is not specialized yet")
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
+        # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
+        self._fused_norm = self._mlp_fast and not reduced
+        self._ssq = None
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16) -> torch.Tensor:
         from ..kernels.gemv import gemv
@@ -86,6 +95,19 @@ class LatencySpecializedBackend(AutoBackend):
     def router_logits(self, x, w: MoEWeights):
         return self._gemv(x, w.router, torch.float32) if self._mlp_fast else super().router_logits(x, w)
 
+    def router(self, x, w: MoEWeights, shard: ShardConfig, layer: int):
+        if not self._mlp_fast:
+            return super().router(x, w, shard, layer)
+        from ..kernels.route_topk import route_topk
+
+        m = shard.model
+        logits = self.router_logits(x, w)
+        ids = self._empty(x.shape[0], m.top_k, dtype=torch.int32, device=x.device)
+        weights = self._empty(x.shape[0], m.top_k, dtype=torch.float32, device=x.device)
+        route_topk(logits, w.router_bias, ids, weights, scaling=m.routed_scaling)
+        self.last_routes[layer] = ids
+        return ids, weights
+
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
@@ -101,17 +123,23 @@ class LatencySpecializedBackend(AutoBackend):
 
         B, k = ids.shape
         used = shard.expert_inter_used
-        act = self._empty(B * k, used, device=x.device)
-        out = self._empty(B, w.w2.shape[1], dtype=torch.float32, device=x.device)
+        L = w.w2.shape[1]
+        act = self._empty(B * k, used, dtype=torch.float16, device=x.device)
+        out = self._empty(B, L, dtype=torch.float32, device=x.device)
+        self._ssq = self._empty(B, L // 16, dtype=torch.float32, device=x.device)
         return moe_mxfp4(self.latent_down(x, w), ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used,
-                         act=act, out=out)
+                         act=act, out=out, ssq=self._ssq)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if not self._mlp_fast:
             return super().moe_tail(routed, shared, w, res, shard)
         from ..kernels.gemv import gemv
+        from ..kernels.rmsnorm import rmsnorm_rows
 
-        m = shard.model
-        normed = torch.nn.functional.rms_norm(routed, (m.moe_latent,), w.latent_norm, m.rms_eps).to(BF16)
-        res.partial.add_(shared)
-        gemv(w.up, normed, res.partial, accumulate=True)
+        if self._fused_norm:  # one kernel: RMSNorm of the routed sum in the up-projection's prologue
+            gemv(w.up, routed, res.partial, accumulate=True, addend=shared,
+                 norm=(w.latent_norm, self._ssq, shard.model.rms_eps))
+            return
+        normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
+                              shard.model.rms_eps)
+        gemv(w.up, normed, res.partial, accumulate=True, addend=shared)

@@ -2,6 +2,12 @@
 
 Kernels are compiled once per shape key against fake tensors (so the same code path compiles for `sm_90a` on a
 machine without a GPU), cached in-process, and launched on the current torch stream so CUDA graphs capture them.
+
+Programmatic dependent launch (PDL): with `pdl_enabled()` (default on; `KIMI_DECODE_PDL=0` turns it off, for
+measuring it), every kernel is launched with programmatic stream serialisation and starts with `pdl_entry()`: it lets
+the next kernel launch at once, may prefetch its own weights into L2 (they do not depend on the previous kernel),
+and then waits for the previous kernel's results. Consecutive CuTe kernels thus overlap one's launch and weight
+fetch with the other's tail; after a kernel that does not take part (Triton, cuBLAS) the wait returns at once.
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ if HAVE_CUTE:
 _cache: dict[tuple, Callable] = {}
 
 
+def pdl_enabled() -> bool:
+    return os.environ.get("KIMI_DECODE_PDL", "1") != "0"
+
+
 def cute_dtype(dtype: torch.dtype):
     return _TORCH_TO_CUTE[dtype]
 
@@ -51,7 +61,9 @@ def target_arch() -> str | None:
 
 
 def compile_kernel(key: tuple, op, *fake_args):
-    """Compile `op` for `fake_args` once per `key` (cached in-process)."""
+    """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` is set from `pdl_enabled()`."""
+    op.pdl = pdl_enabled()
+    key = (*key, op.pdl)
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()
@@ -67,3 +79,20 @@ def launch(fn, *tensors: torch.Tensor, align: int = 16) -> None:
     """
     stream = cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
     fn(*(from_dlpack(t, assumed_align=align) for t in tensors), stream)
+
+
+if HAVE_CUTE:
+    from cutlass._mlir.dialects import llvm as _llvm
+
+    def prefetch_l2(tensor) -> None:
+        """Ask L2 for the 128-byte line holding `tensor`'s first element (global memory)."""
+        _llvm.inline_asm(None, [tensor.iterator.toint().ir_value()], "prefetch.global.L2 [$0];", "l",
+                         has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
+
+    def pdl_launch_dependents(pdl: bool) -> None:
+        if pdl:
+            cute.arch.griddepcontrol_launch_dependents()
+
+    def pdl_wait(pdl: bool) -> None:
+        if pdl:
+            cute.arch.griddepcontrol_wait()

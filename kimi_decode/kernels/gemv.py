@@ -1,9 +1,12 @@
 """Small-batch projection (1 to 8 rows) on CUDA cores: y[m, n] = sum_k x[m, k] * W[n, k], bf16 in, fp32 accumulate.
 
-Each warp owns one output row n and streams W[n, :] with 16-byte loads (8 bf16 per lane, 256 per warp and
-iteration); the few activation rows stay in L1. At batch <= 8 the weights are the only bytes that matter, and a
-warp per row keeps thousands of independent 16-byte loads in flight. The epilogue either stores y (bf16 or fp32) or
-adds it into an fp32 residual (`accumulate=True`), which fuses the residual update of output projections.
+Each warp streams one output row n of W with 16-byte loads (8 bf16 per lane, 256 per warp and iteration); the few
+activation rows stay in L1. At batch <= 8 the weights are the only bytes that matter, and enough independent 16-byte
+loads must be in flight to cover the memory latency: when W has few rows (the router's 896, the shared experts' 768)
+the 4 warps of a CTA split one row's K between them (split-K inside the CTA, partial sums added through shared
+memory), so four times as many warps stream the same bytes. The epilogue either stores y (bf16 or fp32) or adds it
+into an fp32 residual (`accumulate=True`), optionally with a bf16 addend (`y += x @ W.T + addend`), which fuses the
+residual update of output projections.
 """
 from __future__ import annotations
 
@@ -11,79 +14,170 @@ import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
+if HAVE_CUTE:
+    from .cute_common import pdl_launch_dependents, pdl_wait, prefetch_l2
+
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
 MAX_ROWS = 8
+PREFETCH_ITERS = 4  # loop iterations of weights asked of L2 while waiting for the previous kernel (PDL)
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     class SmallBatchGemv:
-        def __init__(self, M: int, K: int, accumulate: bool):
-            self.M, self.K, self.accumulate = M, K, accumulate
-            self.iters = -(-K // (32 * VEC))
+        """`normed`: x is fp32 and enters as bf16(x * rsqrt(mean(x**2) + eps) * norm_w), the mean coming from
+        partial sums of squares `ssq` [M, parts] written by the kernel that produced x."""
+
+        def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, normed: bool = False,
+                     parts: int = 0, eps: float = 0.0):
+            self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
+            self.normed, self.parts, self.eps = normed, parts, eps
+            self.split = split_for(N, K)
+            self.rows = WARPS // self.split  # output rows per CTA
+            self.iters = -(-(-(-K // (32 * VEC))) // self.split)  # iterations of one K slice
 
         @cute.jit
-        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, stream):
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor,
+                     mNorm: cute.Tensor, mSsq: cute.Tensor, stream):
             gW = cute.zipped_divide(mW, (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
+            gN = cute.zipped_divide(mNorm, (VEC,))
             N = mW.shape[0]
-            self.kernel(gW, gX, mY, N).launch(grid=[cute.ceil_div(N, WARPS), 1, 1], block=[32 * WARPS, 1, 1],
-                                              stream=stream)
+            self.kernel(gW, gX, mY, mAdd, gN, mSsq, N).launch(grid=[cute.ceil_div(N, self.rows), 1, 1],
+                                                              block=[32 * WARPS, 1, 1], stream=stream,
+                                                              use_pdl=self.pdl)
 
         @cute.kernel
-        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, N: Int32):
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, gN: cute.Tensor,
+                   mSsq: cute.Tensor, N: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             lane = tidx % 32
-            n = bidx * WARPS + tidx // 32
+            warp = tidx // 32
+            n = bidx * self.rows + warp // self.split
+            part = warp % self.split
+            pdl_launch_dependents(self.pdl)
+            if cutlass.const_expr(self.pdl):  # the weights do not depend on the previous kernel: start them
+                if n < N:
+                    for it in cutlass.range_constexpr(PREFETCH_ITERS):
+                        kk = (part * self.iters + it) * 32 + lane
+                        if kk * VEC < self.K:
+                            prefetch_l2(gW[(None, (n, kk))])
+            pdl_wait(self.pdl)
             acc = cute.make_rmem_tensor((self.M,), Float32)
             acc.fill(0.0)
+            rstd = cute.make_rmem_tensor((self.M,), Float32)
+            if cutlass.const_expr(self.normed):
+                for m in cutlass.range_constexpr(self.M):
+                    q = Float32(0.0)
+                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
+                        if lane + 32 * i < self.parts:
+                            q = q + mSsq[m, lane + 32 * i]
+                    q = cute.arch.warp_reduction(q, lambda a, b: a + b)
+                    rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
             if n < N:
                 for it in cutlass.range(self.iters, unroll=4):
-                    kk = it * 32 + lane
+                    kk = (part * self.iters + it) * 32 + lane
                     if kk * VEC < self.K:
                         tW = gW[(None, (n, kk))]
                         rW = cute.make_rmem_tensor_like(tW)
                         cute.autovec_copy(tW, rW)
                         w = rW.load().to(Float32)
-                        for m in cutlass.range_constexpr(self.M):
-                            tX = gX[(None, (m, kk))]
-                            rX = cute.make_rmem_tensor_like(tX)
-                            cute.autovec_copy(tX, rX)
-                            acc[m] = acc[m] + (w * rX.load().to(Float32)).reduce(
-                                cute.ReductionOp.ADD, Float32(0.0), 0)
-                for m in cutlass.range_constexpr(self.M):
-                    total = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
-                    if lane == 0:
-                        if cutlass.const_expr(self.accumulate):
-                            mY[m, n] = mY[m, n] + total
+                        if cutlass.const_expr(self.normed):
+                            tN = gN[(None, kk)]
+                            rN = cute.make_rmem_tensor_like(tN)
+                            cute.autovec_copy(tN, rN)
+                            nw = rN.load()
+                            for m in cutlass.range_constexpr(self.M):
+                                tX = gX[(None, (m, kk))]
+                                rX = cute.make_rmem_tensor_like(tX)
+                                cute.autovec_copy(tX, rX)
+                                xn = (rX.load() * nw * rstd[m]).to(cutlass.BFloat16).to(Float32)
+                                acc[m] = acc[m] + (w * xn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                         else:
-                            mY[m, n] = total.to(mY.element_type)
+                            for m in cutlass.range_constexpr(self.M):
+                                tX = gX[(None, (m, kk))]
+                                rX = cute.make_rmem_tensor_like(tX)
+                                cute.autovec_copy(tX, rX)
+                                acc[m] = acc[m] + (w * rX.load().to(Float32)).reduce(
+                                    cute.ReductionOp.ADD, Float32(0.0), 0)
+            for m in cutlass.range_constexpr(self.M):
+                acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
+            if cutlass.const_expr(self.split > 1):
+                smem = cutlass.utils.SmemAllocator()
+                red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, self.M)), 16)
+                if lane == 0:
+                    for m in cutlass.range_constexpr(self.M):
+                        red[warp, m] = acc[m]
+                cute.arch.barrier()
+                if lane == 0 and part == 0:
+                    for m in cutlass.range_constexpr(self.M):
+                        total = Float32(0.0)
+                        for i in cutlass.range_constexpr(self.split):
+                            total = total + red[warp + i, m]
+                        acc[m] = total
+            if n < N and lane == 0 and part == 0:
+                for m in cutlass.range_constexpr(self.M):
+                    if cutlass.const_expr(self.accumulate):
+                        if cutlass.const_expr(self.addend):
+                            mY[m, n] = mY[m, n] + acc[m] + mAdd[m, n].to(Float32)
+                        else:
+                            mY[m, n] = mY[m, n] + acc[m]
+                    else:
+                        mY[m, n] = acc[m].to(mY.element_type)
 
 
-def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+def split_for(N: int, K: int) -> int:
+    """Warps per output row: split K while the grid has few warps (under 4096) and each slice keeps >= 1024 of K."""
+    split = 1
+    while split < WARPS and N * split * 2 <= 4096 and K // (split * 2) >= 1024:
+        split *= 2
+    return split
+
+
+def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, norm) -> None:
     M, K = x.shape
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"small-batch GEMV takes 1..{MAX_ROWS} rows, got {M}")
     if w.shape[1] != K or y.shape != (M, w.shape[0]):
         raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
-    if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or K % VEC:
-        raise ValueError("W and x must be bf16 with K a multiple of 8")
+    x_dtype = torch.float32 if norm is not None else torch.bfloat16
+    if w.dtype != torch.bfloat16 or x.dtype != x_dtype or K % VEC:
+        raise ValueError(f"W must be bf16 and x {x_dtype} with K a multiple of 8")
     if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % VEC or x.stride(0) % VEC:
         raise ValueError("rows must be contiguous and 16-byte aligned")
     if accumulate and y.dtype != torch.float32:
         raise ValueError("accumulating into y needs an fp32 y")
+    if addend is not None and (not accumulate or addend.shape != y.shape or addend.dtype != torch.bfloat16
+                               or addend.stride(1) != 1):
+        raise ValueError("an addend needs accumulate=True and a bf16 tensor shaped like y")
+    if norm is not None:
+        weight, ssq, _ = norm
+        if weight.shape != (K,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+            raise ValueError("the norm weight must be fp32 [K]")
+        if ssq.dim() != 2 or ssq.shape[0] != M or ssq.dtype != torch.float32 or not ssq.is_contiguous():
+            raise ValueError("the partial sums of squares must be fp32 [M, parts]")
 
 
-def compile_gemv(w, x, y, accumulate: bool = False):
-    key = ("gemv", accumulate, *signature(w, x, y))
-    return compile_kernel(key, SmallBatchGemv(x.shape[0], x.shape[1], accumulate), fake_like(w), fake_like(x),
-                          fake_like(y))
+def compile_gemv(w, x, y, accumulate: bool = False, addend=None, norm=None):
+    extra = addend if addend is not None else y
+    weight, ssq, eps = norm if norm is not None else (y[0], y, 0.0)
+    key = ("gemv", accumulate, addend is not None, norm is not None, float(eps),
+           *signature(w, x, y, extra, weight, ssq))
+    op = SmallBatchGemv(x.shape[0], w.shape[0], x.shape[1], accumulate, addend is not None, norm is not None,
+                        ssq.shape[1] if norm is not None else 0, float(eps))
+    return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, weight, ssq)))
 
 
-def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
-    """y = x @ w.T (or y += x @ w.T with `accumulate`), written in place on the current stream."""
-    _check(w, x, y, accumulate)
-    launch(compile_gemv(w, x, y, accumulate), w, x, y)
+def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False,
+         addend: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+    """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, written in place on the current stream.
+
+    `norm=(weight, ssq, eps)` takes an fp32 x and multiplies by RMSNorm(x) * weight rounded to bf16 instead, the
+    row's sum of squares being ssq[m].sum() (partial sums left by the producer of x)."""
+    _check(w, x, y, accumulate, addend, norm)
+    weight, ssq, _ = norm if norm is not None else (y[0], y, 0.0)
+    launch(compile_gemv(w, x, y, accumulate, addend, norm), w, x, y, addend if addend is not None else y, weight,
+           ssq)
     return y

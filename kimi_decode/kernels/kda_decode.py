@@ -16,6 +16,9 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
+    from .cute_common import pdl_launch_dependents, pdl_wait
+
+if HAVE_CUTE:
     from cutlass import Float32
 
     # math on explicit Float32 values: cutlass-dsl 4.3.5 hands back raw MLIR values from mixed Python-float arithmetic
@@ -40,7 +43,7 @@ if HAVE_CUTE:
                      out: cute.Tensor, stream):
             B = y.shape[0]
             self.kernel(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out).launch(
-                grid=[self.H, B, 1], block=[self.D, 1, 1], stream=stream)
+                grid=[self.H, B, 1], block=[self.D, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.jit
         def _block_sum2(self, a: Float32, b: Float32, red: cute.Tensor):
@@ -67,6 +70,8 @@ if HAVE_CUTE:
                    out: cute.Tensor):
             t, _, _ = cute.arch.thread_idx()
             h, b, _ = cute.arch.block_idx()
+            pdl_launch_dependents(self.pdl)
+            pdl_wait(self.pdl)
             D = self.D
             smem = cutlass.utils.SmemAllocator()
             sQ = smem.allocate_tensor(Float32, cute.make_layout(D), 16)

@@ -1,14 +1,22 @@
 """Routed experts at small batch with MXFP4 weights dequantised in registers, in two kernels and no padding.
 
-`moe_w13_act`: for each (token, selected expert) and each intermediate row j, a warp computes the w1 and w3 rows
-against the token's latent vector and writes SiTU-GLU(h1, h3). `moe_w2_sum`: for each token and each latent row r, a
-warp sums, over the token's k experts, routing weight x (w2 row r . activation): the weighted sum over experts
-happens in registers, so no per-expert output and no reduction kernel.
+`moe_w13_act`: for each (token, selected expert) pair and each intermediate row j, the w1 and w3 rows against the
+token's latent vector, then SiTU-GLU(h1, h3) -> act (fp16). `moe_w2_sum`: for each token and latent row r, the sum
+over the token's k experts of routing weight x (w2 row r . act): the weighted sum over experts happens in registers,
+so there is no per-expert output and no reduction kernel.
 
-Each lane works on 16-byte chunks of packed weights: 32 e2m1 codes sharing one ue8m0 scale (one MX group), so a
-16-byte load, one scale byte and 32 activations make one unit of work. Codes become floats with integer arithmetic
-(value * 2 = ((2 + m) << e) >> 1, zero for code 0) and the group's scale 2**(s - 128) is applied once per chunk.
-Only the expert rows the math needs are read: padded intermediate rows (TP16 stores 256, uses 192) are skipped.
+The arithmetic runs on tensor cores (`mma.sync m16n8k16`, fp16 operands, fp32 accumulation), which turns the
+dequantisation into a few integer operations per code: the e2m1 code (sign, 2-bit exponent, 1-bit mantissa) shifted
+into an fp16's sign, exponent and mantissa fields is the code's value times 2**-14, exactly (code 1, value 0.5, lands
+on the fp16 subnormal 2**-15). The 2**14 is folded into the group's ue8m0 scale, applied in fp32 once per 32 codes.
+
+Layout of one warp's work: a tile of 16 weight rows by one MX group (32 codes). Lane (g, t) = (lane // 4, lane % 4)
+loads the 4-byte word t of the group's 16 bytes for rows g and g + 8, which holds codes 8t..8t+7; mma k-slots are
+assigned so that those eight codes pair with activations 8t..8t+7 of the same lane (the dot product does not care
+about the order of k). The 8 warps of a CTA split the K groups between them and add their partial sums through
+shared memory. The activation operand carries the same token in all 8 mma columns, so column 0 (lanes with t = 0)
+holds the result. Only the expert rows the math needs are read: padded intermediate rows (TP16 stores 256, uses
+192) are skipped.
 """
 from __future__ import annotations
 
@@ -16,163 +24,241 @@ import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
-GROUP = 32  # codes per MX group = per 16-byte chunk
-WARPS = 4
+if HAVE_CUTE:
+    from .cute_common import pdl_launch_dependents, pdl_wait
+
+GROUP = 32  # codes per MX group = 16 bytes = 4 words
+WARPS = 8  # K slices per CTA
+ROWS13 = 8  # intermediate rows per w13 CTA (w1 rows in mma rows 0-7, the matching w3 rows in 8-15)
+ROWS2 = 16  # latent rows per w2 CTA
+F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
+
+# e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
+# (i, i + 4) for i = 0..3, each as value * 2**-14: magnitude bits to fp16 bits 9-11 (lo) / 25-27 (hi), sign to 15 / 31.
+_DEQUANT = """
+    shl.b32 t0, {w}, 9;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 12; and.b32 t1, t1, 0x80008000; or.b32 {h}0, t0, t1;
+    shl.b32 t0, {w}, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 8;  and.b32 t1, t1, 0x80008000; or.b32 {h}1, t0, t1;
+    shl.b32 t0, {w}, 1;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 4;  and.b32 t1, t1, 0x80008000; or.b32 {h}2, t0, t1;
+    shr.u32 t0, {w}, 3;  and.b32 t0, t0, 0x0E000E00;  and.b32 t1, {w}, 0x80008000; or.b32 {h}3, t0, t1;
+"""
+# Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
+# (x0,x4) (x1,x5) (x2,x6) (x3,x7), matching the dequantised codes. From bf16 pairs: widen to fp32, round to fp16.
+_B_FROM_BF16 = """
+    shl.b32 f0, $6, 16; and.b32 f1, $6, 0xFFFF0000; shl.b32 f2, $7, 16; and.b32 f3, $7, 0xFFFF0000;
+    shl.b32 f4, $8, 16; and.b32 f5, $8, 0xFFFF0000; shl.b32 f6, $9, 16; and.b32 f7, $9, 0xFFFF0000;
+    cvt.rn.f16x2.f32 b0, f4, f0; cvt.rn.f16x2.f32 b1, f5, f1; cvt.rn.f16x2.f32 b2, f6, f2; cvt.rn.f16x2.f32 b3, f7, f3;
+"""
+_B_FROM_F16 = """
+    prmt.b32 b0, $6, $8, 0x5410; prmt.b32 b1, $6, $8, 0x7632; prmt.b32 b2, $7, $9, 0x5410; prmt.b32 b3, $7, $9, 0x7632;
+"""
+
+
+def _group_mma_asm(bf16_activations: bool) -> str:
+    """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8, $6..$9 the activations;
+    outputs $0..$3 the fp32 accumulator fragment (c0, c1: row g; c2, c3: row g + 8), unscaled."""
+    return ("{\n .reg .b32 t0, t1, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
+            + _DEQUANT.format(w="$4", h="ha") + _DEQUANT.format(w="$5", h="hb")
+            + (_B_FROM_BF16 if bf16_activations else _B_FROM_F16)
+            + " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {ha0, hb0, ha1, hb1}, {b0, b1},"
+              " {z, z, z, z};\n"
+              " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {ha2, hb2, ha3, hb3}, {b2, b3},"
+              " {e0, e1, e2, e3};\n}")
+
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    def _group_mma(wa, wb, xs, bf16_activations: bool):
+        """(row g, row g + 8) partial dot products of one MX group, before its scale."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+            [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(x).ir_value() for x in xs],
+            _group_mma_asm(bf16_activations), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False,
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        return Float32(llvm.extractvalue(T.f32(), res, [0])), Float32(llvm.extractvalue(T.f32(), res, [2]))
+
+    def _scale(s):
+        """2**(s - 127) * 2**14 as fp32, built from its bits (s is a ue8m0 byte, 0..254)."""
+        return Float32(llvm.inline_asm(T.f32(), [Int32(s).ir_value()],
+                                       "{\n .reg .b32 t;\n add.u32 t, $1, %d;\n shl.b32 $0, t, 23;\n}" % F16_SHIFT,
+                                       "=f,r", has_side_effects=False, is_align_stack=False,
+                                       asm_dialect=llvm.AsmDialect.AD_ATT))
 
     @cute.jit
-    def _code_value(code: Int32) -> Float32:
-        """2 * e2m1 value of a 4-bit code, as Float32 (the caller folds the 0.5 into the scale)."""
-        mag = code & 7
-        e = mag >> 1
-        m = mag & 1
-        v = (((m + 2) << e) >> 1) + ((mag + 7) >> 3) - 1
-        return Float32(v * (1 - 2 * (code >> 3)))
-
-    @cute.jit
-    def _chunk_dot(w_bytes: cute.Tensor, x: cute.Tensor) -> Float32:
-        """sum over 32 codes (16 bytes, low nibble first) of 2*value(code) * x (32 Float32 values)."""
-        acc = Float32(0.0)
-        for i in cutlass.range_constexpr(GROUP // 2):
-            byte = Int32(w_bytes[i])
-            acc = acc + _code_value(byte & 15) * x[2 * i] + _code_value(byte >> 4) * x[2 * i + 1]
-        return acc
-
-    @cute.jit
-    def _scale(s) -> Float32:
-        return cute.math.exp2(Float32(Int32(s)) - Float32(128.0))
+    def _load4(tile: cute.Tensor):
+        r = cute.make_rmem_tensor_like(tile)
+        cute.autovec_copy(tile, r)
+        return r
 
     class MoEW13Act:
-        """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used_inter."""
+        """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int):
-            self.L, self.I, self.used, self.topk = latent, inter, used, topk
-            self.chunks = latent // GROUP
+            self.I, self.used, self.topk = inter, used, topk
+            self.groups = latent // GROUP
+            self.per_warp = -(-self.groups // WARPS)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
                      act: cute.Tensor, stream):
             P = act.shape[0]
-            gW = cute.zipped_divide(w, (1, 1, GROUP // 2))  # ((1,1,16), (E, 2I, chunks))
-            gX = cute.zipped_divide(x, (1, GROUP))  # ((1,32), (B, chunks))
-            self.kernel(gX, ids, gW, w_scale, act).launch(
-                grid=[cute.ceil_div(self.used, WARPS), P, 1], block=[32 * WARPS, 1, 1], stream=stream)
+            gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
+            self.kernel(gX, ids, w, w_scale, act).launch(
+                grid=[self.used // ROWS13, P, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
-        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
-                   act: cute.Tensor):
+        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, p, _ = cute.arch.block_idx()
+            pdl_launch_dependents(self.pdl)
+            pdl_wait(self.pdl)
+            warp = tidx // 32
             lane = tidx % 32
-            j = bx * WARPS + tidx // 32
+            g = lane // 4
+            t = lane % 4
+            j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
-            if j < self.used:
-                for it in cutlass.range_constexpr(-(-self.chunks // 32)):
-                    c = it * 32 + lane
-                    if c < self.chunks:
-                        t1 = gW[(None, (e, j, c))]
-                        r1 = cute.make_rmem_tensor_like(t1)
-                        cute.autovec_copy(t1, r1)
-                        t3 = gW[(None, (e, self.I + j, c))]
-                        r3 = cute.make_rmem_tensor_like(t3)
-                        cute.autovec_copy(t3, r3)
-                        tx = gX[(None, (b, c))]
-                        rx = cute.make_rmem_tensor_like(tx)
-                        cute.autovec_copy(tx, rx)
-                        xf = cute.make_rmem_tensor((GROUP,), Float32)
-                        xf.store(rx.load().to(Float32))
-                        acc1 = acc1 + _chunk_dot(r1, xf) * _scale(w_scale[e, j, c])
-                        acc3 = acc3 + _chunk_dot(r3, xf) * _scale(w_scale[e, self.I + j, c])
-                h1 = cute.arch.warp_reduction(acc1, lambda a, z: a + z)
-                h3 = cute.arch.warp_reduction(acc3, lambda a, z: a + z)
-                if lane == 0:
-                    # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
-                    gate = Float32(4.0) * cute.math.tanh(h1 * Float32(0.25)) / (
-                        Float32(1.0) + cute.math.exp(Float32(0.0) - h1))
-                    up = Float32(25.0) * cute.math.tanh(h3 * Float32(0.04))
-                    act[p, j] = (gate * up).to(act.element_type)
+            for it in cutlass.range_constexpr(self.per_warp):
+                G = warp * self.per_warp + it
+                if G < self.groups:
+                    xs = _load4(gX[(None, (b, G * 4 + t))])
+                    d1, d3 = _group_mma(w[e, j, G * 4 + t], w[e, self.I + j, G * 4 + t],
+                                        [xs[0], xs[1], xs[2], xs[3]], True)
+                    acc1 = acc1 + d1 * _scale(w_scale[e, j, G])
+                    acc3 = acc3 + d3 * _scale(w_scale[e, self.I + j, G])
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, WARPS)), 16)
+            if t == 0:
+                red[g, warp] = acc1
+                red[ROWS13 + g, warp] = acc3
+            cute.arch.barrier()
+            if warp == 0 and t == 0:
+                h1 = Float32(0.0)
+                h3 = Float32(0.0)
+                for i in cutlass.range_constexpr(WARPS):
+                    h1 = h1 + red[g, i]
+                    h3 = h3 + red[ROWS13 + g, i]
+                # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
+                gate = Float32(4.0) * cute.math.tanh(h1 * Float32(0.25)) / (
+                    Float32(1.0) + cute.math.exp(Float32(0.0) - h1))
+                up = Float32(25.0) * cute.math.tanh(h3 * Float32(0.04))
+                act[p, j] = (gate * up).to(act.element_type)
 
     class MoEW2Sum:
         """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used])."""
 
         def __init__(self, used: int, topk: int):
-            self.used, self.topk = used, topk
-            self.chunks = used // GROUP
+            self.topk = topk
+            self.groups = used // GROUP
+            self.items = topk * self.groups
+            self.per_warp = -(-self.items // WARPS)
 
         @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
-                     w_scale: cute.Tensor, out: cute.Tensor, stream):
+                     w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, stream):
             B, L = out.shape
-            gW = cute.zipped_divide(w, (1, 1, GROUP // 2))  # ((1,1,16), (E, L, I/32))
-            gA = cute.zipped_divide(act, (1, GROUP))  # ((1,32), (P, used/32 or more))
-            self.kernel(gA, ids, weights, gW, w_scale, out, L).launch(
-                grid=[cute.ceil_div(L, WARPS), B, 1], block=[32 * WARPS, 1, 1], stream=stream)
+            gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
+            self.kernel(gA, ids, weights, w, w_scale, out, ssq).launch(
+                grid=[L // ROWS2, B, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
-        def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, gW: cute.Tensor,
-                   w_scale: cute.Tensor, out: cute.Tensor, L: Int32):
+        def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
+                   w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, b, _ = cute.arch.block_idx()
+            pdl_launch_dependents(self.pdl)
+            pdl_wait(self.pdl)
+            warp = tidx // 32
             lane = tidx % 32
-            r = bx * WARPS + tidx // 32
-            acc = Float32(0.0)
-            items = self.topk * self.chunks
-            if r < L:
-                for it in cutlass.range_constexpr(-(-items // 32)):
-                    item = it * 32 + lane
-                    if item < items:
-                        j = item // self.chunks
-                        c = item % self.chunks
-                        e = ids[b, j]
-                        tw = gW[(None, (e, r, c))]
-                        rw = cute.make_rmem_tensor_like(tw)
-                        cute.autovec_copy(tw, rw)
-                        ta = gA[(None, (b * self.topk + j, c))]
-                        ra = cute.make_rmem_tensor_like(ta)
-                        cute.autovec_copy(ta, ra)
-                        af = cute.make_rmem_tensor((GROUP,), Float32)
-                        af.store(ra.load().to(Float32))
-                        acc = acc + weights[b, j] * _chunk_dot(rw, af) * _scale(w_scale[e, r, c])
-                total = cute.arch.warp_reduction(acc, lambda a, z: a + z)
+            g = lane // 4
+            t = lane % 4
+            ra = bx * ROWS2 + g
+            rb = ra + ROWS2 // 2
+            acc_a = Float32(0.0)
+            acc_b = Float32(0.0)
+            for it in cutlass.range_constexpr(self.per_warp):
+                item = warp * self.per_warp + it
+                if item < self.items:
+                    k = item // self.groups
+                    G = item % self.groups
+                    e = ids[b, k]
+                    xs = _load4(gA[(None, (b * self.topk + k, G * 4 + t))])
+                    da, db = _group_mma(w[e, ra, G * 4 + t], w[e, rb, G * 4 + t], [xs[0], xs[1], xs[2], xs[3]],
+                                        False)
+                    wt = weights[b, k]
+                    acc_a = acc_a + da * (wt * _scale(w_scale[e, ra, G]))
+                    acc_b = acc_b + db * (wt * _scale(w_scale[e, rb, G]))
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, WARPS)), 16)
+            if t == 0:
+                red[g, warp] = acc_a
+                red[ROWS2 // 2 + g, warp] = acc_b
+            cute.arch.barrier()
+            if warp == 0:
+                sa = Float32(0.0)
+                sb = Float32(0.0)
+                if t == 0:
+                    for i in cutlass.range_constexpr(WARPS):
+                        sa = sa + red[g, i]
+                        sb = sb + red[ROWS2 // 2 + g, i]
+                    out[b, ra] = sa
+                    out[b, rb] = sb
+                # this tile's share of the row's sum of squares, for the RMSNorm that follows
+                q = cute.arch.warp_reduction(sa * sa + sb * sb, lambda x, y: x + y)
                 if lane == 0:
-                    out[b, r] = total
+                    ssq[b, bx] = q
 
 
-def _check(latent, ids, w13, w13_scale, w2, w2_scale, used):
+def _check(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out):
     E, two_i, half_l = w13.shape
-    if latent.shape[1] != 2 * half_l or latent.shape[1] % GROUP or used % GROUP or used > two_i // 2:
+    L = latent.shape[1]
+    if L != 2 * half_l or L % GROUP or L % ROWS2 or used % GROUP or used > two_i // 2:
         raise ValueError("MoE MXFP4: latent width and expert slice must be multiples of 32 and chain")
+    if w2.shape[:2] != (E, L) or 2 * w2.shape[2] < used:
+        raise ValueError(f"MoE MXFP4: w2 {tuple(w2.shape)} does not chain with w13 {tuple(w13.shape)}")
     if ids.dtype != torch.int32 or ids.shape[0] != latent.shape[0]:
         raise ValueError("MoE MXFP4: ids must be int32 [batch, top_k]")
-    for t in (latent, ids, w13, w13_scale, w2, w2_scale):
+    if latent.dtype != torch.bfloat16 or act.dtype != torch.float16 or out.dtype != torch.float32:
+        raise ValueError("MoE MXFP4: latent bf16, act fp16 and out fp32 expected")
+    for t in (latent, ids, w13, w13_scale, w2, w2_scale, act, out):
         if not t.is_contiguous():
             raise ValueError("MoE MXFP4: inputs must be contiguous")
 
 
-def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, used: int):
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as int32 words along the last dimension (4 MXFP4 bytes, 2 bf16 / fp16 values)."""
+    return t.view(torch.int32)
+
+
+def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
-    f13 = compile_kernel(("moe_w13_act", used, *signature(latent, ids, w13, w13_scale, act)),
-                         MoEW13Act(L, I, used, k), *(fake_like(t, align=16) for t in (latent, ids, w13, w13_scale,
-                                                                                        act)))
-    f2 = compile_kernel(("moe_w2_sum", used, *signature(act, ids, weights, w2, w2_scale, out)),
-                        MoEW2Sum(used, k), *(fake_like(t, align=16) for t in (act, ids, weights, w2, w2_scale, out)))
+    a13 = (_words(latent), ids, _words(w13), w13_scale, act)
+    f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
+                         *(fake_like(t, align=16) for t in a13))
+    a2 = (_words(act), ids, weights, _words(w2), w2_scale, out, ssq)
+    f2 = compile_kernel(("moe_w2_sum", used, *signature(*a2)), MoEW2Sum(used, k), *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
 
-def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None):
+def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
-    padding. `act` [B*k, used] bf16 and `out` may be given (their contents are overwritten)."""
-    _check(latent, ids, w13, w13_scale, w2, w2_scale, used)
+    padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
+    [B, L / 16] fp32 receives partial sums of squares of `out` (their row sum is sum(out**2), for a fused RMSNorm)."""
     B, k = ids.shape
-    act = act if act is not None else torch.empty(B * k, used, dtype=torch.bfloat16, device=latent.device)
-    out = out if out is not None else torch.empty(B, latent.shape[1], dtype=torch.float32, device=latent.device)
-    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, used)
-    launch(f13, latent, ids, w13, w13_scale, act)
-    launch(f2, act, ids, weights, w2, w2_scale, out)
+    L = latent.shape[1]
+    act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
+    out = out if out is not None else torch.empty(B, L, dtype=torch.float32, device=latent.device)
+    ssq = ssq if ssq is not None else torch.empty(B, L // ROWS2, dtype=torch.float32, device=latent.device)
+    _check(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out)
+    if ssq.shape != (B, L // ROWS2) or ssq.dtype != torch.float32 or not ssq.is_contiguous():
+        raise ValueError(f"MoE MXFP4: ssq must be fp32 [{B}, {L // ROWS2}]")
+    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used)
+    launch(f13, _words(latent), ids, _words(w13), w13_scale, act)
+    launch(f2, _words(act), ids, weights, _words(w2), w2_scale, out, ssq)
     return out
