@@ -3,8 +3,8 @@
 Kernels are compiled once per shape key against fake tensors (so the same code path compiles for `sm_90a` on a
 machine without a GPU), cached in-process, and launched on the current torch stream so CUDA graphs capture them.
 
-Programmatic dependent launch (PDL): with `pdl_enabled()` (default on; `KIMI_DECODE_PDL=0` turns it off, for
-measuring it), every kernel is launched with programmatic stream serialisation and starts with `pdl_entry()`: it lets
+Programmatic dependent launch (PDL): with `pdl_enabled()` (`KIMI_DECODE_PDL=1`; off by default, because on the
+H200 it gained 1.5% on the TP16 batch-1 KDA layer and lost 7% on TP8, see benchmarks/NOTES.md), every kernel is launched with programmatic stream serialisation and starts with `pdl_entry()`: it lets
 the next kernel launch at once, may prefetch its own weights into L2 (they do not depend on the previous kernel),
 and then waits for the previous kernel's results. Consecutive CuTe kernels thus overlap one's launch and weight
 fetch with the other's tail; after a kernel that does not take part (Triton, cuBLAS) the wait returns at once.
@@ -39,7 +39,7 @@ _cache: dict[tuple, Callable] = {}
 
 
 def pdl_enabled() -> bool:
-    return os.environ.get("KIMI_DECODE_PDL", "1") != "0"
+    return os.environ.get("KIMI_DECODE_PDL", "0") == "1"
 
 
 def cute_dtype(dtype: torch.dtype):

@@ -42,7 +42,7 @@ if HAVE_CUTE:
                      mNorm: cute.Tensor, mSsq: cute.Tensor, stream):
             gW = cute.zipped_divide(mW, (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
-            gN = cute.zipped_divide(mNorm, (VEC,))
+            gN = cute.zipped_divide(mNorm, (1, VEC))  # [1, K]: tiles shaped like the activations'
             N = mW.shape[0]
             self.kernel(gW, gX, mY, mAdd, gN, mSsq, N).launch(grid=[cute.ceil_div(N, self.rows), 1, 1],
                                                               block=[32 * WARPS, 1, 1], stream=stream,
@@ -85,7 +85,7 @@ if HAVE_CUTE:
                         cute.autovec_copy(tW, rW)
                         w = rW.load().to(Float32)
                         if cutlass.const_expr(self.normed):
-                            tN = gN[(None, kk)]
+                            tN = gN[(None, (0, kk))]
                             rN = cute.make_rmem_tensor_like(tN)
                             cute.autovec_copy(tN, rN)
                             nw = rN.load()
@@ -162,7 +162,8 @@ def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, 
 
 def compile_gemv(w, x, y, accumulate: bool = False, addend=None, norm=None):
     extra = addend if addend is not None else y
-    weight, ssq, eps = norm if norm is not None else (y[0], y, 0.0)
+    weight, ssq, eps = norm if norm is not None else (y[:1], y, 0.0)
+    weight = weight.view(1, -1)
     key = ("gemv", accumulate, addend is not None, norm is not None, float(eps),
            *signature(w, x, y, extra, weight, ssq))
     op = SmallBatchGemv(x.shape[0], w.shape[0], x.shape[1], accumulate, addend is not None, norm is not None,
@@ -177,7 +178,7 @@ def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool = F
     `norm=(weight, ssq, eps)` takes an fp32 x and multiplies by RMSNorm(x) * weight rounded to bf16 instead, the
     row's sum of squares being ssq[m].sum() (partial sums left by the producer of x)."""
     _check(w, x, y, accumulate, addend, norm)
-    weight, ssq, _ = norm if norm is not None else (y[0], y, 0.0)
-    launch(compile_gemv(w, x, y, accumulate, addend, norm), w, x, y, addend if addend is not None else y, weight,
-           ssq)
+    weight, ssq, _ = norm if norm is not None else (y[:1], y, 0.0)
+    launch(compile_gemv(w, x, y, accumulate, addend, norm), w, x, y, addend if addend is not None else y,
+           weight.view(1, -1), ssq)
     return y
