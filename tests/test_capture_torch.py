@@ -119,3 +119,17 @@ def test_memcpy_nodes_without_replay_activity_leave_the_kernels_mapped(tmp_path)
     result = analyze(trace)
     assert result["unattributed_kernels"] == 0
     assert [l["kernels_per_step"] for l in result["layers"]] == [2.0, 2.0]
+
+
+def test_launches_outside_the_stream_capture_make_no_nodes(tmp_path):
+    """As on the H200: inside kprof's capture range, two fill kernels run before cudaStreamBeginCapture (buffers set
+    up for the graph, run once); only launches between BeginCapture and EndCapture are graph nodes."""
+    kineto_trace(tmp_path, steps=2)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    extra = [_x("cuda_runtime", "cudaLaunchKernel", 100.2 + 0.2 * i, 0.1, correlation=950 + i) for i in range(2)]
+    extra += [_x("cuda_runtime", "cudaStreamBeginCapture", 100.8, 0.1, correlation=960),
+              _x("cuda_runtime", "cudaStreamEndCapture", 198, 0.5, correlation=961)]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events + extra}))
+    trace = trim_to_capture(map_graph_replays(read_kineto_json(tmp_path / "trace.json")))
+    assert trace.meta["graph_mapping"].startswith("ok: 4 node(s), 2 replay(s)"), trace.meta["graph_mapping"]
+    assert analyze(trace)["unattributed_kernels"] == 0

@@ -4,7 +4,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
   (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual;
 - the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
-- routing: the router GEMV, then one kernel for sigmoid, bias, top-k and renormalisation (`kernels/route_topk.py`);
+- routing: the router GEMV (split-K inside the CTA), then the generic path's top-k kernel (2 kernels);
 - the routed experts: two MXFP4 tensor-core kernels that read only the selected experts' unpadded rows, the second
   one doing the weighted sum over experts in registers (`kernels/moe_mxfp4.py`);
 - the MoE tail: one GEMV that normalises the routed sum in its prologue (the expert kernel leaves partial sums of
@@ -94,19 +94,6 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- MoE ---------------------------------------------------------------------------------------------------------
     def router_logits(self, x, w: MoEWeights):
         return self._gemv(x, w.router, torch.float32) if self._mlp_fast else super().router_logits(x, w)
-
-    def router(self, x, w: MoEWeights, shard: ShardConfig, layer: int):
-        if not self._mlp_fast:
-            return super().router(x, w, shard, layer)
-        from ..kernels.route_topk import route_topk
-
-        m = shard.model
-        logits = self.router_logits(x, w)
-        ids = self._empty(x.shape[0], m.top_k, dtype=torch.int32, device=x.device)
-        weights = self._empty(x.shape[0], m.top_k, dtype=torch.float32, device=x.device)
-        route_topk(logits, w.router_bias, ids, weights, scaling=m.routed_scaling)
-        self.last_routes[layer] = ids
-        return ids, weights
 
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:

@@ -52,6 +52,7 @@ def map_graph_replays(trace, capture_range: str = CAPTURE_RANGE):
     names = launches["name"].astype(str)
     inside = ((launches["start_ns"] >= mark.start_ns) & (launches["end_ns"] <= mark.end_ns)
               & (launches["pid"] == mark.pid) & (launches["tid"] == mark.tid))
+    inside &= _stream_capture_window(launches, inside, names)
     captured = _outermost(launches[inside & names.str.match(NODE_CALL)])
     graph_launches = launches[names.str.match(GRAPH_LAUNCH) & (launches["start_ns"] >= mark.end_ns)]
     replayed = kernels["correlation_id"].isin(graph_launches["correlation_id"]) & (kernels["correlation_id"] >= 0)
@@ -108,6 +109,17 @@ def map_graph_replays(trace, capture_range: str = CAPTURE_RANGE):
                              + (f"; no replay activity recorded for the {'/'.join(sorted(unrecorded))} node(s)"
                                 if unrecorded else ""))
     return _with(trace, kernels, graph_nodes, meta)
+
+
+def _stream_capture_window(launches: pd.DataFrame, inside: pd.Series, names: pd.Series) -> pd.Series:
+    """Launch calls between ``cudaStreamBeginCapture`` and ``cudaStreamEndCapture`` when the capture range holds
+    both: work launched in the range but before or after the stream capture (buffers zeroed or filled for the graph)
+    runs once and makes no node. All calls when the range does not hold them."""
+    begins = launches[inside & names.str.startswith("cudaStreamBeginCapture")]
+    ends = launches[inside & names.str.startswith("cudaStreamEndCapture")]
+    if begins.empty or ends.empty:
+        return pd.Series(True, index=launches.index)
+    return (launches["start_ns"] >= begins["end_ns"].min()) & (launches["end_ns"] <= ends["start_ns"].max())
 
 
 def _call_kind(name: str) -> str:
