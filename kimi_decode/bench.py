@@ -79,10 +79,13 @@ class _Captured:
             self.layer_graphs.append(g)
 
 
-def bench_config(backend: str, tp: int, batch: int, args) -> dict:
+def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int = 0) -> dict:
+    """Time one (backend, tp, batch); with a torch.distributed `group`, this process is rank `rank` of a
+    tensor-parallel run and every rank must call this with the same arguments (graphs hold collectives)."""
     copies = [
-        _Captured(DecodeSlice(backend=backend, tp=tp, batch=batch, first_layer=args.first_layer,
-                              num_layers=args.layers, context=args.context, seed=args.seed + c, device="cuda"))
+        _Captured(DecodeSlice(backend=backend, tp=tp, rank=rank, batch=batch, first_layer=args.first_layer,
+                              num_layers=args.layers, context=args.context, seed=args.seed + c, device="cuda",
+                              group=group))
         for c in range(args.copies)
     ]
     n_layers = len(copies[0].layer_graphs)

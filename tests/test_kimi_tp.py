@@ -11,6 +11,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,10 +135,21 @@ def test_state_shards_round_trip():
 
 # ---- several processes over gloo ------------------------------------------------------------------------------------
 
-def _init(rank: int, world: int, store: str, timeout_s: float) -> None:
+def _init(rank: int, world: int, store: str, timeout_s: float, backend: str = "gloo") -> torch.device:
+    """Join the group; gloo runs on the CPU, NCCL on cuda:rank (multicast off). -> the rank's device."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    device = torch.device("cpu")
+    kwargs = {}
+    if backend == "nccl":
+        from kimi_decode.dist_bench import NO_MULTICAST
+
+        os.environ.update(NO_MULTICAST)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    return device
 
 
 def _inputs(layer: int, batch: int):
@@ -148,20 +160,22 @@ def _inputs(layer: int, batch: int):
     return res, state
 
 
-def _decode_worker(rank: int, world: int, store: str, out: str) -> None:
+def _decode_worker(rank: int, world: int, store: str, out: str, pg_backend: str = "gloo") -> None:
     try:
-        _init(rank, world, store, timeout_s=60)
+        device = _init(rank, world, store, timeout_s=60, backend=pg_backend)
         backend = get_backend("auto")
         results = {}
         t0 = time.perf_counter()
         for layer, batch in CASES:
             s = ShardConfig(MODEL, tp=world, rank=rank)
-            lw = init_layer_tp(s, layer, seed=SEED)
+            lw = init_layer_tp(s, layer, seed=SEED).to(device)
             res, state = _inputs(layer, batch)
-            state = shard_state(state, s)
+            res, state = res.to(device), shard_state(state, s).to(device)
             decode_layer(backend, lw, res, state, s, group=dist.group.WORLD)
-            results[(layer, batch)] = {"partial": res.partial, "blocks": res.blocks, "state": dict(state.tensors()),
-                                       "ids": backend.last_routes.get(layer)}
+            ids = backend.last_routes.get(layer)
+            results[(layer, batch)] = {"partial": res.partial.cpu(), "blocks": res.blocks.cpu(),
+                                       "state": {k: v.cpu() for k, v in state.tensors()},
+                                       "ids": ids.cpu().long() if ids is not None else None}
         results["seconds"] = time.perf_counter() - t0
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -252,8 +266,8 @@ def _check_tp_run(tmp_path, world: int) -> None:
     assert compared_with_tp1 >= len(CASES) - 1, compared_with_tp1
 
 
-def _run_tp(tmp_path, world: int) -> float:
-    procs, elapsed = _spawn(_decode_worker, world, tmp_path, deadline_s=120)
+def _run_tp(tmp_path, world: int, pg_backend: str = "gloo") -> float:
+    procs, elapsed = _spawn(_decode_worker, world, tmp_path, deadline_s=120, extra=(pg_backend,))
     _raise_worker_errors(tmp_path, world)
     assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
     _check_tp_run(tmp_path, world)
@@ -267,6 +281,19 @@ def test_tp2_over_gloo_matches_tp1_and_the_reference(tmp_path):
 @pytest.mark.slow
 def test_tp4_over_gloo_matches_tp1_and_the_reference(tmp_path):
     _run_tp(tmp_path, 4)
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_tp_over_nccl_on_gpus_matches_tp1_and_the_reference(tmp_path, world):
+    """The same check with one GPU per rank and NCCL all-reduces (the CUDA Triton kernels of `auto`)."""
+    if _gpus() < world:
+        pytest.skip(f"needs {world} GPUs, {_gpus()} visible")
+    _run_tp(tmp_path, world, "nccl")
 
 
 # ---- a rank that goes missing ---------------------------------------------------------------------------------------
@@ -316,3 +343,31 @@ def test_a_missing_rank_fails_the_other_within_seconds(tmp_path, how):
     if how == "sleep":
         assert outcome["seconds"] >= TIMEOUT_S * 0.9, outcome  # it waited for the timeout, not less
     print(f"\n[{how}] rank 0 failed after {outcome['seconds']:.2f} s: {outcome['error'][:300]}")
+
+
+def _nccl_missing_rank_worker(rank: int, world: int, store: str, out: str) -> None:
+    device = _init(rank, world, store, timeout_s=TIMEOUT_S, backend="nccl")
+    t = torch.ones(4, device=device)
+    dist.all_reduce(t)  # the communicator is up on both ranks
+    torch.cuda.synchronize()
+    if rank == 1:
+        os._exit(3)
+    (Path(out) / "rank0.started").write_text(str(time.monotonic()))
+    dist.all_reduce(t)  # waits on the GPU for a peer that is gone
+    torch.cuda.synchronize()
+    (Path(out) / "rank0.returned").write_text("the all-reduce returned although a rank was missing")
+
+
+@pytest.mark.gpu
+def test_a_missing_rank_fails_the_other_over_nccl_within_seconds(tmp_path):
+    """NCCL: the collective cannot fail by itself on the GPU; the watchdog ends the process once the group's
+    timeout passes (TORCH_NCCL_ASYNC_ERROR_HANDLING), so rank 0 exits with an error instead of hanging."""
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, {_gpus()} visible")
+    procs, elapsed = _spawn(_nccl_missing_rank_worker, 2, tmp_path, deadline_s=60, wait_for=[0])
+    assert (tmp_path / "rank0.started").exists(), f"rank 0 never reached the all-reduce ({elapsed:.1f} s)"
+    assert not (tmp_path / "rank0.returned").exists()
+    waited = time.monotonic() - float((tmp_path / "rank0.started").read_text())
+    assert procs[0].exitcode not in (0, None), procs[0].exitcode
+    assert waited < TIMEOUT_S + 20, waited
+    print(f"\n[nccl] rank 0 ended with exit code {procs[0].exitcode} about {waited:.1f} s after its peer died")
