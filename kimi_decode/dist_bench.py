@@ -92,6 +92,7 @@ def trace_rank(backend: str, world: int, rank: int, group, args, trace_dir: Path
     torch.cuda.synchronize()
     for _ in range(args.trace_steps):
         sl.replay()
+        prof.step()  # ProfilerStep#N ranges: HolisticTraceAnalysis's iterations
     torch.cuda.synchronize()
     prof.__exit__(None, None, None)
     stem = trace_dir / f"{backend}_tp{world}_b1"
