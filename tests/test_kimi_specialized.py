@@ -135,3 +135,75 @@ def test_gemv_addend_needs_accumulate():
     x = torch.empty(1, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="addend"):
         gemv(w, x, torch.empty(1, 16), addend=torch.empty(1, 16, dtype=torch.bfloat16))
+
+
+# (n_blocks, commit, delta_mode, use_partial) as decode_layer calls AttnRes: a layer's first call (delta_mode 0; commit
+# only on a block-starting layer, and then without the partial; layer 0 without either), its second call (the
+# attention output added to, or starting, the partial)
+ATTN_RES_FLAGS = [(1, False, 0, False), (1, False, 2, True), (2, True, 0, False), (2, False, 2, True),
+                  (3, False, 0, True), (3, False, 1, True), (8, True, 0, False), (8, False, 1, True)]
+
+
+def _attn_res_args(batch, hidden=7168, num_blocks=8, delta=True, blocks=None):
+    bf = torch.bfloat16
+    return (torch.empty(batch, num_blocks, hidden) if blocks is None else blocks, torch.empty(batch, hidden),
+            torch.empty(batch, hidden, dtype=bf) if delta else None, torch.empty(hidden), torch.empty(hidden),
+            torch.empty(hidden), torch.empty(batch, hidden, dtype=bf))
+
+
+@needs_cute
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_attn_res_compiles_for_sm90a(sm90a, batch):
+    from kimi_decode.kernels.attn_res import compile_attn_res
+
+    for n_blocks, commit, delta_mode, use_partial in ATTN_RES_FLAGS:
+        fn, _ = compile_attn_res(*_attn_res_args(batch, delta=delta_mode > 0), n_blocks=n_blocks, commit=commit,
+                                 delta_mode=delta_mode, use_partial=use_partial, eps=1e-5)
+        assert fn is not None
+    # a strided view of a larger block buffer, and the tiny model's width
+    view = torch.empty(batch, 10, 7168)[:, 1:9]
+    assert compile_attn_res(*_attn_res_args(batch, blocks=view), n_blocks=4, commit=True, delta_mode=1,
+                            use_partial=True, eps=1e-5)[0] is not None
+    assert compile_attn_res(*_attn_res_args(batch, hidden=256, num_blocks=3), n_blocks=2, commit=False,
+                            delta_mode=1, use_partial=True, eps=1e-5)[0] is not None
+
+
+@needs_cute
+def test_attn_res_refuses_bad_arguments():
+    from kimi_decode.kernels.attn_res import attn_res
+
+    def call(*args, n_blocks=2, commit=False, delta_mode=1, use_partial=True):
+        attn_res(*args, n_blocks=n_blocks, commit=commit, delta_mode=delta_mode, use_partial=use_partial, eps=1e-5)
+
+    good = _attn_res_args(2, hidden=256)
+    blocks, partial, delta, q, kn, inorm, out = good
+    with pytest.raises(ValueError, match="fp32 blocks"):
+        call(blocks.double(), partial, delta, q, kn, inorm, out)
+    with pytest.raises(ValueError, match="bf16 out"):
+        call(blocks, partial, delta, q, kn, inorm, out.float())
+    with pytest.raises(ValueError, match="delta"):
+        call(blocks, partial, delta.float(), q, kn, inorm, out)
+    with pytest.raises(ValueError, match="delta"):
+        call(blocks, partial, None, q, kn, inorm, out)
+    with pytest.raises(ValueError, match="query"):
+        call(blocks, partial, delta, q[:128], kn, inorm, out)
+    with pytest.raises(ValueError, match="key_norm"):
+        call(blocks, partial, delta, q, kn.bfloat16(), inorm, out)
+    with pytest.raises(ValueError, match="do not match"):
+        call(blocks[:1], partial, delta, q, kn, inorm, out)
+    with pytest.raises(ValueError, match="out"):
+        call(blocks, partial, delta, q, kn, inorm, out[:1])
+    with pytest.raises(ValueError, match="n_blocks"):
+        call(*good, n_blocks=9)
+    with pytest.raises(ValueError, match="n_blocks"):
+        call(*good, n_blocks=0, commit=True, delta_mode=0, use_partial=False)
+    with pytest.raises(ValueError, match="use_partial"):
+        call(*good, use_partial=False)
+    with pytest.raises(ValueError, match="delta_mode"):
+        call(*good, delta_mode=3)
+    with pytest.raises(ValueError, match="contiguous"):
+        call(torch.empty(2, 256, 8).transpose(1, 2), partial, delta, q, kn, inorm, out)
+    with pytest.raises(ValueError, match="aligned"):
+        call(blocks, torch.empty(2 * 256 + 1)[1:].view(2, 256), delta, q, kn, inorm, out)
+    with pytest.raises(ValueError, match="CUDA"):  # good arguments, but on the CPU
+        call(*good)

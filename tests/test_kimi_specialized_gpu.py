@@ -143,3 +143,59 @@ def test_gemv_with_rmsnorm_prologue_matches_float64(rows):
     xd = x.double()
     normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
     assert rel_err(y - y0, normed @ w.double().T + add.double()) < BF16_TOL
+
+
+# (n_blocks, commit, delta_mode, use_partial) as decode_layer calls AttnRes (see tests/test_kimi_specialized.py)
+ATTN_RES_FLAGS = [(1, False, 0, False), (1, False, 2, True), (2, True, 0, False), (2, False, 2, True),
+                  (3, False, 0, True), (3, False, 1, True), (8, True, 0, False), (8, False, 1, True)]
+
+
+def _attn_res_float64(blocks, partial, delta, w, n_blocks, commit, delta_mode, use_partial, eps):
+    blocks, partial = blocks.double().clone(), partial.double().clone()
+    if commit:
+        blocks[:, n_blocks - 1] = partial
+    if delta_mode == 1:
+        partial = partial + delta.double()
+    elif delta_mode == 2:
+        partial = delta.double()
+    cands = blocks[:, :n_blocks]
+    if use_partial:
+        cands = torch.cat([cands, partial.unsqueeze(1)], dim=1)
+    return blocks, partial, R.rms_norm(R.attn_res_mix(cands, w, eps), w.input_norm, eps)
+
+
+@pytest.mark.parametrize("batch, hidden, strided", [(1, 7168, False), (8, 7168, True), (64, 7168, False),
+                                                    (1, 256, False)])
+def test_attn_res_matches_float64(batch, hidden, strided):
+    from kimi_decode.kernels.attn_res import attn_res
+    from kimi_decode.weights import AttnResWeights
+
+    eps = 1e-5
+    for i, (n_blocks, commit, delta_mode, use_partial) in enumerate(ATTN_RES_FLAGS):
+        g = torch.Generator(device="cuda").manual_seed(1000 * batch + 10 * i + hidden + strided)
+        nb = 8
+        # candidates of different sizes, and a query large enough for a peaked softmax
+        scale = torch.rand(batch, nb + 2, 1, device="cuda", generator=g) * 4 + 0.25
+        store = torch.randn(batch, nb + 2, hidden, device="cuda", generator=g) * scale
+        blocks = store[:, 1:nb + 1] if strided else store[:, :nb].contiguous()
+        edges = store[:, [0, nb + 1]].clone()
+        partial = torch.randn(batch, hidden, device="cuda", generator=g) * 2
+        delta = torch.randn(batch, hidden, device="cuda", generator=g).bfloat16() if delta_mode else None
+        w = AttnResWeights(query=torch.randn(hidden, device="cuda", generator=g) * (8 / hidden ** 0.5),
+                           key_norm=1 + 0.1 * torch.randn(hidden, device="cuda", generator=g),
+                           input_norm=1 + 0.1 * torch.randn(hidden, device="cuda", generator=g))
+        want_blocks, want_partial, want_out = _attn_res_float64(blocks, partial, delta, w, n_blocks, commit,
+                                                                delta_mode, use_partial, eps)
+        if commit:
+            blocks[:, n_blocks - 1] = float("nan")  # must be written
+        if delta_mode == 2:
+            partial.fill_(float("nan"))  # must be written
+        out = torch.full((batch, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        attn_res(blocks, partial, delta, w.query, w.key_norm, w.input_norm, out, n_blocks=n_blocks, commit=commit,
+                 delta_mode=delta_mode, use_partial=use_partial, eps=eps)
+        torch.cuda.synchronize()
+        errs = {"out": rel_err(out, want_out), "partial": rel_err(partial, want_partial),
+                "blocks": rel_err(blocks, want_blocks)}
+        assert errs["out"] < BF16_TOL and errs["partial"] < 1e-6 and errs["blocks"] < 1e-6, (i, errs)
+        if strided:  # the rows around the view are left alone
+            assert torch.equal(store[:, [0, nb + 1]], edges)

@@ -10,12 +10,16 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the MoE tail: one GEMV that normalises the routed sum in its prologue (the expert kernel leaves partial sums of
   squares) and adds the up-projection and the shared experts' output into the residual in its epilogue; with a
   cross-rank all-reduce of the routed sum in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`).
+- AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
+  and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
+  generic path's Triton kernel instead (for A/B timing).
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), batches over 8 (no tensor-core
-CuTe kernel yet), no CUDA device or no cutlass-dsl. AttnRes is still the generic path's.
+CuTe kernel yet), no CUDA device or no cutlass-dsl.
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -39,6 +43,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._attn_fast = False
         self._mlp_fast = False
         self._fused_norm = False
+        self._res_fast = False
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
 
     @staticmethod
@@ -58,6 +63,7 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback(f"batch {batch} > {GEMV_MAX_ROWS} (the tensor-core projection kernel is not written yet)")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
+        self._res_fast = device_ok and os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
@@ -69,6 +75,18 @@ class LatencySpecializedBackend(AutoBackend):
 
         y = self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device)
         return gemv(w, x, y)
+
+    # ---- AttnRes -----------------------------------------------------------------------------------------------------
+    def attn_res(self, res: ResidualState, w, *, n_blocks: int, commit: bool, delta, delta_mode: int,
+                 use_partial: bool, eps: float) -> torch.Tensor:
+        if not self._res_fast:
+            return super().attn_res(res, w, n_blocks=n_blocks, commit=commit, delta=delta, delta_mode=delta_mode,
+                                    use_partial=use_partial, eps=eps)
+        from ..kernels.attn_res import attn_res
+
+        out = self._empty(*res.partial.shape, device=res.partial.device)
+        return attn_res(res.blocks, res.partial, delta, w.query, w.key_norm, w.input_norm, out, n_blocks=n_blocks,
+                        commit=commit, delta_mode=delta_mode, use_partial=use_partial, eps=eps)
 
     # ---- KDA ---------------------------------------------------------------------------------------------------------
     def kda_in_proj(self, x: torch.Tensor, w: KDAWeights, shard: ShardConfig):
