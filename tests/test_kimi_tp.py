@@ -100,7 +100,8 @@ def test_sums_over_ranks_equal_the_full_layer_in_float64(layer, tp):
         outs = [R.kda_step(x, p.attn, shard_state(state, s), s) for p, s in zip(parts, shards)]
         got_state = gather_kda_state([o[1] for o in outs], shards[0])
         assert rel_err(got_state.recurrent, want_state.recurrent) < 1e-12
-        assert torch.equal(got_state.conv, want_state.conv)
+        # float64 products of a row slice may round differently from the full product (BLAS blocking)
+        assert rel_err(got_state.conv, want_state.conv) < 1e-12
     else:
         cache = init_mla_cache(FULL, 4, layer, context=CONTEXT, seed=SEED)
         want, _ = R.mla_step(x, full.attn, cache, FULL)
