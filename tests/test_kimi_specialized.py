@@ -88,7 +88,7 @@ def test_gemv_refuses_bad_shapes():
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch, pad", [(16, 1, True), (8, 8, True), (16, 4, False)])
+@pytest.mark.parametrize("tp, batch, pad", [(16, 1, True), (8, 8, True), (16, 4, False), (16, 64, True)])
 def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
 

@@ -70,7 +70,7 @@ def test_specialized_layer_matches_reference(tp, layer, batch):
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 8, 64])
 def test_moe_mxfp4_matches_float64(tp, pad, batch):
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
 

@@ -5,16 +5,18 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual;
 - the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
 - routing: the router GEMV (split-K inside the CTA), then the generic path's top-k kernel (2 kernels);
-- the routed experts: two MXFP4 tensor-core kernels that read only the selected experts' unpadded rows, the second
-  one doing the weighted sum over experts in registers (`kernels/moe_mxfp4.py`);
+- the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
+  unpadded rows, the second one doing the weighted sum over experts in registers (`kernels/moe_mxfp4.py`); above
+  batch 8 the latent down-projection before them is the generic path's;
 - the MoE tail: one GEMV that normalises the routed sum in its prologue (the expert kernel leaves partial sums of
   squares) and adds the up-projection and the shared experts' output into the residual in its epilogue; with a
   cross-rank all-reduce of the routed sum in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`).
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
-It falls back to `auto`, logging the reason once per reason: MLA layers (attention), batches over 8 (no tensor-core
-CuTe kernel yet), no CUDA device or no cutlass-dsl.
+It falls back to `auto`, logging the reason once per reason: MLA layers (attention), the projections, KDA core and
+MoE tail at batches over 8 (no tensor-core CuTe projection kernel yet), everything but AttnRes at batches over 64, no
+CUDA device or no cutlass-dsl.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from .auto import BF16, AutoBackend
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8
+EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 
 
@@ -44,6 +47,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._mlp_fast = False
         self._fused_norm = False
         self._res_fast = False
+        self._experts_fast = False
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
 
     @staticmethod
@@ -60,12 +64,14 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback("no CUDA device")
         small = batch <= GEMV_MAX_ROWS
         if device_ok and not small:
-            self._fallback(f"batch {batch} > {GEMV_MAX_ROWS} (the tensor-core projection kernel is not written yet)")
+            self._fallback(f"batch {batch} > {GEMV_MAX_ROWS}: the projections and the KDA core run auto (the "
+                           "tensor-core projection kernel is not written yet)")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
         self._res_fast = device_ok and os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
+        self._experts_fast = device_ok and batch <= EXPERT_MAX_ROWS and isinstance(lw.mlp, MoEWeights)
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
         self._fused_norm = self._mlp_fast and not reduced
         self._ssq = None
@@ -122,7 +128,7 @@ class LatencySpecializedBackend(AutoBackend):
         return self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)
 
     def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig):
-        if not self._mlp_fast:
+        if not self._experts_fast:
             return super().routed_experts(x, ids, weights, w, shard)
         from ..kernels.moe_mxfp4 import moe_mxfp4
 

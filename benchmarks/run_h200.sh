@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# A device session on the H200 within one command's limit: the named steps, in the order given, each with its own
+# time limit (never past BUDGET seconds in all); the log and the results go to $OUT.
+#   source .devsite/activate.sh && bash benchmarks/run_h200.sh BUDGET STEP...
+# Steps: numerics (every latency_specialized GPU test), bench (both backends, TP16/TP8, batch 1 and 8), bench64 (the
+# same at batch 64), fidelity (benchmarks/capture_fidelity.py), captures (latency_specialized TP16/TP8 batch 1 into
+# $OUT), capture-tests (tests/test_capture_gpu.py), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
+set -u
+OUT="${OUT:-runs/h200}"
+mkdir -p "$OUT"
+BUDGET="${1:-540}"
+shift
+LOG="$OUT/log.txt"
+end=$((SECONDS + BUDGET))
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 want=$2
+  shift 2
+  local left=$((end - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "## $name: skipped (no time left)" | tee -a "$LOG"; return 1; fi
+  [ "$want" -gt "$left" ] && want=$left
+  echo "## $name (limit ${want}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout -k 5 "$want" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "## $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+  return $rc
+}
+
+bench() {  # bench NAME SECONDS JSON ARGS...
+  local name=$1 want=$2 json=$3
+  shift 3
+  step "$name" "$want" python3 -m kimi_decode.bench --copies 3 --replays 100 --json "$OUT/$json" "$@"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv >>"$LOG" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$LOG" 2>&1
+pip list 2>/dev/null | grep -i cutlass >>"$LOG"
+
+for name in "$@"; do
+  case "$name" in
+    numerics)
+      step numerics 200 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
+    bench)
+      bench bench 200 bench.json --backend auto latency_specialized --tp 16 8 --batch 1 8 ;;
+    bench64)
+      bench bench64 150 bench64.json --backend auto latency_specialized --tp 16 8 --batch 64 ;;
+    fidelity)
+      step fidelity 180 python3 benchmarks/capture_fidelity.py --backend auto --tp 16 --batch 1 --layers 4 \
+        --steps 50 --out-dir /tmp/fidelity
+      sed -n '/^# kprof capture fidelity/,/^## fidelity: rc/p' "$LOG" >"$OUT/fidelity.txt" ;;
+    captures)
+      for tp in 16 8; do
+        step "capture latency_specialized tp$tp" 60 python3 -m profiler.cli capture --backend latency_specialized \
+          --tp "$tp" --batch 1 --layers 4 --context 8192 --steps 50 --profiler cupti \
+          -o "$OUT/latency_specialized_tp${tp}_b1.kprof"
+      done ;;
+    capture-tests)
+      step capture-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py ;;
+    pdl)
+      KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    *)
+      echo "## unknown step $name" | tee -a "$LOG" ;;
+  esac
+done
+echo "## done in ${SECONDS}s" | tee -a "$LOG"
