@@ -207,3 +207,21 @@ def test_attn_res_refuses_bad_arguments():
         call(blocks, torch.empty(2 * 256 + 1)[1:].view(2, 256), delta, q, kn, inorm, out)
     with pytest.raises(ValueError, match="CUDA"):  # good arguments, but on the CPU
         call(*good)
+
+
+def test_moe_mxfp4_refuses_tensors_past_32_bit_offsets():
+    from kimi_decode.kernels import moe_mxfp4 as M
+
+    m = shard("k3", tp=1).model
+    tp1 = shard("k3", tp=1)
+    E, L, I = m.num_experts, m.moe_latent, tp1.expert_inter
+    meta = dict(dtype=torch.uint8, device="meta")
+    w13, w2 = torch.empty(E, 2 * I, L // 2, **meta), torch.empty(E, L, I // 2, **meta)
+    assert not M.fits_int32_offsets(w13, w2)  # a TP1 shard: 9.9e9 bytes of w13
+    s8 = shard("k3", tp=8)
+    assert M.fits_int32_offsets(torch.empty(E, 2 * s8.expert_inter, L // 2, **meta),
+                                torch.empty(E, L, s8.expert_inter // 2, **meta))
+    with pytest.raises(ValueError, match="64-bit offsets"):
+        M._check(torch.empty(1, L, dtype=torch.bfloat16), torch.empty(1, m.top_k, dtype=torch.int32), w13,
+                 torch.empty(E, 2 * I, L // 32, **meta), w2, torch.empty(E, L, I // 32, **meta), I,
+                 torch.empty(m.top_k, I, dtype=torch.float16), torch.empty(1, L))

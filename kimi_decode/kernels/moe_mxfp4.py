@@ -214,7 +214,19 @@ if HAVE_CUTE:
                     ssq[b, bx] = q
 
 
+INDEX_LIMIT = 2**31  # the kernels index with 32-bit integers
+
+
+def fits_int32_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether every byte of every tensor is reachable with 32-bit offsets (the expert tensors of a TP1 shard, 9.9e9
+    bytes for w13, are not; those of TP8 and TP16 shards are)."""
+    return all(t.numel() * t.element_size() < INDEX_LIMIT for t in tensors)
+
+
 def _check(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out):
+    if not fits_int32_offsets(w13, w13_scale, w2, w2_scale, act):
+        raise ValueError("MoE MXFP4: expert tensors of 2**31 bytes or more need 64-bit offsets, which these kernels "
+                         "do not use")
     E, two_i, half_l = w13.shape
     L = latent.shape[1]
     if L != 2 * half_l or L % GROUP or L % ROWS2 or used % GROUP or used > two_i // 2:
