@@ -114,16 +114,34 @@ def _verdict_line(kind: str, speedup, base_k, new_k, labels) -> str:
     return f"{new_label} is {factor:.2f}x {word} per layer ({scope}), {counts}"
 
 
+def rank_table(base: dict[int, dict], new: dict[int, dict], metric: str) -> list[dict]:
+    """Per rank present on both sides (analyze documents by rank), per layer kind present on both: time and
+    kernels per layer (means over the kind's layers), the speed-up, and each side's share of communication hidden
+    under compute on that rank."""
+    out = []
+    for rank in sorted(set(base) & set(new)):
+        b, n = _kind_summary(layer_table(base[rank], metric)), _kind_summary(layer_table(new[rank], metric))
+        kinds = [{"kind": kind or None, "base_kernels_per_layer": _r(b.loc[kind].kernels),
+                  "new_kernels_per_layer": _r(n.loc[kind].kernels), "base_us_per_layer": _r(b.loc[kind].us),
+                  "new_us_per_layer": _r(n.loc[kind].us), "speedup": _ratio(b.loc[kind].us, n.loc[kind].us)}
+                 for kind in b.index if kind in n.index]
+        out.append({"rank": rank, "kinds": kinds, "base_comm_hidden_pct": base[rank]["overlap"]["comm_hidden_pct"],
+                    "new_comm_hidden_pct": new[rank]["overlap"]["comm_hidden_pct"]})
+    return out
+
+
 def diff(base: dict, new: dict, base_kernels: pd.DataFrame, new_kernels: pd.DataFrame, *, metric: str = "busy_us",
          gate: float | None = None, labels: tuple[str, str] = ("BASE", "NEW"), pairs: list[dict] | None = None,
-         consumer_stages: list[str] | None = None, ncu: list[dict] | None = None, paths: tuple[str, str] = ("", "")
-         ) -> dict:
+         consumer_stages: list[str] | None = None, ncu: list[dict] | None = None, paths: tuple[str, str] = ("", ""),
+         ranks: tuple[dict[int, dict], dict[int, dict]] | None = None) -> dict:
     """The ``kprof.diff/1`` document (a JSON-ready dict) of two analyze documents and their labelled kernels.
 
     ``pairs`` (extra overlap pairs) and ``ncu`` (per-kernel-name L2/DRAM rows of both sides) are passed through into
     the ``overlap`` and ``prefetch`` sections; ``consumer_stages`` names the stages whose kernel time the prefetch
     section compares (see :func:`analyzers.prefetch.consumer_change`).
-    ``gate`` is the largest NEW / BASE time per layer allowed for any layer kind (and for all layers)."""
+    ``gate`` is the largest NEW / BASE time per layer allowed for any layer kind (and for all layers).
+    ``ranks``: for tensor-parallel runs, each side's analyze documents by rank; ``base`` and ``new`` are then the
+    merged documents (:func:`analyzers.ranks.merge_ranks`) and the ``ranks`` section compares rank by rank."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}: use one of {', '.join(METRICS)}")
     base_layers, new_layers = layer_table(base, metric), layer_table(new, metric)
@@ -229,6 +247,8 @@ def diff(base: dict, new: dict, base_kernels: pd.DataFrame, new_kernels: pd.Data
             "ncu": ncu,
         },
         "gate": gate_doc,
+        "ranks": None if ranks is None else {"base": sorted(ranks[0]), "new": sorted(ranks[1]),
+                                              "per_rank": rank_table(ranks[0], ranks[1], metric)},
     }
 
 

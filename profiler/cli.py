@@ -247,10 +247,24 @@ def _side_label(trace, path: Path, other_trace, other_path: Path, fallback: str)
     return path.stem if path.stem != other_path.stem else fallback
 
 
+def _read_run(path: Path):
+    """(ranks, traces) of one run: a capture, or a folder or glob pattern of one capture per rank (see
+    analyzers/ranks.py), ordered by rank."""
+    from analyzers.ranks import order_ranks, run_files
+    from profiler.readers import read_trace
+
+    files = run_files(path)
+    traces = [read_trace(f) for f in files]
+    ranks = order_ranks([t.meta for t in traces], files)
+    order = sorted(range(len(files)), key=ranks.__getitem__)
+    return [ranks[i] for i in order], [traces[i] for i in order]
+
+
 @app.command()
 def diff(
-    base: Annotated[Path, typer.Argument(help="The baseline capture (any format kprof analyze reads).")],
-    new: Annotated[Path, typer.Argument(help="The capture to compare with the baseline.")],
+    base: Annotated[Path, typer.Argument(help="The baseline capture (any format kprof analyze reads), or a folder "
+                                         "or glob pattern of one capture per tensor-parallel rank.")],
+    new: Annotated[Path, typer.Argument(help="The capture(s) to compare with the baseline, likewise.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file (html, json) "
                                                    "instead of stdout (json, table).")] = None,
     format: Annotated[Optional[DiffFormat], typer.Option(
@@ -281,9 +295,9 @@ def diff(
     """Compare two captures layer kind by layer kind and stage by stage: a verdict, JSON, or an HTML report."""
     from analyzers.diff import diff as diff_captures, layer_timeline, representative_layer
     from analyzers.layers import activity_layers
+    from analyzers.ranks import merge_ranks
     from analyzers.overlap import pair_summary, select
     from analyzers.prefetch import ncu_records
-    from profiler.readers import read_trace
 
     with _user_errors():
         if format is None:
@@ -306,13 +320,17 @@ def diff(
             raise UserError(str(exc)) from None
         table = _class_table(classes)
         ncu = (_read_ncu(ncu_base), _read_ncu(ncu_new))
-        traces = (read_trace(base), read_trace(new))
+        runs = [_read_run(base), _read_run(new)]  # (ranks, traces) per side, lowest rank first
+        traces = (runs[0][1][0], runs[1][1][0])
         labels = (base_label or _side_label(traces[0], base, traces[1], new, "BASE"),
                   new_label or _side_label(traces[1], new, traces[0], base, "NEW"))
-        docs, acts = [], []
-        for trace in traces:
-            docs.append(analyze_layers(trace, layer_regex=layer_regex, classes=table))
-            acts.append(activity_layers(trace, layer_regex=layer_regex, classes=table))
+        docs, acts, by_rank = [], [], []
+        for ranks, side_traces in runs:
+            rank_docs = [analyze_layers(t, layer_regex=layer_regex, classes=table) for t in side_traces]
+            docs.append(merge_ranks(rank_docs, ranks))
+            by_rank.append(dict(zip(ranks, rank_docs)))
+            # overlap pairs, the timeline and the kernel table: the lowest rank (every rank runs the same kernels)
+            acts.append(activity_layers(side_traces[0], layer_regex=layer_regex, classes=table))
         stages = [set(a["stage"]) for a in acts]
         if not pair and all({"shared_experts", "routed_experts"} <= s for s in stages):
             pairs.append(("stage:shared_experts", "stage:routed_experts"))
@@ -332,7 +350,8 @@ def diff(
         kernels = [a[(a["kind"] == "kernel").to_numpy()] for a in acts]
         result = diff_captures(docs[0], docs[1], kernels[0], kernels[1], metric=metric.value, gate=gate,
                                labels=labels, pairs=pair_docs, consumer_stages=consumer, ncu=ncu_doc,
-                               paths=(str(base), str(new)))
+                               paths=(str(base), str(new)),
+                               ranks=tuple(by_rank) if any(len(r) > 1 for r in by_rank) else None)
         if format is DiffFormat.html:
             from reports.html import render_diff
 
@@ -376,6 +395,18 @@ def _diff_table(result: dict, color: bool = False) -> str:
         table.add_row((k["kind"] or "all").upper(), *("–" if c is None else f"{c:g}" for c in cells),
                       "–" if k["speedup"] is None else f"{k['speedup']:.2f}x")
     console.print(table)
+    if result["ranks"]:
+        ranks = Table(title="per rank (the tables above are the merged run: slowest rank per layer and stage)")
+        for header in ("rank", "kind", f"{b} kernels", f"{n} kernels", f"{b} µs", f"{n} µs", "speed-up"):
+            ranks.add_column(header, justify="left" if header in ("rank", "kind") else "right")
+        for row in result["ranks"]["per_rank"]:
+            for k in row["kinds"]:
+                cells = [k["base_kernels_per_layer"], k["new_kernels_per_layer"], k["base_us_per_layer"],
+                         k["new_us_per_layer"]]
+                ranks.add_row(str(row["rank"]), (k["kind"] or "all").upper(),
+                              *("–" if c is None else f"{c:g}" for c in cells),
+                              "–" if k["speedup"] is None else f"{k['speedup']:.2f}x")
+        console.print(ranks)
     stages = Table(title="per stage (per layer of the kind)")
     for header in ("kind", "stage", f"{b} kernels", f"{n} kernels", f"{b} µs", f"{n} µs", "speed-up"):
         stages.add_column(header, justify="left" if header in ("kind", "stage") else "right")

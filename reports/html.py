@@ -226,6 +226,21 @@ def _pct(value) -> str:
     return "–" if value is None else f"{value:.2f}%"
 
 
+def _ranks_section(doc: dict) -> str:
+    """Tensor-parallel runs: the merged figures' definition and one row per rank and layer kind."""
+    b, n, r = doc["base"]["label"], doc["new"]["label"], doc["ranks"]
+    rows = [[row["rank"], (k["kind"] or "all").upper(), num(k["base_kernels_per_layer"]),
+             num(k["new_kernels_per_layer"]), num(k["base_us_per_layer"]), num(k["new_us_per_layer"]),
+             _ratio_text(k["speedup"]), _pct(row["base_comm_hidden_pct"]), _pct(row["new_comm_hidden_pct"])]
+            for row in r["per_rank"] for k in row["kinds"]]
+    return (f'<h3 id="ranks">Per rank</h3><p class="explain">{_e(b)} has ranks {_e(", ".join(map(str, r["base"])))}'
+            f' and {_e(n)} ranks {_e(", ".join(map(str, r["new"])))}. The figures above are the merged run: a layer '
+            f'or stage takes as long as its slowest rank (the ranks run it in lockstep), and kernel counts, overlap '
+            f'and prefetch are means over ranks. The timeline and the kernel table show the lowest rank.</p>'
+            + _table(["rank", "layer kind", f"{b} kernels/layer", f"{n} kernels/layer", f"{b} µs/layer",
+                      f"{n} µs/layer", "speed-up", f"{b} comm hidden", f"{n} comm hidden"], rows, text_columns=2))
+
+
 def render_diff(doc: dict, timelines: dict[str, pd.DataFrame] | None = None,
                 layer: tuple[int, str] | None = None) -> str:
     """The whole report as one HTML string."""
@@ -278,6 +293,9 @@ def render_diff(doc: dict, timelines: dict[str, pd.DataFrame] | None = None,
     parts.append("<h3>Per layer kind</h3>" + _table(
         ["layer kind", f"{b} layers", f"{b} kernels/layer", f"{b} µs/layer", f"{n} layers", f"{n} kernels/layer",
          f"{n} µs/layer", "speed-up"], rows))
+
+    if doc.get("ranks"):
+        parts.append(_ranks_section(doc))
 
     # --- per layer --------------------------------------------------------------------------------------------
     parts.append('<h2 id="layers">Per layer</h2><p class="explain">Time and kernel count of every layer on both '

@@ -85,8 +85,8 @@ def test_diff_json_schema_and_numbers_equal_analyze(pair):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert list(doc) == ["schema", "metric", "base", "new", "headline", "verdict", "kinds", "all_layers", "layers",
-                         "stages", "kernels", "overlap", "prefetch", "gate"]
-    assert (doc["schema"], doc["metric"], doc["gate"]) == ("kprof.diff/1", "busy_us", None)
+                         "stages", "kernels", "overlap", "prefetch", "gate", "ranks"]
+    assert (doc["schema"], doc["metric"], doc["gate"], doc["ranks"]) == ("kprof.diff/1", "busy_us", None, None)
     assert (doc["base"]["label"], doc["new"]["label"]) == ("auto", "fused")
     base_doc = json.loads(run("analyze", base, "--format", "json").stdout)
     new_doc = json.loads(run("analyze", new, "--format", "json").stdout)
