@@ -129,7 +129,11 @@ TINY = ModelConfig(
     attn_res_block=4,
 )
 
-MODELS = {"k3": K3, "tiny": TINY}
+# The tiny model with an expert slice that splits into MXFP4 groups over 2 and 4 ranks (tensor-parallel runs on the
+# CPU: tests, `kprof capture --gpus` with gloo).
+TINY_TP = dataclasses.replace(TINY, name="tiny-tp", expert_inter=128)
+
+MODELS = {"k3": K3, "tiny": TINY, "tiny-tp": TINY_TP}
 SUPPORTED_TP = (1, 2, 4, 8, 16)
 
 

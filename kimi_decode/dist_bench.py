@@ -33,16 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, world: int, port: int, timeout_s: float):
-    """NCCL process group for this rank on cuda:rank, multicast off. -> the group."""
-    os.environ.update(NO_MULTICAST)
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+def init_rank(rank: int, world: int, port: int, timeout_s: float, device_type: str = "cuda"):
+    """The process group of this rank: NCCL on cuda:rank with multicast off, or gloo for ``device_type`` "cpu".
+    -> the group."""
     import torch
     import torch.distributed as dist
 
+    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                timeout=timedelta(seconds=timeout_s))
+    if device_type == "cpu":
+        dist.init_process_group("gloo", **init)
+        return dist.group.WORLD
+    os.environ.update(NO_MULTICAST)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s), device_id=torch.device("cuda", rank))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank), **init)
     return dist.group.WORLD
 
 

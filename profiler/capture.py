@@ -64,6 +64,8 @@ class WorkloadOptions:
     rank: int = 0
     seed: int = 0
     device: str = "cuda"
+    world: int = 1  # ranks run together, one per GPU (cuda:0 .. world - 1), as one tensor-parallel group of tp = world
+    timeout: float = 60.0  # seconds a rank's collective may wait for the others
 
 
 # -- checks made before anything runs ---------------------------------------------------------------------------------
@@ -242,12 +244,139 @@ def workload_command(args: dict) -> list[str]:
     return [sys.executable, "-m", "profiler.workload", "--json-args", json.dumps(args)]
 
 
+def rank_path(output: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a several-rank capture goes: ``NAME.kprof`` -> ``NAME.rankR.kprof``."""
+    return output.with_name(f"{output.stem}.rank{rank}{output.suffix}")
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(commands: list[list[str]], env: dict, progress: Progress | None = None
+              ) -> list[tuple[int | None, list[str]]]:
+    """Run one child per rank at once; rank 0's progress lines go to ``progress``. As soon as one child fails, the
+    others are stopped (they would wait for it in a collective). -> (exit status, last lines) per rank, status None
+    for a child stopped because another failed. Ctrl-C (or any error) stops every child before it propagates."""
+    import queue
+    import threading
+    import time
+
+    events: queue.Queue = queue.Queue()
+    procs, tails, readers = [], [], []
+
+    def read(rank: int, proc: subprocess.Popen, tail: deque) -> None:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(PROGRESS_PREFIX):
+                if rank == 0:
+                    events.put(line[len(PROGRESS_PREFIX):])
+                continue
+            tail.append(line)
+
+    try:
+        for rank, command in enumerate(commands):
+            try:
+                proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, text=True, errors="replace", bufsize=1)
+            except OSError as exc:
+                raise CaptureError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+            procs.append(proc)
+            tails.append(deque(maxlen=TAIL_LINES))
+            readers.append(threading.Thread(target=read, args=(rank, proc, tails[-1]), daemon=True))
+            readers[-1].start()
+        stopped: set[int] = set()
+        while True:
+            while not events.empty():
+                if progress is not None:
+                    try:
+                        event = json.loads(events.get_nowait())
+                        progress(str(event["phase"]), int(event["done"]), int(event["total"]))
+                    except (ValueError, KeyError, TypeError):
+                        pass
+                else:
+                    events.get_nowait()
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                for rank, proc in enumerate(procs):
+                    if proc.poll() is None:
+                        stopped.add(rank)
+                        stop_child(proc, grace=2.0)
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+    except BaseException:
+        for proc in procs:
+            stop_child(proc)
+        raise
+    finally:
+        for reader in readers:
+            reader.join(timeout=5)
+        for proc in procs:
+            proc.stdout.close()
+    return [(None if rank in stopped else proc.returncode, list(tail))
+            for rank, (proc, tail) in enumerate(zip(procs, tails))]
+
+
+def _capture_ranks(options: WorkloadOptions, profiler: str, output: Path, env: dict, command_line: str,
+                   progress: Progress | None) -> Path:
+    """``options.world`` ranks at once, one capture per rank (:func:`rank_path`)."""
+    world = options.world
+    if profiler == "nsys":
+        raise CaptureError("--gpus above 1 records with cupti or torch (one Nsight Systems run per rank is not "
+                           "supported)")
+    if options.tp != world:
+        raise CaptureError(f"--gpus {world} runs the {world} ranks of one tensor-parallel group: --tp must be "
+                           f"{world}, got {options.tp}")
+    if options.device.startswith("cuda") and cuda_device_count() < world:
+        raise CaptureError(f"--gpus {world} needs {world} CUDA devices; this machine has {cuda_device_count()}")
+    outputs = [rank_path(output, r) for r in range(world)]
+    for path in outputs:
+        check_output(path)
+    port = _free_port()
+    stems = [p.parent / f".{p.name}.{os.getpid()}" for p in outputs]
+    partials = [Path(f"{stem}.partial") for stem in stems]
+    commands = [workload_command({**asdict(options), "rank": r, "port": port, "profiler": profiler,
+                                  "output": str(partials[r]), "command_line": command_line}) for r in range(world)]
+    try:
+        results = run_ranks(commands, env, progress)
+        for rank, (code, tail) in enumerate(results):
+            if code not in (None, 0):
+                raise child_failed(f"rank {rank}'s capture process", code, tail)
+        missing = [r for r, p in enumerate(partials) if not p.is_file()]
+        if missing:
+            raise CaptureError(f"the capture process of rank {missing[0]} wrote no trace", code=1)
+        for partial, path in zip(partials, outputs):
+            os.replace(partial, path)
+    finally:
+        for stem, partial in zip(stems, partials):
+            _remove(f"{stem}.*", f"{partial.parent}/.{partial.name}.*.tmp")
+    return output
+
+
 # -- the decode slice ----------------------------------------------------------------------------------------------------
 def capture_workload(options: WorkloadOptions, profiler: str, output: Path, command_line: str = "",
                      progress: Progress | None = None) -> Path:
-    """Capture the decode slice described by ``options`` with ``profiler`` into ``output``."""
+    """Capture the decode slice described by ``options`` with ``profiler`` into ``output`` (with ``options.world``
+    above 1: one capture per rank, see :func:`rank_path`)."""
     output = Path(output)
-    check_output(output)
+    if options.world < 1:
+        raise CaptureError("--gpus must be at least 1")
+    if options.world == 1:
+        check_output(output)
     check_backend(options)
     env = child_env()
     nsys = None
@@ -264,6 +393,8 @@ def capture_workload(options: WorkloadOptions, profiler: str, output: Path, comm
         raise CaptureError(str(exc)) from None
     if options.device.startswith("cuda"):
         check_cuda()
+    if options.world > 1:
+        return _capture_ranks(options, profiler, output, env, command_line, progress)
 
     stem = output.parent / f".{output.name}.{os.getpid()}"
     partial = Path(f"{stem}.partial")

@@ -90,7 +90,10 @@ def capture(
     ctx: typer.Context,
     output: Annotated[Path, typer.Option("--output", "-o", help="The .kprof capture to write.")],
     backend: Annotated[str, typer.Option(help="Decode backend: auto, latency_specialized, ...")] = "auto",
-    tp: Annotated[int, typer.Option(help="Tensor-parallel degree of the shard (one rank is run).")] = 16,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree of the shard (one rank is run unless --gpus).")]
+    = 16,
+    gpus: Annotated[int, typer.Option(help="Run the --tp ranks together, one per GPU (cuda:0..N-1, NCCL, NVLink "
+                                           "multicast off); writes NAME.rankR.kprof per rank. Needs --tp N.")] = 1,
     batch: Annotated[int, typer.Option(help="Sequences decoded per step.")] = 1,
     layers: Annotated[int, typer.Option(help="Number of consecutive layers in the slice.")] = 4,
     first_layer: Annotated[int, typer.Option(help="Index of the slice's first layer.")] = 1,
@@ -113,16 +116,26 @@ def capture(
 
     command_line = shlex.join(["kprof", *sys.argv[1:]])
     try:
+        if ctx.args and gpus != 1:
+            raise CaptureError("--gpus applies to the decode slice; a recorded program starts its own ranks, and "
+                               "every process it starts is recorded")
         with ProgressBars(enabled=sys.stderr.isatty()) as bars:
             if ctx.args:
                 capture_script(ctx.args, profiler.value, output, command_line, bars.update, bars.echo)
             else:
                 options = WorkloadOptions(backend=backend, tp=tp, batch=batch, layers=layers, first_layer=first_layer,
-                                          context=context, steps=steps, warmup=warmup, model=model, device=device)
+                                          context=context, steps=steps, warmup=warmup, model=model, device=device,
+                                          world=gpus)
                 capture_workload(options, profiler.value, output, command_line, bars.update)
     except CaptureError as exc:
         fail(str(exc), exc.code)
-    typer.echo(f"kprof: wrote {output}", err=True)
+    if gpus > 1 and not ctx.args:
+        from profiler.capture import rank_path
+
+        for rank in range(gpus):
+            typer.echo(f"kprof: wrote {rank_path(output, rank)}", err=True)
+    else:
+        typer.echo(f"kprof: wrote {output}", err=True)
 
 
 @app.command()

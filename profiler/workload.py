@@ -82,9 +82,11 @@ def now() -> str:
 
 def capture_meta(args: dict) -> dict:
     """The capture metadata: GPU, driver, versions, configuration and how the capture was made."""
-    config = {k: args[k] for k in ("model", "backend", "tp", "rank", "batch", "first_layer", "layers", "context",
-                                   "steps", "warmup", "seed", "device") if k in args}
+    config = {k: args[k] for k in ("model", "backend", "tp", "rank", "world", "batch", "first_layer", "layers",
+                                   "context", "steps", "warmup", "seed", "device") if k in args}
     return {
+        "rank": args.get("rank", 0),
+        "world": args.get("world", 1),
         "gpu": gpu_name(args.get("device", "cuda")),
         "driver": driver_version(),
         "versions": versions(),
@@ -122,7 +124,8 @@ def capture_range(name: str):
 def run(args: dict) -> None:
     from profiler.recorders import CAPTURE_RANGE, trim_to_capture
 
-    args = {"model": "k3", "rank": 0, "first_layer": 1, "warmup": 2, "seed": 0, "device": "cuda", **args}
+    args = {"model": "k3", "rank": 0, "world": 1, "first_layer": 1, "warmup": 2, "seed": 0, "device": "cuda",
+            "timeout": 60.0, **args}
     args["started_at"] = now()
     recorder = args["profiler"]
     progress("start", 0, 1)
@@ -138,13 +141,20 @@ def run(args: dict) -> None:
     device = torch.device(args["device"])
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kprof: error: no CUDA device is visible to the capture process")
+    group = None
+    if args["world"] > 1:  # one rank of a tensor-parallel group: this rank's GPU, NCCL (gloo on the CPU)
+        from kimi_decode.dist_bench import init_rank
+
+        group = init_rank(args["rank"], args["world"], args["port"], args["timeout"], device.type)
+        if device.type == "cuda":
+            device = torch.device("cuda", args["rank"])
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     slice_ = DecodeSlice(backend=args["backend"], model=args["model"], tp=args["tp"], rank=args["rank"],
                          batch=args["batch"], first_layer=args["first_layer"], num_layers=args["layers"],
-                         context=args["context"], seed=args["seed"], device=device)
+                         context=args["context"], seed=args["seed"], device=device, group=group)
     graphs = device.type == "cuda"
     progress("warm-up", 0, 1)
     if graphs:
@@ -214,6 +224,8 @@ def run(args: dict) -> None:
 
         with atomic_output(output) as stream:
             stream.write(json.dumps(meta).encode())
+    if group is not None:
+        torch.distributed.destroy_process_group()
     progress("write", 1, 1)
 
 

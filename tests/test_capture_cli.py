@@ -20,7 +20,10 @@ FAKE_CHILD = textwrap.dedent("""
     import json, os, sys, time
     args = json.loads(sys.argv[1])
     mode = os.environ["FAKE_MODE"]
-    open(os.environ["FAKE_PID_FILE"], "w").write(str(os.getpid()))
+    rank, world = args.get("rank", 0), args.get("world", 1)
+    open(os.environ["FAKE_PID_FILE"] + (f".{rank}" if world > 1 else ""), "w").write(str(os.getpid()))
+    if mode == "rank1-fails":  # rank 0 waits for rank 1 in a collective that never completes
+        mode = "fail" if rank == 1 else "wait"
     def progress(phase, done, total):
         print("KPROF-PROGRESS " + json.dumps({"phase": phase, "done": done, "total": total}), flush=True)
     progress("warm-up", 1, 1)
@@ -33,11 +36,15 @@ FAKE_CHILD = textwrap.dedent("""
         open(args["output"], "wb").write(b"half a capture")
         progress("replay", 1, 50)
         time.sleep(60)
+    if mode == "wait":
+        open(args["output"], "wb").write(b"half a capture")
+        time.sleep(60)
     import pandas as pd
     from analyzers.trace import Trace
     kernels = pd.DataFrame({"kind": ["kernel"], "start_ns": [1], "end_ns": [2], "name": ["k"]})
     progress("replay", args["steps"], args["steps"])
-    Trace(kernels=kernels, meta={"backend": args["backend"], "command_line": args["command_line"]}).save(args["output"])
+    Trace(kernels=kernels, meta={"backend": args["backend"], "command_line": args["command_line"], "rank": rank,
+                                 "world": world, "port": args.get("port")}).save(args["output"])
 """)
 
 
@@ -188,4 +195,66 @@ def test_cpu_decode_slice_capture_with_the_torch_profiler(tmp_path, monkeypatch)
     assert {"layer[1]:kda", "layer[2]:kda", "kprof:graph_capture"} <= set(names)
     assert trace.meta["profiler"] == "torch" and trace.meta["config"]["steps"] == 3
     assert trace.meta["versions"]["torch"] != "absent"
+    assert leftovers(tmp_path) == []
+
+
+# ---- several ranks at once (--gpus) ---------------------------------------------------------------------------------
+def test_several_ranks_write_one_capture_each(tmp_path, fake_child, monkeypatch):
+    fake_child("ok")
+    monkeypatch.setattr(capture, "cuda_device_count", lambda: 4)
+    result = runner.invoke(app, ["capture", "--profiler", "torch", "--tp", "4", "--gpus", "4", "-o",
+                                 str(tmp_path / "run.kprof")])
+    assert result.exit_code == 0, result.output
+    metas = [Trace.load(tmp_path / f"run.rank{r}.kprof").meta for r in range(4)]
+    assert [m["rank"] for m in metas] == [0, 1, 2, 3] and {m["world"] for m in metas} == {4}
+    assert len({m["port"] for m in metas}) == 1  # one rendezvous for the group
+    assert not (tmp_path / "run.kprof").exists() and leftovers(tmp_path) == []
+    assert f"wrote {tmp_path / 'run.rank3.kprof'}" in result.output
+
+
+def test_a_failing_rank_stops_the_others_at_once_and_leaves_nothing(tmp_path, fake_child, monkeypatch):
+    fake_child("rank1-fails")
+    monkeypatch.setattr(capture, "cuda_device_count", lambda: 2)
+    started = time.monotonic()
+    result = runner.invoke(app, ["capture", "--profiler", "torch", "--tp", "2", "--gpus", "2", "-o",
+                                 str(tmp_path / "run.kprof")])
+    assert time.monotonic() - started < 20  # rank 0 would wait 60 s
+    assert result.exit_code == 1
+    assert "kprof: error: rank 1's capture process failed (exit 3); its last lines:" in result.output
+    assert "RuntimeError: CUDA out of memory" in result.output
+    pid = int((tmp_path / "child.pid.0").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert sorted(p.name for p in tmp_path.iterdir() if "run" in p.name) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "8", "--gpus", "2"], "--tp must be 2"),
+    (["--tp", "4", "--gpus", "4"], "needs 4 CUDA devices; this machine has 2"),
+    (["--tp", "2", "--gpus", "2", "--profiler", "nsys"], "--gpus above 1 records with cupti or torch"),
+    (["--tp", "2", "--gpus", "0"], "--gpus must be at least 1"),
+    (["--gpus", "2", "--", sys.executable, "-c", "pass"], "--gpus applies to the decode slice"),
+])
+def test_several_rank_usage_errors(tmp_path, fake_child, monkeypatch, args, message):
+    fake_child("ok")
+    monkeypatch.setattr(capture, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr("profiler.recorders.nsys.nsys_path", lambda: "/usr/bin/nsys")
+    result = runner.invoke(app, ["capture", "--profiler", "torch", "-o", str(tmp_path / "run.kprof"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in one_error_line(result)
+    assert list(tmp_path.glob("*run*")) == []
+
+
+@pytest.mark.slow
+def test_cpu_tensor_parallel_capture_of_two_ranks_over_gloo(tmp_path, monkeypatch):
+    """The real child processes end to end on the CPU: two ranks of the tiny model's TP2 shards, gloo all-reduces."""
+    monkeypatch.setattr(capture, "cuda_available", lambda: False)
+    options = WorkloadOptions(model="tiny-tp", tp=2, world=2, layers=2, context=64, steps=2, device="cpu")
+    capture_workload(options, "torch", tmp_path / "tp2.kprof", "kprof capture (test)")
+    for rank in (0, 1):
+        trace = Trace.load(tmp_path / f"tp2.rank{rank}.kprof")
+        assert (trace.meta["rank"], trace.meta["world"], trace.meta["config"]["tp"]) == (rank, 2, 2)
+        names = trace.ranges["name"].astype(str)
+        assert (names == "decode_step").sum() == 2
+        assert (names == "allreduce").sum() >= 2 * 2 * 2  # three per MoE layer (two on a dense one), every step
     assert leftovers(tmp_path) == []

@@ -6,7 +6,6 @@ Each rank is a spawned process; it writes what it computed to a file, and the te
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import traceback
@@ -20,7 +19,7 @@ import torch.multiprocessing as mp
 
 from kimi_decode import reference as R
 from kimi_decode.backends import get_backend
-from kimi_decode.config import KDA, TINY, ShardConfig
+from kimi_decode.config import KDA, TINY, TINY_TP, ShardConfig
 from kimi_decode.model import decode_layer
 from kimi_decode.quant import fp8_dequantize
 from kimi_decode.state import KDAState, MLACache, init_kda_state, init_mla_cache, init_residual
@@ -29,7 +28,7 @@ from kimi_decode.tp import (gather_kda_state, init_layer_tp, shard_kda_state, sh
                             shard_state)
 from kimi_decode.weights import init_layer
 
-MODEL = dataclasses.replace(TINY, name="tiny-tp", expert_inter=128, shared_inter=128, dense_inter=256)
+MODEL = TINY_TP
 FULL = ShardConfig(MODEL)
 CONTEXT = 24
 SEED = 11
