@@ -1,6 +1,7 @@
 """Our decode executor inside vLLM: vLLM's loaded K3 weights repacked once, run by `kimi_decode`'s layer code.
 
-Built after the weights load (the model's ``process_weights_after_loading``). A decode step runs:
+Built at the model's ``process_weights_after_loading``, the last step of vLLM's loading, from vLLM's post-processed
+parameters and the routed experts kept in the checkpoint layout at ``load_weights`` (`loading`). A decode step runs:
 - the embedding through vLLM's own module;
 - every KDA layer through `kimi_decode.model.decode_layer` with our backend (``latency_specialized`` on CUDA, whose
   stages fall back to ``auto`` by construction; ``auto`` on the CPU build), on the KDA states gathered from vLLM's
@@ -15,6 +16,8 @@ step's rows index it through ``attn_metadata[layer].non_spec_state_indices_tenso
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..backends import get_backend
@@ -23,9 +26,11 @@ from ..instrument import DECODE_STEP, rng
 from ..model import decode_layer
 from ..state import KDAState, ResidualState
 from ..weights import LayerWeights
-from .repack import RepackReport, params_and_buffers, repack_layer
+from .loading import ExpertKeepingMixin
+from .repack import EXPERT_TENSORS, RepackReport, params_and_buffers, repack_layer
 
 SITU = (4.0, 25.0)
+log = logging.getLogger(__name__)
 
 
 def _get(cfg, name, default=None):
@@ -96,11 +101,15 @@ def _kda_metadata(attn_metadata, prefix: str):
 class K3DecodeExecutor:
     """Repacked layers of one rank plus the references to vLLM modules a decode step still uses."""
 
-    def __init__(self, language_model: torch.nn.Module, shard: ShardConfig, backend: str, group=None):
+    def __init__(self, language_model: torch.nn.Module, shard: ShardConfig, backend: str, group=None,
+                 params: dict[str, torch.Tensor] | None = None):
+        """`params`: the tensors to repack, named under `language_model` (default: its parameters and buffers as
+        they are now; the plugin passes them with the kept checkpoint-layout experts in place of vLLM's)."""
         self.model = language_model  # vLLM's KimiLinearModel
         self.shard, self.group = shard, group
         self.report = RepackReport()
-        params = params_and_buffers(language_model)
+        if params is None:
+            params = params_and_buffers(language_model)
         self.layers: list[LayerWeights] = [repack_layer(params, f"layers.{i}", i, shard, self.report)
                                            for i in range(shard.model.num_layers)]
         self.backend = get_backend(backend)
@@ -160,3 +169,39 @@ class K3DecodeExecutor:
         keys = cands * torch.rsqrt(cands.pow(2).mean(-1, keepdim=True) + m.rms_eps)
         probs = torch.softmax(keys @ (self.out_key_norm * self.out_query), dim=-1)
         return (probs.unsqueeze(-1) * cands).sum(1).to(x.dtype)
+
+
+# ---- building it inside vLLM ------------------------------------------------------------------------------------
+def _tp_rank() -> tuple[int, int]:
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank())
+
+
+def _tp_group(tp: int):
+    if tp == 1:
+        return None
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().device_group
+
+
+class K3ExecutorMixin(ExpertKeepingMixin):
+    """How our K3 language-model class loads: vLLM's own loading, the routed experts kept as loaded, and the executor
+    built last from ``self.model`` (vLLM's KimiLinearModel) and ``self.config`` (its text config)."""
+
+    _kimi_decode_moe = "block_sparse_moe.experts"
+    _kimi_decode_expert_names = EXPERT_TENSORS
+
+    def _kimi_decode_build(self, params: dict[str, torch.Tensor]) -> None:
+        tp, rank = _tp_rank()
+        m, _ = model_config_from_hf(self.config)
+        shard, _ = shard_for(m, tp, rank)
+        backend = "latency_specialized" if torch.cuda.is_available() else "auto"
+        self._kimi_decode_executor = K3DecodeExecutor(self.model, shard, backend, _tp_group(tp), params=params)
+        r = self._kimi_decode_executor.report
+        log.info("kimi_decode: repacked %d layers (%d tensors shared with vLLM or kept from load_weights, %d copied, "
+                 "%.1f MiB)", len(self._kimi_decode_executor.layers), len(r.shared), len(r.copied),
+                 r.copied_bytes / 2**20)

@@ -26,20 +26,26 @@ MLA  self_attn.fused_qkv_a_g_proj.weight          [q_lora | kv_lora + rope (repl
      self_attn.o_proj.weight                      [H, heads*v]                           o_proj
 MoE  block_sparse_moe.gate.weight [E, H]; gate.e_score_correction_bias [E] fp32          router, router_bias
      block_sparse_moe.routed_expert_down_proj.weight [latent, H]                         down
-     block_sparse_moe.experts.w13_weight          [E, 2I, latent/2] uint8 MXFP4,         w13 (w1 rows, w3 rows)
-                                                   gate (w1) rows then up (w3) rows
-     block_sparse_moe.experts.w13_weight_scale    [E, 2I, latent/32] uint8 ue8m0         w13_scale
-     block_sparse_moe.experts.w2_weight / _scale  [E, latent, I/2] / [E, latent, I/32]   w2, w2_scale
+     block_sparse_moe.experts.routed_experts.     [E, 2I, latent/2] uint8 MXFP4,         w13 (w1 rows, w3 rows)
+       w13_weight                                  gate (w1) rows then up (w3) rows
+       w13_weight_scale                           [E, 2I, latent/32] uint8 ue8m0         w13_scale
+       w2_weight / w2_weight_scale                [E, latent, I/2] / [E, latent, I/32]   w2, w2_scale
      block_sparse_moe.routed_expert_norm.weight   [latent]                               latent_norm (fp32)
      block_sparse_moe.routed_expert_up_proj.weight [H, latent]                           up
      block_sparse_moe.shared_experts.gate_up_proj.weight [2 Is, H]; .down_proj [H, Is]   shared_gate_up, shared_down
 dense mlp.gate_up_proj.weight [2 Id, H]; mlp.down_proj.weight [H, Id]                    gate_up, down
 ================================================  =====================================  ==========================
 
-The routed-expert intermediate is padded by vLLM to 256 per rank (zero rows) exactly as `ShardConfig(pad_experts=True)`
-pads it. Every large tensor is shared with vLLM (a view, no copy); only the norm vectors (cast to fp32) and a kv_b
-rebuilt from vLLM's absorbed W_UK_T/W_UV are copies. The MXFP4 experts must still be in the checkpoint layout above: a
-vLLM MoE backend that swizzles them in place leaves nothing we can read, and `repack_layer` says so.
+The routed experts live in the MoE runner's ``routed_experts`` module (``FusedMoEFactory`` returns a ``MoERunner``
+holding it; a bare ``block_sparse_moe.experts.<name>`` is read too). The routed-expert intermediate is padded by vLLM to
+256 per rank (zero rows) exactly as `ShardConfig(pad_experts=True)` pads it. Every large tensor is shared with vLLM (a
+view, no copy); only the norm vectors (cast to fp32) and a kv_b rebuilt from vLLM's absorbed W_UK_T/W_UV are copies.
+
+The MXFP4 experts must be in the checkpoint layout above, which vLLM's MoE post-processing does not keep on Hopper
+(Humming, the default there, and Marlin both repack them: int32 weights of other shapes, re-laid scales). The plugin
+therefore hands `repack_layer` the expert tensors it kept at ``load_weights`` (`loading`), and `repack_layer` checks
+each expert tensor's exact shape and dtype: a repacked one is refused by name, never read as if it were the
+checkpoint's.
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ from ..config import DENSE, KDA, ShardConfig
 from ..weights import (AttnResWeights, DenseMLPWeights, KDAWeights, LayerWeights, MLAWeights, MoEWeights)
 
 F32 = torch.float32
+# the routed-expert tensors of a K3 MoE layer, as vLLM's MXFP4 MoE method registers them (checkpoint layout)
+EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 
 
 @dataclass
@@ -72,12 +80,20 @@ class _Reader:
         t = self.params.get(self.name(key))
         return t is not None and t.numel() > 0
 
-    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype | None = None,
+            exact: bool = False) -> torch.Tensor:
+        """The tensor `key` as `shape` (and `dtype`). With `exact` its shape and dtype must be those already: no
+        reshape, no cast (the MXFP4 experts, whose bytes mean nothing in any other layout)."""
         name = self.name(key)
         t = self.params.get(name)
         if t is None:
             raise KeyError(f"vLLM parameter {name} is missing")
         t = t.detach()
+        if exact and (tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype)):
+            raise ValueError(
+                f"vLLM parameter {name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected {tuple(shape)} "
+                f"{dtype}: not the checkpoint's MXFP4 layout (a vLLM MoE backend such as Humming or Marlin repacks "
+                f"the routed experts after load_weights; our kernels read only the checkpoint layout)")
         if t.numel() != _numel(shape):
             raise ValueError(f"vLLM parameter {name} has shape {tuple(t.shape)}, expected {shape}")
         if dtype is not None and t.dtype != dtype:
@@ -154,19 +170,27 @@ def _moe(r: _Reader, s: ShardConfig) -> MoEWeights:
     I, g = s.expert_inter, m.mxfp4_group
     p = "block_sparse_moe."
     u8 = torch.uint8
+    x = _experts_prefix(r, p + "experts.")
     return MoEWeights(
         router=r.get(p + "gate.weight", (E, H)),
         router_bias=r.get(p + "gate.e_score_correction_bias", (E,), F32),
         down=r.get(p + "routed_expert_down_proj.weight", (L, H)),
-        w13=r.get(p + "experts.w13_weight", (E, 2 * I, L // 2), u8),
-        w13_scale=r.get(p + "experts.w13_weight_scale", (E, 2 * I, L // g), u8),
-        w2=r.get(p + "experts.w2_weight", (E, L, I // 2), u8),
-        w2_scale=r.get(p + "experts.w2_weight_scale", (E, L, I // g), u8),
+        w13=r.get(x + "w13_weight", (E, 2 * I, L // 2), u8, exact=True),
+        w13_scale=r.get(x + "w13_weight_scale", (E, 2 * I, L // g), u8, exact=True),
+        w2=r.get(x + "w2_weight", (E, L, I // 2), u8, exact=True),
+        w2_scale=r.get(x + "w2_weight_scale", (E, L, I // g), u8, exact=True),
         latent_norm=r.get(p + "routed_expert_norm.weight", (L,), F32),
         up=r.get(p + "routed_expert_up_proj.weight", (H, L)),
         shared_gate_up=r.get(p + "shared_experts.gate_up_proj.weight", (2 * s.shared_inter, H)),
         shared_down=r.get(p + "shared_experts.down_proj.weight", (H, s.shared_inter)),
     )
+
+
+def _experts_prefix(r: _Reader, experts: str) -> str:
+    """Where the routed-expert tensors are under `experts`: in the MoE runner's ``routed_experts`` module (vLLM's
+    ``FusedMoEFactory``), or directly."""
+    nested = experts + "routed_experts."
+    return nested if r.name(nested + EXPERT_TENSORS[0]) in r.params else experts
 
 
 def _dense(r: _Reader, s: ShardConfig) -> DenseMLPWeights:

@@ -179,6 +179,33 @@ def deployment_reasons(d: Deployment, settings: DecodeSettings) -> list[str]:
     return reasons
 
 
+def routed_expert_bytes(model, tp: int) -> int:
+    """Device bytes of one rank's routed experts in the checkpoint layout (MXFP4 codes and ue8m0 scales of w13 and
+    w2, every MoE layer, the expert slice padded as vLLM and `ShardConfig(pad_experts=True)` pad it)."""
+    from kimi_decode.config import DENSE, ShardConfig
+
+    s = ShardConfig(model, tp=tp, pad_experts=True)
+    L, I, g = model.moe_latent, s.expert_inter, model.mxfp4_group
+    per_expert = 2 * I * (L // 2 + L // g) + L * (I // 2 + I // g)
+    moe_layers = sum(1 for layer in range(model.num_layers) if model.mlp_kind(layer) != DENSE)
+    return moe_layers * model.num_experts * per_expert
+
+
+def memory_reasons(model, tp: int, gpu_bytes: int | None) -> list[str]:
+    """Our decode kernels read the routed experts in the checkpoint layout, and vLLM's MXFP4 MoE backends on Hopper
+    (Humming, the default, and Marlin) repack them for vLLM's own path, so the experts are held twice. The reason,
+    if those two copies alone do not fit the GPU (a lower bound on what the deployment needs)."""
+    if gpu_bytes is None or tp not in SUPPORTED_TP:
+        return []
+    experts = routed_expert_bytes(model, tp)
+    if 2 * experts <= gpu_bytes:
+        return []
+    gib = 2**30
+    return [f"the routed experts are held twice per rank at TP{tp} (the checkpoint layout our decode kernels read, "
+            f"and vLLM's MoE backend's repacked copy for its own path): 2 x {experts / gib:.1f} GiB, more than the "
+            f"GPU's {gpu_bytes / gib:.1f} GiB"]
+
+
 def resolve(additional_config, deployment=None, model_reasons=()) -> DecodeSettings:
     """The settings to run with. Raises one ValueError listing every problem when the switch is on and cannot be
     honoured; ``auto`` never raises on account of the deployment or the model.

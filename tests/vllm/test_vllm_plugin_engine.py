@@ -1,7 +1,8 @@
-"""The plugin inside vLLM's CPU build: entry point, VLLM_PLUGINS, routing counts, start-up failures.
+"""The plugin inside vLLM's CPU build: entry point, VLLM_PLUGINS, routing counts, start-up failures, and the routed
+experts kept across vLLM's MoE post-processing.
 
 The routing runs on a tiny random-weight DeepSeek-V3 stand-in (K3 itself does not load on the CPU build) with the
-plugin's own settings reader, checks and per-step plan. The engine runs in the test process.
+plugin's own settings reader, checks, per-step plan and loading. The engine runs in the test process.
 """
 import pytest
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import torch
 
 from kimi_decode.vllm_plugin import ARCHITECTURES, register
 from kimi_decode.vllm_plugin.standin import register_standin, stats
@@ -62,13 +64,13 @@ def test_vllm_loads_the_plugin_and_VLLM_PLUGINS_empty_disables_it():
 
 
 # ---- routing on the stand-in ---------------------------------------------------------------------------------------
-def _llm(model_dir, additional_config):
+def _llm(model_dir, additional_config, load_format="dummy"):
     from vllm import LLM
 
     register_standin()
     extra = {} if additional_config is None else {"additional_config": additional_config}
-    return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-               max_num_seqs=4, seed=0, **extra)
+    return LLM(model=model_dir, load_format=load_format, skip_tokenizer_init=True, enforce_eager=True,
+               max_model_len=128, max_num_seqs=4, seed=0, **extra)
 
 
 def _prompts():
@@ -161,3 +163,110 @@ def test_invalid_settings_fail_at_start_up_with_every_reason(tiny_model_dir):
     for want in ("'fastest' is not one of auto, latency_specialized", "unknown setting kimi_decode.colour",
                  "model dtype float32 is not bfloat16", 'decode_backend="auto" runs vLLM\'s own decode'):
         assert want in text, (want, text)
+
+
+# ---- the routed experts across vLLM's MoE post-processing, on a real checkpoint --------------------------------------
+_REPACKED = "_kimi_decode_test_repacked"  # on a simulated-backend experts module: name -> (shape, dtype) unpacked
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny DeepSeek-V3 with random weights saved as a safetensors checkpoint, so that vLLM's default loader
+    calls the model's load_weights (the dummy loader does not), and its routed experts in vLLM's layout: w13 is
+    [E, 2I, H] (gate_proj rows, then up_proj rows), w2 is [E, H, I] (down_proj)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from conftest import TINY_DEEPSEEK_V3
+
+    d = tmp_path_factory.mktemp("tiny_deepseek_v3_ckpt")
+    cfg = DeepseekV3Config(**{k: v for k, v in TINY_DEEPSEEK_V3.items() if k not in ("architectures", "torch_dtype")})
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(d)
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in d.glob("*.safetensors"):  # the checkpoint as written (per-expert tensors), not the in-memory model
+        sd.update(load_file(f))
+    experts = {}
+    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        e = [f"model.layers.{i}.mlp.experts.{j}." for j in range(cfg.n_routed_experts)]
+        key = f"layers.{i}.mlp.experts.routed_experts."
+        experts[key + "w13_weight"] = torch.stack(
+            [torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]]) for x in e])
+        experts[key + "w2_weight"] = torch.stack([sd[x + "down_proj.weight"] for x in e])
+    return str(d), experts
+
+
+def _repacking_moe_backend(monkeypatch):
+    """Turns vLLM's CPU MoE post-processing into one that repacks like Humming: after vLLM's own (which already
+    prepacks the experts into new tensors on this build), every expert parameter is deleted and an int32 parameter of
+    another shape registered in its place; the MoE forward reads the experts back from those, so vLLM's own path still
+    runs. Nothing keeps the tensors load_weights filled, except what the plugin keeps."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as M
+
+    process, apply = M.process_weights_after_loading, M.apply
+
+    def process_and_repack(self, layer):
+        process(self, layer)
+        unpacked = {}
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(layer, name).detach()
+            unpacked[name] = (w.shape, w.dtype)
+            packed = w.reshape(w.shape[0], -1).view(torch.int32).clone()
+            delattr(layer, name)
+            layer.register_parameter(name, torch.nn.Parameter(packed, requires_grad=False))
+        setattr(layer, _REPACKED, unpacked)
+
+    def apply_unpacked(self, layer, *args, **kwargs):
+        unpacked = getattr(layer, _REPACKED, None)
+        if unpacked is None:
+            return apply(self, layer, *args, **kwargs)
+        packed = {n: layer._parameters[n] for n in unpacked}
+        try:
+            for n, (shape, dtype) in unpacked.items():
+                layer._parameters[n] = torch.nn.Parameter(packed[n].view(dtype).reshape(shape), requires_grad=False)
+            return apply(self, layer, *args, **kwargs)
+        finally:
+            layer._parameters.update(packed)
+
+    monkeypatch.setattr(M, "process_weights_after_loading", process_and_repack)
+    monkeypatch.setattr(M, "apply", apply_unpacked)
+
+
+def _experts(model) -> dict:
+    """For LLM.apply_model: vLLM's expert parameters now, the ones our executor was built with, the keep report."""
+    ex = model._kimi_decode_executor
+    report = model.kimi_decode_keep_report
+    params = dict(model.model.named_parameters())
+    return {"vllm": {n: (tuple(params[n].shape), params[n].dtype) for n in ex.experts},
+            "ours": {n: t.clone() for n, t in ex.experts.items()},
+            "kept": sorted(report.kept), "kept_bytes": report.kept_bytes, "shared": report.shared}
+
+
+def test_experts_kept_across_a_repacking_moe_backend(tiny_checkpoint, monkeypatch):
+    model_dir, checkpoint = tiny_checkpoint
+    _repacking_moe_backend(monkeypatch)
+    stock = _llm(model_dir, None, load_format="auto")
+    want = [o.outputs[0].token_ids for o in stock.generate(_prompts(), _greedy(6))]
+    del stock
+
+    llm = _llm(model_dir, ON, load_format="auto")
+    try:
+        got = llm.apply_model(_experts)[0]
+        assert sorted(got["ours"]) == sorted(checkpoint)
+        for name, t in checkpoint.items():
+            assert got["vllm"][name][1] == torch.int32 and got["vllm"][name][0] != tuple(t.shape)  # vLLM's: repacked
+            ours = got["ours"][name]
+            assert ours.shape == t.shape and ours.dtype == t.dtype
+            assert torch.equal(ours.view(torch.int16), t.view(torch.int16)), name  # the checkpoint's, bit for bit
+        assert got["kept"] == sorted(checkpoint) and got["shared"] == []
+        assert got["kept_bytes"] == sum(t.numel() * t.element_size() for t in checkpoint.values())
+
+        before = llm.apply_model(stats)[0]
+        out = llm.generate(_prompts(), _greedy(6))
+        after = llm.apply_model(stats)[0]
+        assert _delta(after, before) == {"ours": 5, "stock": 1}
+        assert [o.outputs[0].token_ids for o in out] == want
+    finally:
+        del llm

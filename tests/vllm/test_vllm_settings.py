@@ -99,3 +99,31 @@ def test_plan_without_graphs_takes_eager_decode_on_the_cpu_build():
 
 def test_plan_reads_micro_batched_metadata():
     assert not _plan(_meta(), attn_metadata=[{"a": _meta()}, {"b": _meta(prefills=1)}]).ours
+
+
+def test_routed_expert_bytes_are_what_the_shards_hold():
+    from kimi_decode.config import TINY_TP, shard
+    from kimi_decode.vllm_plugin.settings import routed_expert_bytes
+    from kimi_decode.weights import MoEWeights, init_layer
+
+    s = shard(TINY_TP, tp=2)
+    held = 0
+    for layer in range(TINY_TP.num_layers):
+        mlp = init_layer(s, layer, seed=0).mlp
+        if isinstance(mlp, MoEWeights):
+            held += sum(t.numel() * t.element_size() for t in (mlp.w13, mlp.w13_scale, mlp.w2, mlp.w2_scale))
+    assert held > 0 and routed_expert_bytes(TINY_TP, 2) == held
+
+
+def test_experts_held_twice_must_fit_the_gpu():
+    from kimi_decode.config import K3
+    from kimi_decode.vllm_plugin.settings import memory_reasons, routed_expert_bytes
+
+    h200 = 143771 * 2**20  # what torch reports for an H200
+    for tp in (16, 8):
+        experts = routed_expert_bytes(K3, tp)
+        assert 2 * experts > h200  # Kimi K3's routed experts alone take most of an H200 per rank
+        (reason,) = memory_reasons(K3, tp, h200)
+        assert f"TP{tp}" in reason and f"2 x {experts / 2**30:.1f} GiB" in reason and "140.4 GiB" in reason
+        assert memory_reasons(K3, tp, 2 * experts) == []
+    assert memory_reasons(K3, 16, None) == []  # the CPU build
