@@ -48,6 +48,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_norm = False
         self._res_fast = False
         self._experts_fast = False
+        self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
 
     @staticmethod
@@ -68,7 +69,7 @@ class LatencySpecializedBackend(AutoBackend):
                            "tensor-core projection kernel is not written yet)")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
-        self._res_fast = device_ok and os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
+        self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
         self._experts_fast = device_ok and batch <= EXPERT_MAX_ROWS and isinstance(lw.mlp, MoEWeights)
