@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 NAMESPACE = "kimi_decode"
 AUTO, SPECIALIZED = "auto", "latency_specialized"
 DECODE_BACKENDS = (AUTO, SPECIALIZED)
-# Our specialized kernels cover batch <= 8 (kimi_decode.backends.latency_specialized.GEMV_MAX_ROWS).
+# Our projection kernels cover batch <= 8 (kimi_decode.backends.latency_specialized.GEMV_MAX_ROWS; the expert kernels
+# go to 64, the rest runs auto above 8).
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 MAX_BATCH = 64  # kimi_decode.slice.MAX_BATCH: our static buffers
 KNOWN_KEYS = {"decode_backend", "batch_sizes"}
