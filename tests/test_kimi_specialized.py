@@ -225,3 +225,52 @@ def test_moe_mxfp4_refuses_tensors_past_32_bit_offsets():
         M._check(torch.empty(1, L, dtype=torch.bfloat16), torch.empty(1, m.top_k, dtype=torch.int32), w13,
                  torch.empty(E, 2 * I, L // 32, **meta), w2, torch.empty(E, L, I // 32, **meta), I,
                  torch.empty(m.top_k, I, dtype=torch.float16), torch.empty(1, L))
+
+
+def _moe_on_meta(tp: int):
+    """A K3 MoE block's tensors at a shard's real shapes, on the meta device (no memory)."""
+    from kimi_decode.weights import MoEWeights
+
+    s = shard("k3", tp=tp)
+    m = s.model
+    E, H, L, I, Is, g = m.num_experts, m.hidden, m.moe_latent, s.expert_inter, s.shared_inter, m.mxfp4_group
+    u8, meta = torch.uint8, "meta"
+    return MoEWeights(
+        router=torch.empty(E, H, device=meta), router_bias=torch.empty(E, device=meta),
+        down=torch.empty(L, H, device=meta), w13=torch.empty(E, 2 * I, L // 2, dtype=u8, device=meta),
+        w13_scale=torch.empty(E, 2 * I, L // g, dtype=u8, device=meta),
+        w2=torch.empty(E, L, I // 2, dtype=u8, device=meta), w2_scale=torch.empty(E, L, I // g, dtype=u8, device=meta),
+        latent_norm=torch.empty(L, device=meta), up=torch.empty(H, L, device=meta),
+        shared_gate_up=torch.empty(2 * Is, H, device=meta), shared_down=torch.empty(H, Is, device=meta))
+
+
+@pytest.mark.parametrize("tp, batch, reduced, env, want", [
+    # (attn, mlp, experts, attn_res, fused norm)
+    (16, 1, False, None, (True, True, True, True, True)),
+    (8, 8, False, None, (True, True, True, True, True)),
+    (16, 8, True, None, (True, True, True, True, False)),  # an all-reduce between the experts and the tail
+    (16, 64, False, None, (False, False, True, True, False)),  # experts only, above the GEMV's 8 rows
+    (16, 64, False, "0", (False, False, True, False, False)),  # KIMI_DECODE_CUTE_ATTN_RES=0: Triton AttnRes
+    (1, 1, False, None, (True, False, False, True, False)),  # TP1 expert tensors need 64-bit offsets
+])
+def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env, want):
+    """Which stages take the CuTe kernels, for a KDA + MoE layer on a (pretend) GPU with cutlass-dsl."""
+    from types import SimpleNamespace
+
+    from kimi_decode.backends import latency_specialized
+    from kimi_decode.config import KDA
+
+    monkeypatch.setattr(latency_specialized, "_said", set())
+    monkeypatch.setattr(latency_specialized.cute_common, "HAVE_CUTE", True)
+    if env is not None:
+        monkeypatch.setenv("KIMI_DECODE_CUTE_ATTN_RES", env)
+    backend = get_backend("latency_specialized")
+    lw = SimpleNamespace(attn_res=SimpleNamespace(query=SimpleNamespace(is_cuda=True)), attn_kind=KDA,
+                         mlp=_moe_on_meta(tp))
+    with caplog.at_level(logging.WARNING):
+        backend.begin_layer(lw, batch, reduced=reduced)
+    got = (backend._attn_fast, backend._mlp_fast, backend._experts_fast, backend._res_fast, backend._fused_norm)
+    assert got == want
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ("64-bit" in said or "32 bits" in said) == (tp == 1)
+    assert (f"batch {batch} > 8" in said) == (batch > 8)
