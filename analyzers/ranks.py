@@ -89,7 +89,7 @@ def _merge_rows(rows_per_rank: list[list[dict]], key, times_max: bool) -> list[d
         rows = by_key[k]
         out = {}
         for name, value in rows[0].items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or name in ("layer",):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or name == "layer":
                 out[name] = value
             elif times_max and name in TIMES:
                 out[name] = round(max(r[name] for r in rows), 3)
@@ -134,7 +134,7 @@ def merge_ranks(docs: list[dict], ranks: list[int]) -> dict:
             raise RankError(f"rank {rank} holds other layers than rank {ranks[0]}: "
                             f"{len(layers)} vs {len(layer_sets[0])} layers, not the same run")
     layers = []
-    for i, first in enumerate(docs[0]["layers"]):
+    for i in range(len(docs[0]["layers"])):
         row = _merge_rows([[d["layers"][i]] for d in docs], lambda r: 0, True)[0]
         row.pop("stages", None)
         row["stages"] = _merge_rows([d["layers"][i]["stages"] for d in docs], lambda s: s["name"], True)

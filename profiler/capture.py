@@ -190,12 +190,7 @@ def run_child(command: list[str], env: dict, progress: Progress | None = None,
         for line in proc.stdout:
             line = line.rstrip("\n")
             if line.startswith(PROGRESS_PREFIX):
-                if progress is not None:
-                    try:
-                        event = json.loads(line[len(PROGRESS_PREFIX):])
-                        progress(str(event["phase"]), int(event["done"]), int(event["total"]))
-                    except (ValueError, KeyError, TypeError):
-                        pass
+                _report(progress, line[len(PROGRESS_PREFIX):])
                 continue
             tail.append(line)
             if output is not None:
@@ -206,6 +201,17 @@ def run_child(command: list[str], env: dict, progress: Progress | None = None,
         raise
     finally:
         proc.stdout.close()
+
+
+def _report(progress: Progress | None, payload: str) -> None:
+    """Pass one child's progress line (its JSON payload) to ``progress``; malformed lines are ignored."""
+    if progress is None:
+        return
+    try:
+        event = json.loads(payload)
+        progress(str(event["phase"]), int(event["done"]), int(event["total"]))
+    except (ValueError, KeyError, TypeError):
+        pass
 
 
 def stop_child(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -257,14 +263,6 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(commands: list[list[str]], env: dict, progress: Progress | None = None
               ) -> list[tuple[int | None, list[str]]]:
     """Run one child per rank at once; rank 0's progress lines go to ``progress``. As soon as one child fails, the
@@ -300,14 +298,7 @@ def run_ranks(commands: list[list[str]], env: dict, progress: Progress | None = 
         stopped: set[int] = set()
         while True:
             while not events.empty():
-                if progress is not None:
-                    try:
-                        event = json.loads(events.get_nowait())
-                        progress(str(event["phase"]), int(event["done"]), int(event["total"]))
-                    except (ValueError, KeyError, TypeError):
-                        pass
-                else:
-                    events.get_nowait()
+                _report(progress, events.get_nowait())
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
                 for rank, proc in enumerate(procs):
@@ -346,7 +337,9 @@ def _capture_ranks(options: WorkloadOptions, profiler: str, output: Path, env: d
     outputs = [rank_path(output, r) for r in range(world)]
     for path in outputs:
         check_output(path)
-    port = _free_port()
+    from kimi_decode.dist_bench import free_port
+
+    port = free_port()
     stems = [p.parent / f".{p.name}.{os.getpid()}" for p in outputs]
     partials = [Path(f"{stem}.partial") for stem in stems]
     commands = [workload_command({**asdict(options), "rank": r, "port": port, "profiler": profiler,
