@@ -180,13 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         worst["torch"] = max(worst["torch"], abs(d_torch))
         worst["repeat"] = max(worst["repeat"], abs(d_rep))
         worst["overhead"] = max(worst["overhead"], abs(d_over))
+        d_span = pct(span, ev) if span is not None else float("nan")
         if span is not None:
-            worst["reported"] = max(worst["reported"], abs(pct(span, ev)))
+            worst["reported"] = max(worst["reported"], abs(d_span))
         print(f"{layer:<8}{la['kernels_per_step']:>11g}{lt.get('kernels_per_step', float('nan')):>11g}"
               f"{la['kernel_us']:>10.1f}{lt.get('kernel_us', float('nan')):>10.1f}{d_torch:>7.1f}"
               f"{lb.get('kernel_us', float('nan')):>11.1f}{d_rep:>8.1f}{ev:>10.1f}{ev_rec:>10.1f}{d_over:>7.1f}"
               f"{span if span is not None else float('nan'):>9.1f}"
-              f"{pct(span, ev) if span is not None else float('nan'):>7.1f}")
+              f"{d_span:>7.1f}")
     print(f"\nlayers whose kernel count differs (cupti vs torch): {worst['count']} (target 0)")
     print(f"largest |Δ| kernel µs cupti vs torch: {worst['torch']:.2f}% (target < 5%)")
     print(f"largest |Δ| per-layer time reported by the CUPTI capture (span) vs the uncaptured event time: "
