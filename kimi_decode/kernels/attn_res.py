@@ -316,6 +316,12 @@ def compile_attn_res(blocks, partial, delta, query, key_norm, input_norm, out, *
                      delta_mode: int, use_partial: bool, eps: float):
     """Checks the arguments and compiles (once per flags and layouts); returns (compiled kernel, its arguments)."""
     _check(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, commit, delta_mode, use_partial)
+    return _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, commit, delta_mode,
+                    use_partial, eps)
+
+
+def _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, commit, delta_mode, use_partial,
+             eps):
     if not delta_mode:
         delta = out  # not read; any bf16 [B, H] tensor of the right layout keeps the signature fixed
     args = (blocks, partial, delta, query, key_norm, input_norm, out)
@@ -333,8 +339,8 @@ def attn_res(blocks, partial, delta, query, key_norm, input_norm, out, *, n_bloc
     _check(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, commit, delta_mode, use_partial)
     if not all(t.is_cuda for t in (blocks, partial, query, key_norm, input_norm, out)):
         raise ValueError("attn_res: CUDA tensors expected")
-    fn, args = compile_attn_res(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks=n_blocks,
-                                commit=commit, delta_mode=delta_mode, use_partial=use_partial, eps=eps)
+    fn, args = _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, commit, delta_mode,
+                        use_partial, eps)
     stream = cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
     fn(*(from_dlpack(t, assumed_align=_align(t)) for t in args), stream)
     return out
