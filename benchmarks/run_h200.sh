@@ -4,7 +4,8 @@
 #   source .devsite/activate.sh && bash benchmarks/run_h200.sh BUDGET STEP...
 # Steps: numerics (every latency_specialized GPU test), bench (both backends, TP16/TP8, batch 1 and 8), bench64 (the
 # same at batch 64), fidelity (benchmarks/capture_fidelity.py), captures (latency_specialized TP16/TP8 batch 1 into
-# $OUT), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
+# $OUT), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
+# with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -60,6 +61,8 @@ for name in "$@"; do
     dist1)
       step dist1 120 python3 -m kimi_decode.dist_bench --world 1 --batch 1 --layers 2 --copies 1 --replays 20 \
         --trace-dir /tmp/dist --trace-steps 5 --deadline 110 --json "$OUT/dist1.json" ;;
+    serial)
+      KIMI_DECODE_OVERLAP=0 bench serial 120 bench_serial.json --backend latency_specialized --tp 16 8 --batch 1 8 ;;
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     *)

@@ -68,12 +68,16 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
             with rng("dense_mlp"):
                 res.partial.add_(out)
             return
-        with rng("router"):
+        # router and shared experts read only x: a backend may run them beside the latent down-projection; the
+        # routed experts join the router branch once their latent input is launched, the tail joins the shared one
+        with rng("router"), backend.branch("router", x):
             ids, weights = backend.router(x, lw.mlp, shard, lw.index)
-        with rng("shared_experts"):
+        with rng("shared_experts"), backend.branch("shared", x):
             shared = backend.shared_experts(x, lw.mlp)
         with rng("routed_experts"):
             routed = backend.routed_experts(x, ids, weights, lw.mlp, shard)
+        backend.join("router", ids, weights)
+        backend.join("shared", shared)
         _all_reduce(routed, group)
         _all_reduce(shared, group)
         with rng("moe_tail"):

@@ -56,6 +56,10 @@ def test_gemv_compiles_for_sm90a(sm90a, tp):
         assert compile_gemv(w, torch.empty(rows, 3584), torch.empty(rows, 7168), accumulate=True,
                             addend=torch.empty(rows, 7168, dtype=torch.bfloat16),
                             norm=(torch.empty(3584), torch.empty(rows, 224), 1e-5)) is not None
+        # the MoE tail on the expert kernel's bf16 scaled output: 1/rms per row in the epilogue
+        assert compile_gemv(w, torch.empty(rows, 3584, dtype=torch.bfloat16), torch.empty(rows, 7168),
+                            accumulate=True, addend=torch.empty(rows, 7168, dtype=torch.bfloat16),
+                            row_scale=(torch.empty(rows, 224), 1e-5)) is not None
 
 
 @needs_cute
@@ -103,6 +107,14 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
                           torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
                           torch.empty(batch, L // 16), s.expert_inter_used)
     assert f13 is not None and f2 is not None
+    _, f2s = compile_moe(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
+                         torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+                         torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+                         torch.empty(E, L, I // 32, dtype=u8),
+                         torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
+                         torch.empty(batch, L // 16), s.expert_inter_used,
+                         scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)))
+    assert f2s is not None and f2s is not f2  # its own variant: the bf16 scaled output is written
 
 
 @needs_cute

@@ -69,6 +69,33 @@ def test_specialized_layer_matches_reference(tp, layer, batch):
     check.assert_within(BF16_TOL)
 
 
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_specialized_layer_without_overlap_matches_reference(monkeypatch, tp, batch):
+    """The MoE block's router and shared experts in order on one stream (KIMI_DECODE_OVERLAP=0), as A/B timing runs
+    it: the same results as the forked block."""
+    monkeypatch.setenv("KIMI_DECODE_OVERLAP", "0")
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=3000 + tp + batch, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_forked_moe_block_replays_in_a_graph_like_eager(tp):
+    """The forked MoE block captured in a CUDA graph (fork and join across three streams) gives the eager step's
+    result, step after step."""
+    from kimi_decode.slice import DecodeSlice
+
+    eager = DecodeSlice(backend="latency_specialized", tp=tp, batch=1, first_layer=1, num_layers=2, context=256)
+    graphed = DecodeSlice(backend="latency_specialized", tp=tp, batch=1, first_layer=1, num_layers=2, context=256)
+    graphed.capture(warmup=1)
+    eager.step()  # the capture's warm-up advanced the graphed slice's states by one step
+    for _ in range(3):
+        eager.step()
+        graphed.replay()
+        assert rel_err(graphed.res.partial, eager.res.partial.double()) < 1e-6
+
+
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_moe_mxfp4_matches_float64(tp, pad, batch):
@@ -90,6 +117,14 @@ def test_moe_mxfp4_matches_float64(tp, pad, batch):
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert rel_err(out, want) < BF16_TOL
     assert rel_err(ssq.sum(-1), out.double().pow(2).sum(-1)) < 1e-5
+    # the variant that also writes bf16(out * norm weight) for the MoE tail
+    norm_w = 1 + 0.1 * torch.randn(s.model.moe_latent, device="cuda", generator=g)
+    scaled = torch.full((batch, s.model.moe_latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out.fill_(float("nan"))
+    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
+              ssq=ssq, scaled=(norm_w, scaled))
+    assert rel_err(out, want) < BF16_TOL
+    assert rel_err(scaled, want * norm_w.double()) < BF16_TOL
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -140,6 +175,28 @@ def test_gemv_with_rmsnorm_prologue_matches_float64(rows):
     y0 = torch.randn(rows, n, device="cuda", generator=g)
     y = y0.clone()
     gemv(w, x, y, accumulate=True, addend=add, norm=(norm_w, ssq, 1e-5))
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+    assert rel_err(y - y0, normed @ w.double().T + add.double()) < BF16_TOL
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gemv_with_row_scale_epilogue_matches_float64(rows):
+    """The MoE tail on the expert kernel's bf16(x * norm_w): y += rsqrt(mean(x**2) + eps) * (x * norm_w) @ W.T +
+    addend, the mean from partial sums of squares of x."""
+    from kimi_decode.kernels.gemv import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(650 + rows)
+    m = shard("k3", tp=16).model
+    n, k = m.hidden, m.moe_latent
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    x = torch.randn(rows, k, device="cuda", generator=g) * (1 + torch.arange(rows, device="cuda").view(-1, 1))
+    norm_w = 1 + 0.1 * torch.randn(k, device="cuda", generator=g)
+    ssq = x.pow(2).view(rows, k // 16, 16).sum(-1)
+    add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    y0 = torch.randn(rows, n, device="cuda", generator=g)
+    y = y0.clone()
+    gemv(w, (x * norm_w).bfloat16(), y, accumulate=True, addend=add, row_scale=(ssq, 1e-5))
     xd = x.double()
     normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
     assert rel_err(y - y0, normed @ w.double().T + add.double()) < BF16_TOL

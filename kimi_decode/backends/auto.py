@@ -8,6 +8,8 @@ capture they come from the graph's private pool, so replays reuse the same buffe
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,14 @@ class AutoBackend:
     def begin_layer(self, lw, batch: int, reduced: bool = False) -> None:
         """Called before each layer; a specialized backend picks its kernels (or falls back) here. `reduced`: the
         layer's partial results are all-reduced across ranks between stages (tensor parallel over several GPUs)."""
+
+    def branch(self, name: str, *inputs: torch.Tensor):
+        """Context for a stage that may run beside the main stream (a fork of the MoE block). The generic path runs
+        every stage in order on the current stream."""
+        return contextlib.nullcontext()
+
+    def join(self, name: str, *outputs: torch.Tensor) -> None:
+        """The current stream waits for the branch `name` (nothing to wait for in the generic path)."""
 
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w: AttnResWeights, *, n_blocks: int, commit: bool,

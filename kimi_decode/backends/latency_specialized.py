@@ -8,9 +8,13 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows, the second one doing the weighted sum over experts in registers (`kernels/moe_mxfp4.py`); above
   batch 8 the latent down-projection before them is the generic path's;
-- the MoE tail: one GEMV that normalises the routed sum in its prologue (the expert kernel leaves partial sums of
-  squares) and adds the up-projection and the shared experts' output into the residual in its epilogue; with a
-  cross-rank all-reduce of the routed sum in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`).
+- the MoE tail: one GEMV over bf16(routed sum x norm weight), which the expert kernel writes beside the partial
+  sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in its
+  epilogue; with a cross-rank all-reduce of the routed sum in between, the RMSNorm runs as its own kernel
+  (`kernels/rmsnorm.py`);
+- the MoE block's fork: the router and the shared experts read only the AttnRes output, so they run on streams of
+  their own beside the latent down-projection (a fork and join in the CUDA graph); the experts wait for the router
+  branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0` runs them in order on one stream (for A/B timing).
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
@@ -20,6 +24,7 @@ CUDA device or no cutlass-dsl.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -49,7 +54,12 @@ class LatencySpecializedBackend(AutoBackend):
         self._res_fast = False
         self._experts_fast = False
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
+        self._overlap_on = os.environ.get("KIMI_DECODE_OVERLAP", "1") != "0"
+        self._overlap = False  # this layer forks the router and the shared experts off the main stream
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
+        self._scaled = None  # bf16(routed sum * latent norm weight), from the expert kernel to the tail
 
     @staticmethod
     def _fallback(reason: str) -> None:
@@ -83,7 +93,41 @@ class LatencySpecializedBackend(AutoBackend):
                 self._experts_fast = self._mlp_fast = False  # the MoE tail then needs no partial sums
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
         self._fused_norm = self._mlp_fast and not reduced
-        self._ssq = None
+        self._ssq = self._scaled = None
+        self._overlap = device_ok and self._overlap_on and isinstance(lw.mlp, MoEWeights)
+
+    # ---- streams -----------------------------------------------------------------------------------------------------
+    def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
+        key = (device, name)
+        if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
+            self._streams[key] = torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
+        return self._streams[key]
+
+    @contextlib.contextmanager
+    def branch(self, name: str, *inputs: torch.Tensor):
+        """Runs the enclosed stage on a stream of its own that starts after everything launched so far on the current
+        stream; under CUDA-graph capture this is a fork in the graph. `inputs` are the main stream's tensors it reads
+        (kept from reuse until it is done)."""
+        if not self._overlap:
+            yield
+            return
+        main = torch.cuda.current_stream(inputs[0].device)
+        side = self._stream(name, inputs[0].device)
+        side.wait_stream(main)
+        for t in inputs:
+            t.record_stream(side)
+        self._open[name] = side
+        with torch.cuda.stream(side):
+            yield
+
+    def join(self, name: str, *outputs: torch.Tensor) -> None:
+        side = self._open.pop(name, None)
+        if side is None:
+            return
+        main = torch.cuda.current_stream(side.device)
+        main.wait_stream(side)
+        for t in outputs:  # allocated on the side stream, read on the main one
+            t.record_stream(main)
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16) -> torch.Tensor:
         from ..kernels.gemv import gemv
@@ -138,17 +182,22 @@ class LatencySpecializedBackend(AutoBackend):
 
     def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig):
         if not self._experts_fast:
+            self.join("router", ids, weights)
             return super().routed_experts(x, ids, weights, w, shard)
         from ..kernels.moe_mxfp4 import moe_mxfp4
 
+        latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
+        self.join("router", ids, weights)
         B, k = ids.shape
         used = shard.expert_inter_used
         L = w.w2.shape[1]
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)
         out = self._empty(B, L, dtype=torch.float32, device=x.device)
         self._ssq = self._empty(B, L // 16, dtype=torch.float32, device=x.device)
-        return moe_mxfp4(self.latent_down(x, w), ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used,
-                         act=act, out=out, ssq=self._ssq)
+        # with the norm fused into the tail: the expert kernel also writes bf16(routed * norm weight) for it
+        self._scaled = self._empty(B, L, device=x.device) if self._fused_norm else None
+        return moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, act=act, out=out,
+                         ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if not self._mlp_fast:
@@ -156,9 +205,10 @@ class LatencySpecializedBackend(AutoBackend):
         from ..kernels.gemv import gemv
         from ..kernels.rmsnorm import rmsnorm_rows
 
-        if self._fused_norm:  # one kernel: RMSNorm of the routed sum in the up-projection's prologue
-            gemv(w.up, routed, res.partial, accumulate=True, addend=shared,
-                 norm=(w.latent_norm, self._ssq, shard.model.rms_eps))
+        if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
+            gemv(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
+                 row_scale=(self._ssq, shard.model.rms_eps))
+            self._scaled = self._ssq = None
             return
         normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
                               shard.model.rms_eps)

@@ -27,12 +27,14 @@ if HAVE_CUTE:
 
     class SmallBatchGemv:
         """`normed`: x is fp32 and enters as bf16(x * rsqrt(mean(x**2) + eps) * norm_w), the mean coming from
-        partial sums of squares `ssq` [M, parts] written by the kernel that produced x."""
+        partial sums of squares `ssq` [M, parts] written by the kernel that produced x. `scaled`: x is bf16 and
+        each output row m is multiplied by rsqrt(ssq[m].sum() / K + eps) (an RMSNorm whose weight the producer
+        already applied)."""
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, normed: bool = False,
-                     parts: int = 0, eps: float = 0.0):
+                     parts: int = 0, eps: float = 0.0, scaled: bool = False):
             self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
-            self.normed, self.parts, self.eps = normed, parts, eps
+            self.normed, self.parts, self.eps, self.scaled = normed, parts, eps, scaled
             self.split = split_for(N, K)
             self.rows = WARPS // self.split  # output rows per CTA
             self.iters = -(-(-(-K // (32 * VEC))) // self.split)  # iterations of one K slice
@@ -68,7 +70,7 @@ if HAVE_CUTE:
             acc = cute.make_rmem_tensor((self.M,), Float32)
             acc.fill(0.0)
             rstd = cute.make_rmem_tensor((self.M,), Float32)
-            if cutlass.const_expr(self.normed):
+            if cutlass.const_expr(self.normed or self.scaled):
                 for m in cutlass.range_constexpr(self.M):
                     q = Float32(0.0)
                     for i in cutlass.range_constexpr(-(-self.parts // 32)):
@@ -119,6 +121,8 @@ if HAVE_CUTE:
                         acc[m] = total
             if n < N and lane == 0 and part == 0:
                 for m in cutlass.range_constexpr(self.M):
+                    if cutlass.const_expr(self.scaled):
+                        acc[m] = acc[m] * rstd[m]
                     if cutlass.const_expr(self.accumulate):
                         if cutlass.const_expr(self.addend):
                             mY[m, n] = mY[m, n] + acc[m] + mAdd[m, n].to(Float32)
@@ -136,7 +140,7 @@ def split_for(N: int, K: int) -> int:
     return split
 
 
-def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, norm) -> None:
+def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, norm, row_scale=None) -> None:
     M, K = x.shape
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"small-batch GEMV takes 1..{MAX_ROWS} rows, got {M}")
@@ -152,33 +156,48 @@ def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, 
     if addend is not None and (not accumulate or addend.shape != y.shape or addend.dtype != torch.bfloat16
                                or addend.stride(1) != 1):
         raise ValueError("an addend needs accumulate=True and a bf16 tensor shaped like y")
-    if norm is not None:
-        weight, ssq, _ = norm
-        if weight.shape != (K,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+    if norm is not None and row_scale is not None:
+        raise ValueError("norm and row_scale exclude each other")
+    if norm is not None or row_scale is not None:
+        ssq = norm[1] if norm is not None else row_scale[0]
+        if norm is not None and (norm[0].shape != (K,) or norm[0].dtype != torch.float32
+                                 or not norm[0].is_contiguous()):
             raise ValueError("the norm weight must be fp32 [K]")
         if ssq.dim() != 2 or ssq.shape[0] != M or ssq.dtype != torch.float32 or not ssq.is_contiguous():
             raise ValueError("the partial sums of squares must be fp32 [M, parts]")
 
 
-def compile_gemv(w, x, y, accumulate: bool = False, addend=None, norm=None):
+def _norm_args(y, norm, row_scale):
+    """(norm weight [1, K], ssq, eps) of the kernel; y stands in for the tensors a mode does not read."""
+    if norm is not None:
+        weight, ssq, eps = norm
+        return weight.view(1, -1), ssq, eps
+    if row_scale is not None:
+        return y[:1], row_scale[0], row_scale[1]
+    return y[:1], y, 0.0
+
+
+def compile_gemv(w, x, y, accumulate: bool = False, addend=None, norm=None, row_scale=None):
     extra = addend if addend is not None else y
-    weight, ssq, eps = norm if norm is not None else (y[:1], y, 0.0)
-    weight = weight.view(1, -1)
-    key = ("gemv", accumulate, addend is not None, norm is not None, float(eps),
+    weight, ssq, eps = _norm_args(y, norm, row_scale)
+    reads_ssq = norm is not None or row_scale is not None
+    key = ("gemv", accumulate, addend is not None, norm is not None, row_scale is not None, float(eps),
            *signature(w, x, y, extra, weight, ssq))
     op = SmallBatchGemv(x.shape[0], w.shape[0], x.shape[1], accumulate, addend is not None, norm is not None,
-                        ssq.shape[1] if norm is not None else 0, float(eps))
+                        ssq.shape[1] if reads_ssq else 0, float(eps), row_scale is not None)
     return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, weight, ssq)))
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False,
-         addend: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+         addend: torch.Tensor | None = None, norm: tuple | None = None,
+         row_scale: tuple | None = None) -> torch.Tensor:
     """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, written in place on the current stream.
 
     `norm=(weight, ssq, eps)` takes an fp32 x and multiplies by RMSNorm(x) * weight rounded to bf16 instead, the
-    row's sum of squares being ssq[m].sum() (partial sums left by the producer of x)."""
-    _check(w, x, y, accumulate, addend, norm)
-    weight, ssq, _ = norm if norm is not None else (y[:1], y, 0.0)
-    launch(compile_gemv(w, x, y, accumulate, addend, norm), w, x, y, addend if addend is not None else y,
-           weight.view(1, -1), ssq)
+    row's sum of squares being ssq[m].sum() (partial sums left by the producer of x). `row_scale=(ssq, eps)` takes
+    a bf16 x that already carries the norm weight and multiplies row m of x @ w.T by rsqrt(ssq[m].sum() / K + eps)."""
+    _check(w, x, y, accumulate, addend, norm, row_scale)
+    weight, ssq, _ = _norm_args(y, norm, row_scale)
+    launch(compile_gemv(w, x, y, accumulate, addend, norm, row_scale), w, x, y,
+           addend if addend is not None else y, weight, ssq)
     return y

@@ -150,25 +150,30 @@ if HAVE_CUTE:
                 act[p, j] = (gate * up).to(act.element_type)
 
     class MoEW2Sum:
-        """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used])."""
+        """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used]); with `scaled`, also
+        scaled[b, r] = bf16(out[b, r] * norm_w[r]), the RMSNorm's input times its weight (the row's 1/rms is
+        applied by the consumer, from the partial sums of squares)."""
 
-        def __init__(self, used: int, topk: int):
+        def __init__(self, used: int, topk: int, scaled: bool = False):
             self.topk = topk
+            self.scaled = scaled
             self.groups = used // GROUP
             self.items = topk * self.groups
             self.per_warp = -(-self.items // WARPS)
 
         @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
-                     w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, stream):
+                     w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
+                     scaled: cute.Tensor, stream):
             B, L = out.shape
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
-            self.kernel(gA, ids, weights, w, w_scale, out, ssq).launch(
+            self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled).launch(
                 grid=[L // ROWS2, B, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
-                   w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor):
+                   w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
+                   scaled: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, b, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
@@ -208,6 +213,9 @@ if HAVE_CUTE:
                         sb = sb + red[ROWS2 // 2 + g, i]
                     out[b, ra] = sa
                     out[b, rb] = sb
+                    if cutlass.const_expr(self.scaled):
+                        scaled[b, ra] = (sa * norm_w[ra]).to(scaled.element_type)
+                        scaled[b, rb] = (sb * norm_w[rb]).to(scaled.element_type)
                 # this tile's share of the row's sum of squares, for the RMSNorm that follows
                 q = cute.arch.warp_reduction(sa * sa + sb * sb, lambda x, y: x + y)
                 if lane == 0:
@@ -247,21 +255,31 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int):
+def _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled):
+    """The w2 kernel's tensors; without `scaled` = (norm_w, bf16 out), `out` stands in for both (never read)."""
+    norm_w, scaled_out = scaled if scaled is not None else (out[0], out)
+    return (_words(act), ids, weights, _words(w2), w2_scale, out, ssq, norm_w, scaled_out)
+
+
+def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
     a13 = (_words(latent), ids, _words(w13), w13_scale, act)
     f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
                          *(fake_like(t, align=16) for t in a13))
-    a2 = (_words(act), ids, weights, _words(w2), w2_scale, out, ssq)
-    f2 = compile_kernel(("moe_w2_sum", used, *signature(*a2)), MoEW2Sum(used, k), *(fake_like(t, align=16) for t in a2))
+    a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, *signature(*a2)), MoEW2Sum(used, k, scaled is not None),
+                        *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
 
-def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None):
+def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
+              scaled=None):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
-    [B, L / 16] fp32 receives partial sums of squares of `out` (their row sum is sum(out**2), for a fused RMSNorm)."""
+    [B, L / 16] fp32 receives partial sums of squares of `out` (their row sum is sum(out**2), for a fused RMSNorm).
+    `scaled=(norm_w, y)`, norm_w fp32 [L] and y bf16 [B, L]: also y = bf16(out * norm_w), the input of an
+    up-projection that applies the RMSNorm's 1/rms per row (`gemv(..., row_scale=(ssq, eps))`)."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -270,7 +288,12 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     _check(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out)
     if ssq.shape != (B, L // ROWS2) or ssq.dtype != torch.float32 or not ssq.is_contiguous():
         raise ValueError(f"MoE MXFP4: ssq must be fp32 [{B}, {L // ROWS2}]")
-    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used)
+    if scaled is not None:
+        norm_w, y = scaled
+        if (norm_w.shape != (L,) or norm_w.dtype != torch.float32 or not norm_w.is_contiguous()
+                or y.shape != (B, L) or y.dtype != torch.bfloat16 or not y.is_contiguous()):
+            raise ValueError(f"MoE MXFP4: scaled output needs an fp32 [{L}] norm weight and a bf16 [{B}, {L}] tensor")
+    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled)
     launch(f13, _words(latent), ids, _words(w13), w13_scale, act)
-    launch(f2, _words(act), ids, weights, _words(w2), w2_scale, out, ssq)
+    launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
     return out
