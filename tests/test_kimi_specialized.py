@@ -286,3 +286,39 @@ def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env
     said = " ".join(r.getMessage() for r in caplog.records)
     assert ("64-bit" in said or "32 bits" in said) == (tp == 1)
     assert (f"batch {batch} > 8" in said) == (batch > 8)
+
+
+@needs_cute
+@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False), (8, 32, True)])
+def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, tp, batch, pad):
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    m = s.model
+    E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
+    u8 = torch.uint8
+    f13, f2 = compile_grouped(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
+                              torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+                              torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+                              torch.empty(E, L, I // 32, dtype=u8), [torch.empty(P, dtype=torch.int32)] * 4,
+                              torch.empty(P, s.expert_inter_used, dtype=torch.float16), torch.empty(P, L),
+                              s.expert_inter_used)
+    assert f13 is not None and f2 is not None
+
+
+def test_moe_mxfp4_grouped_refuses_bad_shapes():
+    from kimi_decode.kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
+
+    s = shard("k3", tp=16)
+    m = s.model
+    E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
+    u8 = torch.uint8
+    w13, w13s = torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8)
+    w2, w2s = torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8)
+    ids = torch.zeros(16, k, dtype=torch.int32)
+    align = [torch.empty(16 * k, dtype=torch.int32)] * 4
+    with pytest.raises(ValueError, match="latent bf16"):
+        moe_mxfp4_grouped(torch.empty(16, L), ids, torch.empty(16, k), w13, w13s, w2, w2s, s.expert_inter_used, align)
+    with pytest.raises(ValueError, match="alignment"):
+        moe_mxfp4_grouped(torch.empty(16, L, dtype=torch.bfloat16), ids, torch.empty(16, k), w13, w13s, w2, w2s,
+                          s.expert_inter_used, align[:3] + [torch.empty(5, dtype=torch.int32)])

@@ -127,6 +127,35 @@ def test_moe_mxfp4_matches_float64(tp, pad, batch):
     assert rel_err(scaled, want * norm_w.double()) < BF16_TOL
 
 
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+@pytest.mark.parametrize("batch, same", [(9, False), (64, False), (64, True), (33, True)])
+def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same):
+    """Experts read once per step for all their pairs; `same`: every token picks the same 16 experts, so each
+    segment holds the whole batch (several tiles of 8 pairs, the last one partial at batch 33)."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
+    from kimi_decode.kernels.triton_kernels import moe_align
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    m = s.model
+    seed = 77 * tp + batch + pad + 3 * same
+    w = init_layer(s, 1, seed=seed, device="cuda").mlp
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    latent = torch.randn(batch, m.moe_latent, device="cuda", generator=g).bfloat16()
+    scores = torch.rand(1 if same else batch, m.num_experts, device="cuda", generator=g).expand(batch, -1)
+    ids = torch.topk(scores, m.top_k, dim=-1).indices.int().contiguous()
+    weights = torch.softmax(torch.randn(batch, m.top_k, device="cuda", generator=g), dim=-1)
+    P = batch * m.top_k
+    align = [torch.full((P,), -1, dtype=torch.int32, device="cuda") for _ in range(4)]
+    moe_align(ids.reshape(-1), *align)
+    act = torch.full((P, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
+    pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda")
+    out = moe_mxfp4_grouped(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, align,
+                            act=act, pair_out=pair_out)
+    want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
+    assert not act.isnan().any() and not pair_out.isnan().any()
+    assert rel_err(out, want) < BF16_TOL
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gemv_addend_matches_float64(tp, rows):

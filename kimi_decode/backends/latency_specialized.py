@@ -6,8 +6,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
 - routing: the router GEMV (split-K inside the CTA), then the generic path's top-k kernel (2 kernels);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
-  unpadded rows, the second one doing the weighted sum over experts in registers (`kernels/moe_mxfp4.py`); above
-  batch 8 the latent down-projection before them is the generic path's;
+  unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
+  registers (`kernels/moe_mxfp4.py`); above batch 8 the pairs are sorted by expert (the generic path's alignment
+  kernel) and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`),
+  the latent down-projection before them being the generic path's;
 - the MoE tail: one GEMV over bf16(routed sum x norm weight), which the expert kernel writes beside the partial
   sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in its
   epilogue; with a cross-rank all-reduce of the routed sum in between, the RMSNorm runs as its own kernel
@@ -191,6 +193,15 @@ class LatencySpecializedBackend(AutoBackend):
         B, k = ids.shape
         used = shard.expert_inter_used
         L = w.w2.shape[1]
+        if B > GEMV_MAX_ROWS:  # many pairs share an expert: sort them by expert and read each expert once
+            from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
+            from ..kernels.triton_kernels import moe_align
+
+            align = [self._empty(B * k, dtype=torch.int32, device=x.device) for _ in range(4)]
+            moe_align(ids.reshape(-1), *align)
+            return moe_mxfp4_grouped(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, align,
+                                     act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
+                                     pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device))
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)
         out = self._empty(B, L, dtype=torch.float32, device=x.device)
         self._ssq = self._empty(B, L // 16, dtype=torch.float32, device=x.device)

@@ -70,16 +70,23 @@ if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    def _group_mma(wa, wb, xs, bf16_activations: bool):
-        """(row g, row g + 8) partial dot products of one MX group, before its scale."""
+    def group_mma_fragment(wa, wb, xs, bf16_activations: bool):
+        """The whole accumulator fragment of one MX group, before its scale: (row g, column 2t), (row g, 2t + 1),
+        (row g + 8, 2t), (row g + 8, 2t + 1), column n being the activations of the lanes with lane // 4 = n."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(x).ir_value() for x in xs],
             _group_mma_asm(bf16_activations), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False,
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-        return Float32(llvm.extractvalue(T.f32(), res, [0])), Float32(llvm.extractvalue(T.f32(), res, [2]))
+        return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
-    def _scale(s):
+    def _group_mma(wa, wb, xs, bf16_activations: bool):
+        """(row g, row g + 8) partial dot products of one MX group, before its scale (every column holds the same
+        token: column 0 is read)."""
+        c = group_mma_fragment(wa, wb, xs, bf16_activations)
+        return c[0], c[2]
+
+    def mx_scale(s):
         """2**(s - 127) * 2**14 as fp32, built from its bits (s is a ue8m0 byte, 0..254)."""
         return Float32(llvm.inline_asm(T.f32(), [Int32(s).ir_value()],
                                        "{\n .reg .b32 t;\n add.u32 t, $1, %d;\n shl.b32 $0, t, 23;\n}" % F16_SHIFT,
@@ -87,7 +94,7 @@ if HAVE_CUTE:
                                        asm_dialect=llvm.AsmDialect.AD_ATT))
 
     @cute.jit
-    def _load4(tile: cute.Tensor):
+    def load4(tile: cute.Tensor):
         r = cute.make_rmem_tensor_like(tile)
         cute.autovec_copy(tile, r)
         return r
@@ -126,11 +133,11 @@ if HAVE_CUTE:
             for it in cutlass.range_constexpr(self.per_warp):
                 G = warp * self.per_warp + it
                 if G < self.groups:
-                    xs = _load4(gX[(None, (b, G * 4 + t))])
+                    xs = load4(gX[(None, (b, G * 4 + t))])
                     d1, d3 = _group_mma(w[e, j, G * 4 + t], w[e, self.I + j, G * 4 + t],
                                         [xs[0], xs[1], xs[2], xs[3]], True)
-                    acc1 = acc1 + d1 * _scale(w_scale[e, j, G])
-                    acc3 = acc3 + d3 * _scale(w_scale[e, self.I + j, G])
+                    acc1 = acc1 + d1 * mx_scale(w_scale[e, j, G])
+                    acc3 = acc3 + d3 * mx_scale(w_scale[e, self.I + j, G])
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, WARPS)), 16)
             if t == 0:
@@ -192,12 +199,12 @@ if HAVE_CUTE:
                     k = item // self.groups
                     G = item % self.groups
                     e = ids[b, k]
-                    xs = _load4(gA[(None, (b * self.topk + k, G * 4 + t))])
+                    xs = load4(gA[(None, (b * self.topk + k, G * 4 + t))])
                     da, db = _group_mma(w[e, ra, G * 4 + t], w[e, rb, G * 4 + t], [xs[0], xs[1], xs[2], xs[3]],
                                         False)
                     wt = weights[b, k]
-                    acc_a = acc_a + da * (wt * _scale(w_scale[e, ra, G]))
-                    acc_b = acc_b + db * (wt * _scale(w_scale[e, rb, G]))
+                    acc_a = acc_a + da * (wt * mx_scale(w_scale[e, ra, G]))
+                    acc_b = acc_b + db * (wt * mx_scale(w_scale[e, rb, G]))
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, WARPS)), 16)
             if t == 0:
