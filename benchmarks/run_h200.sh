@@ -5,7 +5,8 @@
 # Steps: numerics (every latency_specialized GPU test), bench (both backends, TP16/TP8, batch 1 and 8), bench64 (the
 # same at batch 64), fidelity (benchmarks/capture_fidelity.py), captures (latency_specialized TP16/TP8 batch 1 into
 # $OUT), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
-# with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
+# with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), noprefetch / prefetch12 / prefetch40 (latency_specialized with
+# KIMI_DECODE_PREFETCH_MB=0 / 12 / 40), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -63,6 +64,12 @@ for name in "$@"; do
         --trace-dir /tmp/dist --trace-steps 5 --deadline 110 --json "$OUT/dist1.json" ;;
     serial)
       KIMI_DECODE_OVERLAP=0 bench serial 120 bench_serial.json --backend latency_specialized --tp 16 8 --batch 1 8 ;;
+    noprefetch)
+      KIMI_DECODE_PREFETCH_MB=0 bench noprefetch 90 bench_noprefetch.json --backend latency_specialized --tp 16 8 --batch 1 8 ;;
+    prefetch40)
+      KIMI_DECODE_PREFETCH_MB=40 bench prefetch40 90 bench_prefetch40.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    prefetch12)
+      KIMI_DECODE_PREFETCH_MB=12 bench prefetch12 90 bench_prefetch12.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     *)

@@ -82,3 +82,4 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
         _all_reduce(shared, group)
         with rng("moe_tail"):
             backend.moe_tail(routed, shared, lw.mlp, res, shard)
+        backend.join("prefetch")  # a backend's L2 prefetches (hints, nothing reads their output)

@@ -322,3 +322,25 @@ def test_moe_mxfp4_grouped_refuses_bad_shapes():
     with pytest.raises(ValueError, match="alignment"):
         moe_mxfp4_grouped(torch.empty(16, L, dtype=torch.bfloat16), ids, torch.empty(16, k), w13, w13s, w2, w2s,
                           s.expert_inter_used, align[:3] + [torch.empty(5, dtype=torch.int32)])
+
+
+def test_prefetch_view_takes_whole_chunks_of_the_first_bytes():
+    from kimi_decode.kernels.prefetch import CHUNK, prefetch_view
+
+    w = torch.arange(3 * CHUNK + 100, dtype=torch.uint8)
+    v = prefetch_view(w, 2 * CHUNK + 5)
+    assert v.shape == (2, CHUNK) and v.data_ptr() == w.data_ptr() and torch.equal(v.reshape(-1), w[: 2 * CHUNK])
+    assert prefetch_view(w, 10**9).shape == (3, CHUNK)  # never past the tensor
+    assert prefetch_view(w, CHUNK - 1) is None
+    with pytest.raises(ValueError, match="contiguous"):
+        prefetch_view(torch.empty(64, 64 * 1024, dtype=torch.uint8)[:, ::2], CHUNK)
+
+
+@needs_cute
+def test_prefetch_compiles_for_sm90a(sm90a):
+    from kimi_decode.kernels.prefetch import compile_prefetch, prefetch_view
+
+    m = shard("k3", tp=16).model
+    for mb in (1, 24, 200):  # fewer chunks than threads, a few per thread, all of a 51 MB weight
+        assert compile_prefetch(prefetch_view(torch.empty(m.moe_latent, m.hidden, dtype=torch.bfloat16),
+                                              mb << 20)) is not None

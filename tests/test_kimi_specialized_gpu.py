@@ -80,6 +80,24 @@ def test_specialized_layer_without_overlap_matches_reference(monkeypatch, tp, ba
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 
+def test_prefetch_leaves_the_weights_as_they_are():
+    from kimi_decode.kernels.prefetch import prefetch_l2
+
+    w = torch.randn(3584, 7168, device="cuda").bfloat16()
+    before = w.clone()
+    prefetch_l2(w, 24 << 20)
+    torch.cuda.synchronize()
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("mb", ["0", "48"])
+def test_specialized_layer_with_other_prefetch_sizes_matches_reference(monkeypatch, mb):
+    monkeypatch.setenv("KIMI_DECODE_PREFETCH_MB", mb)
+    s = shard("k3", tp=16)
+    lw, res, state = layer_case(s, 1, 1, seed=4000 + int(mb), device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 def test_forked_moe_block_replays_in_a_graph_like_eager(tp):
     """The forked MoE block captured in a CUDA graph (fork and join across three streams) gives the eager step's

@@ -16,7 +16,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   (`kernels/rmsnorm.py`);
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so they run on streams of
   their own beside the latent down-projection (a fork and join in the CUDA graph); the experts wait for the router
-  branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0` runs them in order on one stream (for A/B timing).
+  branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0` runs them in order on one stream (for A/B timing);
+- L2 prefetch (batch <= 8, `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first 24 MB of the
+  latent down-projection's weights, and beside the expert kernels, the first 24 MB of the up-projection's, on a
+  stream of their own (`KIMI_DECODE_PREFETCH_MB` sets the size, 0 turns it off; it needs the fork).
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
@@ -33,6 +36,7 @@ import os
 import torch
 
 from ..config import KDA, ShardConfig
+from ..instrument import rng
 from ..kernels import cute_common
 from ..state import KDAState, ResidualState
 from ..weights import KDAWeights, MoEWeights
@@ -41,6 +45,7 @@ from .auto import BF16, AutoBackend
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8
+PREFETCH_MB = 24  # L2 prefetch per streaming projection (the L2 holds 50 MB; the concurrent kernels use some)
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 
@@ -57,6 +62,8 @@ class LatencySpecializedBackend(AutoBackend):
         self._experts_fast = False
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
         self._overlap_on = os.environ.get("KIMI_DECODE_OVERLAP", "1") != "0"
+        self._prefetch_bytes = int(float(os.environ.get("KIMI_DECODE_PREFETCH_MB", PREFETCH_MB)) * 2**20)
+        self._lw = None
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
@@ -97,6 +104,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_norm = self._mlp_fast and not reduced
         self._ssq = self._scaled = None
         self._overlap = device_ok and self._overlap_on and isinstance(lw.mlp, MoEWeights)
+        self._lw = lw
 
     # ---- streams -----------------------------------------------------------------------------------------------------
     def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
@@ -137,6 +145,16 @@ class LatencySpecializedBackend(AutoBackend):
         y = self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device)
         return gemv(w, x, y)
 
+    def _prefetch(self, w: torch.Tensor) -> None:
+        """Ask L2 for the first bytes of `w` (the weights of a streaming projection to come) on a stream beside the
+        latency-bound kernels launched next, as the `prefetch` stage; joined at the end of the layer."""
+        if not (self._overlap and self._prefetch_bytes > 0):
+            return
+        from ..kernels.prefetch import prefetch_l2
+
+        with rng("prefetch"), self.branch("prefetch", w):
+            prefetch_l2(w, self._prefetch_bytes)
+
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w, *, n_blocks: int, commit: bool, delta, delta_mode: int,
                  use_partial: bool, eps: float) -> torch.Tensor:
@@ -163,6 +181,8 @@ class LatencySpecializedBackend(AutoBackend):
         from ..kernels.kda_decode import kda_decode
 
         m = shard.model
+        if self._mlp_fast:  # KDA core, output projection and AttnRes: latency-bound; the latent GEMV comes next
+            self._prefetch(self._lw.mlp.down)
         out = self._empty(y.shape[0], shard.kda_dim, device=y.device)
         return kda_decode(y, f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent, w.o_norm, out,
                           b_col=shard.kda_in_proj_layout["b"][0], eps=m.rms_eps, lower_bound=m.kda_gate_lower_bound)
@@ -202,6 +222,8 @@ class LatencySpecializedBackend(AutoBackend):
             return moe_mxfp4_grouped(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
                                      pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device))
+        if self._mlp_fast:  # the expert kernels are latency-bound at small batch; the tail GEMV comes next
+            self._prefetch(w.up)
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)
         out = self._empty(B, L, dtype=torch.float32, device=x.device)
         self._ssq = self._empty(B, L // 16, dtype=torch.float32, device=x.device)
