@@ -56,6 +56,10 @@ def test_gemv_compiles_for_sm90a(sm90a, tp):
         assert compile_gemv(w, torch.empty(rows, 3584), torch.empty(rows, 7168), accumulate=True,
                             addend=torch.empty(rows, 7168, dtype=torch.bfloat16),
                             norm=(torch.empty(3584), torch.empty(rows, 224), 1e-5)) is not None
+        # the shared experts' gate/up with SiTU-GLU in the epilogue
+        gate_up = torch.empty(2 * s_inter(tp), 7168, dtype=torch.bfloat16)
+        assert compile_gemv(gate_up, torch.empty(rows, 7168, dtype=torch.bfloat16),
+                            torch.empty(rows, s_inter(tp), dtype=torch.bfloat16), glu=True) is not None
         # the MoE tail on the expert kernel's bf16 scaled output: 1/rms per row in the epilogue
         assert compile_gemv(w, torch.empty(rows, 3584, dtype=torch.bfloat16), torch.empty(rows, 7168),
                             accumulate=True, addend=torch.empty(rows, 7168, dtype=torch.bfloat16),
@@ -138,6 +142,23 @@ def test_gemv_split_k_only_for_few_rows():
     assert split_for(768, 7168) == WARPS  # shared experts' gate/up
     assert split_for(3216, 7168) == 1 and split_for(7168, 3584) == 1  # enough rows already
     assert split_for(768, 128) == 1  # f_b: K too short to split
+
+
+def s_inter(tp: int) -> int:
+    return shard("k3", tp=tp).shared_inter
+
+
+def test_gemv_glu_refuses_what_it_cannot_combine():
+    from kimi_decode.kernels.gemv import gemv
+
+    w = torch.empty(768, 7168, dtype=torch.bfloat16)
+    x = torch.empty(1, 7168, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="SiTU-GLU"):
+        gemv(w, x, torch.empty(1, 384), glu=True)  # fp32 y
+    with pytest.raises(ValueError, match="SiTU-GLU"):
+        gemv(w, x, torch.empty(1, 384), accumulate=True, glu=True)
+    with pytest.raises(ValueError, match="do not chain"):
+        gemv(w, x, torch.empty(1, 768, dtype=torch.bfloat16), glu=True)  # y must have half the rows
 
 
 def test_gemv_addend_needs_accumulate():

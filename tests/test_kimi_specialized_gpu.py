@@ -227,6 +227,23 @@ def test_gemv_with_rmsnorm_prologue_matches_float64(rows):
     assert rel_err(y - y0, normed @ w.double().T + add.double()) < BF16_TOL
 
 
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gemv_glu_epilogue_matches_float64(tp, rows):
+    """The shared experts' gate/up projection with SiTU-GLU in the epilogue, against float64 (output poisoned)."""
+    from kimi_decode.kernels.gemv import gemv
+
+    s = shard("k3", tp=tp)
+    g = torch.Generator(device="cuda").manual_seed(800 + tp + rows)
+    n, k = s.shared_inter, s.model.hidden
+    w = (torch.randn(2 * n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    y = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemv(w, x, y, glu=True)
+    h = x.double() @ w.double().T
+    assert rel_err(y, R.situ_glu(h[:, :n], h[:, n:])) < BF16_TOL
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_gemv_with_row_scale_epilogue_matches_float64(rows):
     """The MoE tail on the expert kernel's bf16(x * norm_w): y += rsqrt(mean(x**2) + eps) * (x * norm_w) @ W.T +

@@ -197,7 +197,11 @@ class LatencySpecializedBackend(AutoBackend):
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
-        return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down)
+        from ..kernels.gemv import gemv
+
+        act = gemv(w.shared_gate_up, x, self._empty(x.shape[0], w.shared_gate_up.shape[0] // 2, device=x.device),
+                   glu=True)  # gate/up GEMV with SiTU-GLU in its epilogue
+        return self._gemv(act, w.shared_down)
 
     def latent_down(self, x, w: MoEWeights):
         return self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)

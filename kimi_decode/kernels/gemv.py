@@ -6,7 +6,8 @@ loads must be in flight to cover the memory latency: when W has few rows (the ro
 the 4 warps of a CTA split one row's K between them (split-K inside the CTA, partial sums added through shared
 memory), so four times as many warps stream the same bytes. The epilogue either stores y (bf16 or fp32) or adds it
 into an fp32 residual (`accumulate=True`), optionally with a bf16 addend (`y += x @ W.T + addend`), which fuses the
-residual update of output projections.
+residual update of output projections; with `glu=True` each warp streams a gate row and its up row and the epilogue
+stores SiTU-GLU of the pair (the shared experts' gate/up projection and activation in one kernel).
 """
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ if HAVE_CUTE:
         already applied)."""
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, normed: bool = False,
-                     parts: int = 0, eps: float = 0.0, scaled: bool = False):
+                     parts: int = 0, eps: float = 0.0, scaled: bool = False, glu: bool = False):
             self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
             self.normed, self.parts, self.eps, self.scaled = normed, parts, eps, scaled
-            self.split = split_for(N, K)
+            self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
+            self.split = split_for(2 * N if glu else N, K)
             self.rows = WARPS // self.split  # output rows per CTA
             self.iters = -(-(-(-K // (32 * VEC))) // self.split)  # iterations of one K slice
 
@@ -45,7 +47,7 @@ if HAVE_CUTE:
             gW = cute.zipped_divide(mW, (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
             gN = cute.zipped_divide(mNorm, (1, VEC))  # [1, K]: tiles shaped like the activations'
-            N = mW.shape[0]
+            N = mY.shape[1]
             self.kernel(gW, gX, mY, mAdd, gN, mSsq, N).launch(grid=[cute.ceil_div(N, self.rows), 1, 1],
                                                               block=[32 * WARPS, 1, 1], stream=stream,
                                                               use_pdl=self.pdl)
@@ -69,6 +71,8 @@ if HAVE_CUTE:
             pdl_wait(self.pdl)
             acc = cute.make_rmem_tensor((self.M,), Float32)
             acc.fill(0.0)
+            acc_up = cute.make_rmem_tensor((self.M,), Float32)  # the up rows' sums (glu)
+            acc_up.fill(0.0)
             rstd = cute.make_rmem_tensor((self.M,), Float32)
             if cutlass.const_expr(self.normed or self.scaled):
                 for m in cutlass.range_constexpr(self.M):
@@ -97,6 +101,18 @@ if HAVE_CUTE:
                                 cute.autovec_copy(tX, rX)
                                 xn = (rX.load() * nw * rstd[m]).to(cutlass.BFloat16).to(Float32)
                                 acc[m] = acc[m] + (w * xn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        elif cutlass.const_expr(self.glu):
+                            tU = gW[(None, (N + n, kk))]
+                            rU = cute.make_rmem_tensor_like(tU)
+                            cute.autovec_copy(tU, rU)
+                            u = rU.load().to(Float32)
+                            for m in cutlass.range_constexpr(self.M):
+                                tX = gX[(None, (m, kk))]
+                                rX = cute.make_rmem_tensor_like(tX)
+                                cute.autovec_copy(tX, rX)
+                                xv = rX.load().to(Float32)
+                                acc[m] = acc[m] + (w * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                                acc_up[m] = acc_up[m] + (u * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                         else:
                             for m in cutlass.range_constexpr(self.M):
                                 tX = gX[(None, (m, kk))]
@@ -106,21 +122,33 @@ if HAVE_CUTE:
                                     cute.ReductionOp.ADD, Float32(0.0), 0)
             for m in cutlass.range_constexpr(self.M):
                 acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
+                if cutlass.const_expr(self.glu):
+                    acc_up[m] = cute.arch.warp_reduction(acc_up[m], lambda a, b: a + b)
             if cutlass.const_expr(self.split > 1):
                 smem = cutlass.utils.SmemAllocator()
-                red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, self.M)), 16)
+                red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
                 if lane == 0:
                     for m in cutlass.range_constexpr(self.M):
                         red[warp, m] = acc[m]
+                        if cutlass.const_expr(self.glu):
+                            red[warp, self.M + m] = acc_up[m]
                 cute.arch.barrier()
                 if lane == 0 and part == 0:
                     for m in cutlass.range_constexpr(self.M):
                         total = Float32(0.0)
+                        total_up = Float32(0.0)
                         for i in cutlass.range_constexpr(self.split):
                             total = total + red[warp + i, m]
+                            if cutlass.const_expr(self.glu):
+                                total_up = total_up + red[warp + i, self.M + m]
                         acc[m] = total
+                        acc_up[m] = total_up
             if n < N and lane == 0 and part == 0:
                 for m in cutlass.range_constexpr(self.M):
+                    if cutlass.const_expr(self.glu):  # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
+                        acc[m] = (Float32(4.0) * cute.math.tanh(acc[m] * Float32(0.25))
+                                  / (Float32(1.0) + cute.math.exp(Float32(0.0) - acc[m]))
+                                  * (Float32(25.0) * cute.math.tanh(acc_up[m] * Float32(0.04))))
                     if cutlass.const_expr(self.scaled):
                         acc[m] = acc[m] * rstd[m]
                     if cutlass.const_expr(self.accumulate):
@@ -140,11 +168,16 @@ def split_for(N: int, K: int) -> int:
     return split
 
 
-def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, norm, row_scale=None) -> None:
+def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, norm, row_scale=None,
+           glu: bool = False) -> None:
     M, K = x.shape
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"small-batch GEMV takes 1..{MAX_ROWS} rows, got {M}")
-    if w.shape[1] != K or y.shape != (M, w.shape[0]):
+    if glu and (accumulate or addend is not None or norm is not None or row_scale is not None
+                or y.dtype != torch.bfloat16 or w.shape[0] % 2):
+        raise ValueError("the SiTU-GLU epilogue takes [gate; up] weights with an even row count and a bf16 y, and no "
+                         "accumulate, addend, norm or row scale")
+    if w.shape[1] != K or y.shape != (M, w.shape[0] // 2 if glu else w.shape[0]):
         raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
     x_dtype = torch.float32 if norm is not None else torch.bfloat16
     if w.dtype != torch.bfloat16 or x.dtype != x_dtype or K % VEC:
@@ -177,27 +210,29 @@ def _norm_args(y, norm, row_scale):
     return y[:1], y, 0.0
 
 
-def compile_gemv(w, x, y, accumulate: bool = False, addend=None, norm=None, row_scale=None):
+def compile_gemv(w, x, y, accumulate: bool = False, addend=None, norm=None, row_scale=None, glu: bool = False):
     extra = addend if addend is not None else y
     weight, ssq, eps = _norm_args(y, norm, row_scale)
     reads_ssq = norm is not None or row_scale is not None
-    key = ("gemv", accumulate, addend is not None, norm is not None, row_scale is not None, float(eps),
+    key = ("gemv", accumulate, addend is not None, norm is not None, row_scale is not None, glu, float(eps),
            *signature(w, x, y, extra, weight, ssq))
-    op = SmallBatchGemv(x.shape[0], w.shape[0], x.shape[1], accumulate, addend is not None, norm is not None,
-                        ssq.shape[1] if reads_ssq else 0, float(eps), row_scale is not None)
+    op = SmallBatchGemv(x.shape[0], y.shape[1], x.shape[1], accumulate, addend is not None, norm is not None,
+                        ssq.shape[1] if reads_ssq else 0, float(eps), row_scale is not None, glu)
     return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, weight, ssq)))
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False,
          addend: torch.Tensor | None = None, norm: tuple | None = None,
-         row_scale: tuple | None = None) -> torch.Tensor:
+         row_scale: tuple | None = None, glu: bool = False) -> torch.Tensor:
     """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, written in place on the current stream.
 
     `norm=(weight, ssq, eps)` takes an fp32 x and multiplies by RMSNorm(x) * weight rounded to bf16 instead, the
     row's sum of squares being ssq[m].sum() (partial sums left by the producer of x). `row_scale=(ssq, eps)` takes
-    a bf16 x that already carries the norm weight and multiplies row m of x @ w.T by rsqrt(ssq[m].sum() / K + eps)."""
-    _check(w, x, y, accumulate, addend, norm, row_scale)
+    a bf16 x that already carries the norm weight and multiplies row m of x @ w.T by rsqrt(ssq[m].sum() / K + eps).
+    `glu`: w is [gate; up] with 2N rows and y [M, N] = SiTU-GLU(x @ gate.T, x @ up.T) (the shared experts' first
+    half in one kernel)."""
+    _check(w, x, y, accumulate, addend, norm, row_scale, glu)
     weight, ssq, _ = _norm_args(y, norm, row_scale)
-    launch(compile_gemv(w, x, y, accumulate, addend, norm, row_scale), w, x, y,
+    launch(compile_gemv(w, x, y, accumulate, addend, norm, row_scale, glu), w, x, y,
            addend if addend is not None else y, weight, ssq)
     return y
