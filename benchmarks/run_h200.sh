@@ -6,7 +6,8 @@
 # same at batch 64), fidelity (benchmarks/capture_fidelity.py), captures (latency_specialized TP16/TP8 batch 1 into
 # $OUT), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
 # with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), noprefetch / prefetch12 / prefetch40 (latency_specialized with
-# KIMI_DECODE_PREFETCH_MB=0 / 12 / 40), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
+# KIMI_DECODE_PREFETCH_MB=0 / 12 / 40), glu (the shared experts' gate/up GEMV with and without
+# its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -70,6 +71,10 @@ for name in "$@"; do
       KIMI_DECODE_PREFETCH_MB=40 bench prefetch40 90 bench_prefetch40.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     prefetch12)
       KIMI_DECODE_PREFETCH_MB=12 bench prefetch12 90 bench_prefetch12.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    glu)
+      KIMI_DECODE_PREFETCH_MB=0 bench glu 90 bench_glu.json --backend latency_specialized --tp 16 8 --batch 1 4 8
+      KIMI_DECODE_PREFETCH_MB=0 KIMI_DECODE_SHARED_GLU=0 bench noglu 90 bench_noglu.json --backend latency_specialized \
+        --tp 16 8 --batch 1 4 8 ;;
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     *)

@@ -64,6 +64,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._overlap_on = os.environ.get("KIMI_DECODE_OVERLAP", "1") != "0"
         self._prefetch_bytes = int(float(os.environ.get("KIMI_DECODE_PREFETCH_MB", PREFETCH_MB)) * 2**20)
         self._lw = None
+        self._shared_glu = os.environ.get("KIMI_DECODE_SHARED_GLU", "1") != "0"  # 0: GLU as its own kernel (A/B)
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
@@ -197,6 +198,8 @@ class LatencySpecializedBackend(AutoBackend):
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
+        if not self._shared_glu:
+            return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down)
         from ..kernels.gemv import gemv
 
         act = gemv(w.shared_gate_up, x, self._empty(x.shape[0], w.shared_gate_up.shape[0] // 2, device=x.device),
