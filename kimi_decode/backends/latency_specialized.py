@@ -2,7 +2,8 @@
 
 What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
-  (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual;
+  (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual and, at batch 1,
+  the shared experts' SiTU-GLU in their gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel);
 - the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
 - routing: the router GEMV (split-K inside the CTA), then the generic path's top-k kernel (2 kernels);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
@@ -17,9 +18,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so they run on streams of
   their own beside the latent down-projection (a fork and join in the CUDA graph); the experts wait for the router
   branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0` runs them in order on one stream (for A/B timing);
-- L2 prefetch (batch <= 8, `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first 24 MB of the
-  latent down-projection's weights, and beside the expert kernels, the first 24 MB of the up-projection's, on a
-  stream of their own (`KIMI_DECODE_PREFETCH_MB` sets the size, 0 turns it off; it needs the fork).
+- L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
+  `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
+  weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
+  the fork).
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
@@ -45,7 +47,12 @@ from .auto import BF16, AutoBackend
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8
-PREFETCH_MB = 24  # L2 prefetch per streaming projection (the L2 holds 50 MB; the concurrent kernels use some)
+# L2 prefetch per streaming projection, in MB: off by default, since on the H200 12 / 24 / 40 MB made the TP16 batch-1
+# KDA layer 1.1 / 3.3 / 5.9 us slower (benchmarks/NOTES.md, v6); KIMI_DECODE_PREFETCH_MB turns it on
+PREFETCH_MB = 0
+# the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
+# and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
+GLU_MAX_ROWS = 1
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 
@@ -198,7 +205,7 @@ class LatencySpecializedBackend(AutoBackend):
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
-        if not self._shared_glu:
+        if not (self._shared_glu and x.shape[0] <= GLU_MAX_ROWS):
             return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down)
         from ..kernels.gemv import gemv
 
