@@ -78,6 +78,9 @@ def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
             torch.empty(batch, 3 * d, 3, dtype=bf), torch.empty(3 * d, 4), torch.empty(h), torch.empty(d),
             torch.empty(batch, h, D, D), torch.empty(D), torch.empty(batch, d, dtype=bf))
     assert compile_kda_decode(*args, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0) is not None
+    fused = (args[0], torch.empty(d, s.model.kda_f_rank, dtype=bf), *args[2:])  # f_b applied inside the kernel
+    assert compile_kda_decode(*fused, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0,
+                              f_col=s.kda_in_proj_layout["f_a"][0]) is not None
 
 
 @needs_cute

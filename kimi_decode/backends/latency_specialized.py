@@ -4,7 +4,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
   (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual and, at batch 1,
   the shared experts' SiTU-GLU in their gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel);
-- the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
+- the KDA core: one fused kernel (the decay gate's low-rank up-projection f_b, conv, gate, beta, L2 norms, delta
+  rule, gated RMSNorm; `kernels/kda_decode.py`);
 - routing: the router GEMV (split-K inside the CTA), then the generic path's top-k kernel (2 kernels);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
@@ -179,9 +180,8 @@ class LatencySpecializedBackend(AutoBackend):
     def kda_in_proj(self, x: torch.Tensor, w: KDAWeights, shard: ShardConfig):
         if not self._attn_fast:
             return super().kda_in_proj(x, w, shard)
-        y = self._gemv(x, w.in_proj)
-        a, b = shard.kda_in_proj_layout["f_a"]
-        return y, self._gemv(y[:, a:b], w.f_b)
+        # the decay gate's up-projection f_b runs inside the KDA kernel (kda_core gets f=None)
+        return self._gemv(x, w.in_proj), None
 
     def kda_core(self, y, f, w: KDAWeights, state: KDAState, shard: ShardConfig):
         if not self._attn_fast:
@@ -192,8 +192,11 @@ class LatencySpecializedBackend(AutoBackend):
         if self._mlp_fast:  # KDA core, output projection and AttnRes: latency-bound; the latent GEMV comes next
             self._prefetch(self._lw.mlp.down)
         out = self._empty(y.shape[0], shard.kda_dim, device=y.device)
-        return kda_decode(y, f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent, w.o_norm, out,
-                          b_col=shard.kda_in_proj_layout["b"][0], eps=m.rms_eps, lower_bound=m.kda_gate_lower_bound)
+        fused = f is None  # from our kda_in_proj: the kernel applies f_b to y's f_a columns
+        return kda_decode(y, w.f_b if fused else f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent,
+                          w.o_norm, out, b_col=shard.kda_in_proj_layout["b"][0], eps=m.rms_eps,
+                          lower_bound=m.kda_gate_lower_bound,
+                          f_col=shard.kda_in_proj_layout["f_a"][0] if fused else None)
 
     def attn_out_proj(self, o, w):
         return self._gemv(o, w.o_proj) if self._attn_fast else super().attn_out_proj(o, w)

@@ -7,7 +7,9 @@ For each (head, sequence), one CTA of head_dim threads does:
   3. the delta rule on the fp32 state: thread v owns column v of S (head_dim registers), so
      S = diag(decay) S,  S += beta * k^T (v - k S),  o = q S  need no communication beyond q, k, decay in shared memory;
   4. per-head RMSNorm of o times o_norm and the sigmoid output gate.
-The inputs come straight from the fused input projection's output (q, k, v, g, b at their column offsets).
+The inputs come straight from the fused input projection's output (q, k, v, g, b at their column offsets). With
+`f_col` given, the kernel also does the decay gate's low-rank up-projection: `f` is then the weight f_b [heads *
+head_dim, rank] and thread v computes f[v] = f_b[v] . y[f_col : f_col + rank] itself (one GEMV kernel fewer).
 """
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ if HAVE_CUTE:
         return Float32(1.0) / (Float32(1.0) + _exp(Float32(0.0) - Float32(x)))
 
     class KDADecode:
-        def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float):
+        def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
+                     f_col: int = -1, f_rank: int = 0):
             self.H, self.D, self.W = heads, head_dim, width
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
+            self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
 
         @cute.jit
         def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -99,7 +103,13 @@ if HAVE_CUTE:
             sum_q, sum_k = self._block_sum2(q * q, k * k, red)
             sQ[t] = q * _rsqrt(sum_q + Float32(1e-6)) * Float32(D ** -0.5)
             sK[t] = k * _rsqrt(sum_k + Float32(1e-6))
-            gate_in = _exp(A_log[h]) * (f[b, ch].to(Float32) + dt_bias[ch])
+            f_v = Float32(0.0)
+            if cutlass.const_expr(self.f_col >= 0):
+                for r in cutlass.range_constexpr(self.f_rank):
+                    f_v = f_v + f[ch, r].to(Float32) * y[b, self.f_col + r].to(Float32)
+            else:
+                f_v = f[b, ch].to(Float32)
+            gate_in = _exp(A_log[h]) * (f_v + dt_bias[ch])
             sDecay[t] = _exp(Float32(self.lb) * _sigmoid(gate_in))
             beta = _sigmoid(y[b, self.b_col + h].to(Float32))
             cute.arch.barrier()
@@ -123,23 +133,32 @@ if HAVE_CUTE:
             out[b, ch] = res.to(out.element_type)
 
 
-def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound):
+def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
+                       f_col: int = -1):
     B, H, D, _ = S.shape
-    key = ("kda_decode", b_col, eps, lower_bound, *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
-    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound)
+    key = ("kda_decode", b_col, eps, lower_bound, f_col,
+           *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, f.shape[1] if f_col >= 0 else 0)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
                                                                       o_norm, out)))
 
 
 def kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col: int, eps: float,
-               lower_bound: float) -> torch.Tensor:
-    """In place: conv_state and S advance one token; out [B, heads * head_dim] receives the gated, normed o."""
+               lower_bound: float, f_col: int | None = None) -> torch.Tensor:
+    """In place: conv_state and S advance one token; out [B, heads * head_dim] receives the gated, normed o.
+
+    `f` is the decay gate's input [B, heads * head_dim], or with `f_col` the weight f_b [heads * head_dim, rank]
+    applied here to y's columns f_col .. f_col + rank."""
     B, H, D, _ = S.shape
     if D % 32 or D > 1024 or not S.is_contiguous() or S.dtype != torch.float32:
         raise ValueError("KDA decode needs a contiguous fp32 state with head_dim a multiple of 32")
+    if f_col is not None and (f.shape[0] != H * D or f_col < 0 or f_col + f.shape[1] > y.shape[1]
+                              or f.stride(1) != 1):
+        raise ValueError(f"KDA decode: f_b must be [{H * D}, rank] with row-contiguous rows and y's columns "
+                         f"f_col .. f_col + rank inside y")
     if y.stride(1) != 1 or f.stride(1) != 1 or out.stride(1) != 1 or not conv_state.is_contiguous():
         raise ValueError("KDA decode needs row-contiguous inputs")
     fn = compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, b_col=b_col, eps=eps,
-                            lower_bound=lower_bound)
+                            lower_bound=lower_bound, f_col=-1 if f_col is None else f_col)
     launch(fn, y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, align=4)
     return out
