@@ -4,8 +4,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
   (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual and, at batch 1,
   the shared experts' SiTU-GLU in their gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel);
-- the KDA core: one fused kernel (the decay gate's low-rank up-projection f_b, conv, gate, beta, L2 norms, delta
-  rule, gated RMSNorm; `kernels/kda_decode.py`);
+- the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
+  with `KIMI_DECODE_FUSED_GATE=1` also the decay gate's low-rank up-projection f_b (one GEMV kernel fewer, slower
+  as measured: off by default);
 - routing: the router GEMV (split-K inside the CTA), then the generic path's top-k kernel (2 kernels);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
@@ -73,6 +74,8 @@ class LatencySpecializedBackend(AutoBackend):
         self._prefetch_bytes = int(float(os.environ.get("KIMI_DECODE_PREFETCH_MB", PREFETCH_MB)) * 2**20)
         self._lw = None
         self._shared_glu = os.environ.get("KIMI_DECODE_SHARED_GLU", "1") != "0"  # 0: GLU as its own kernel (A/B)
+        # f_b inside the KDA kernel: one kernel fewer, but 2.4-3.3 us slower at batch 1 on the H200 (NOTES, v7)
+        self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "0") == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
@@ -180,8 +183,11 @@ class LatencySpecializedBackend(AutoBackend):
     def kda_in_proj(self, x: torch.Tensor, w: KDAWeights, shard: ShardConfig):
         if not self._attn_fast:
             return super().kda_in_proj(x, w, shard)
-        # the decay gate's up-projection f_b runs inside the KDA kernel (kda_core gets f=None)
-        return self._gemv(x, w.in_proj), None
+        y = self._gemv(x, w.in_proj)
+        if self._fused_gate:  # the decay gate's up-projection f_b runs inside the KDA kernel (kda_core gets f=None)
+            return y, None
+        a, b = shard.kda_in_proj_layout["f_a"]
+        return y, self._gemv(y[:, a:b], w.f_b)
 
     def kda_core(self, y, f, w: KDAWeights, state: KDAState, shard: ShardConfig):
         if not self._attn_fast:
