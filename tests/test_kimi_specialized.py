@@ -368,3 +368,28 @@ def test_prefetch_compiles_for_sm90a(sm90a):
     for mb in (1, 24, 200):  # fewer chunks than threads, a few per thread, all of a 51 MB weight
         assert compile_prefetch(prefetch_view(torch.empty(m.moe_latent, m.hidden, dtype=torch.bfloat16),
                                               mb << 20)) is not None
+
+
+@pytest.mark.parametrize("env, overlap, prefetch, fused_gate", [
+    ({}, True, 0, False),  # the defaults: what measured fastest on the H200 (benchmarks/NOTES.md, v5-v7)
+    ({"KIMI_DECODE_OVERLAP": "0"}, False, 0, False),
+    ({"KIMI_DECODE_PREFETCH_MB": "24", "KIMI_DECODE_FUSED_GATE": "1"}, True, 24 << 20, True),
+])
+def test_moe_block_fork_and_the_measured_off_switches(monkeypatch, env, overlap, prefetch, fused_gate):
+    """The MoE block forks by default; L2 prefetch and f_b inside the KDA kernel are off unless asked for; a dense
+    (non-MoE) layer never forks."""
+    from types import SimpleNamespace
+
+    from kimi_decode.backends import latency_specialized
+    from kimi_decode.config import KDA
+
+    monkeypatch.setattr(latency_specialized.cute_common, "HAVE_CUTE", True)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    backend = get_backend("latency_specialized")
+    lw = SimpleNamespace(attn_res=SimpleNamespace(query=SimpleNamespace(is_cuda=True)), attn_kind=KDA,
+                         mlp=_moe_on_meta(16))
+    backend.begin_layer(lw, 1)
+    assert (backend._overlap, backend._prefetch_bytes, backend._fused_gate) == (overlap, prefetch, fused_gate)
+    backend.begin_layer(SimpleNamespace(attn_res=lw.attn_res, attn_kind=KDA, mlp=object()), 1)
+    assert not backend._overlap
