@@ -35,49 +35,32 @@ def test_gemv_matches_float64(tp, rows):
 
 @pytest.mark.parametrize("tp", [16, 8, 1])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_kda_decode_with_gate_projection_matches_float64(tp, batch):
-    """The KDA kernel applying f_b to the input projection's f_a columns itself (f_col), against float64."""
+@pytest.mark.parametrize("fused_gate", [False, True])
+def test_kda_decode_matches_float64(tp, batch, fused_gate):
+    """The fused KDA kernel against float64; `fused_gate`: it also applies f_b to the input projection's f_a columns
+    (f_col) instead of taking the gate input f."""
     from kimi_decode.kernels.kda_decode import kda_decode
 
     s = shard("k3", tp=tp)
-    seed = 11 * tp + batch
+    seed = 7 * tp + batch + 100 * fused_gate
     lw = init_layer(s, 1, seed=seed, device="cuda")
     state = init_kda_state(s, batch, 1, seed=seed, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
     y = torch.randn(batch, s.kda_in_proj_rows, device="cuda", generator=g).bfloat16()
     a, b = s.kda_in_proj_layout["f_a"]
-    want_o, want_state = R.kda_core(y, R.linear(y[:, a:b], lw.attn.f_b), lw.attn, state, s)
-    st = state.clone()
-    out = torch.full((batch, s.kda_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
-    m = s.model
-    kda_decode(y, lw.attn.f_b, st.conv, lw.attn.conv, lw.attn.A_log, lw.attn.dt_bias, st.recurrent, lw.attn.o_norm,
-               out, b_col=s.kda_in_proj_layout["b"][0], eps=m.rms_eps, lower_bound=m.kda_gate_lower_bound, f_col=a)
-    errs = {"o": rel_err(out, want_o), "S": rel_err(st.recurrent, want_state.recurrent)}
-    assert max(errs.values()) < BF16_TOL, errs
-
-
-@pytest.mark.parametrize("tp", [16, 8, 1])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_kda_decode_matches_float64(tp, batch):
-    from kimi_decode.kernels.kda_decode import kda_decode
-
-    s = shard("k3", tp=tp)
-    seed = 7 * tp + batch
-    lw = init_layer(s, 1, seed=seed, device="cuda")
-    state = init_kda_state(s, batch, 1, seed=seed, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    y = torch.randn(batch, s.kda_in_proj_rows, device="cuda", generator=g).bfloat16()
-    f = torch.randn(batch, s.kda_dim, device="cuda", generator=g).bfloat16()
+    f = R.linear(y[:, a:b], lw.attn.f_b) if fused_gate else torch.randn(batch, s.kda_dim, device="cuda",
+                                                                           generator=g).bfloat16()
     want_o, want_state = R.kda_core(y, f, lw.attn, state, s)
     st = state.clone()
     out = torch.full((batch, s.kda_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
     m = s.model
-    kda_decode(y, f, st.conv, lw.attn.conv, lw.attn.A_log, lw.attn.dt_bias, st.recurrent, lw.attn.o_norm, out,
-               b_col=s.kda_in_proj_layout["b"][0], eps=m.rms_eps, lower_bound=m.kda_gate_lower_bound)
+    kda_decode(y, lw.attn.f_b if fused_gate else f, st.conv, lw.attn.conv, lw.attn.A_log, lw.attn.dt_bias,
+               st.recurrent, lw.attn.o_norm, out, b_col=s.kda_in_proj_layout["b"][0], eps=m.rms_eps,
+               lower_bound=m.kda_gate_lower_bound, f_col=a if fused_gate else None)
     torch.cuda.synchronize()
     errs = {"o": rel_err(out, want_o), "S": rel_err(st.recurrent, want_state.recurrent),
             "conv": rel_err(st.conv, want_state.conv)}
-    print(tp, batch, errs)
+    print(tp, batch, fused_gate, errs)
     assert max(errs.values()) < BF16_TOL, errs
 
 
