@@ -243,11 +243,11 @@ def route_topk(logits, bias, ids, weights, *, scaling):
 
 
 @triton.jit
-def _moe_align_kernel(ids, order, seg_start, seg_len, seg_expert, P, BLOCK_P: tl.constexpr):
+def _moe_align_kernel(ids, order, seg_start, seg_len, seg_expert, P, BLOCK_P: tl.constexpr, PAD: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     mask = p < P
-    e = tl.load(ids + p, mask=mask, other=2**20)
-    key = e * BLOCK_P + p  # sort by expert, then by pair: a stable order
+    e = tl.load(ids + p, mask=mask, other=PAD)  # padding lanes: an expert id past every real one, sorted last
+    key = e * BLOCK_P + p  # sort by expert, then by pair: a stable order (int32: PAD * BLOCK_P + p < 2**31)
     key = tl.sort(key)
     e_sorted = key // BLOCK_P
     tl.store(order + p, key % BLOCK_P, mask=mask)
@@ -271,8 +271,11 @@ def moe_align(ids, order, seg_start, seg_len, seg_expert):
     """ids [P] -> order [P] (pairs sorted by expert), and per segment (one per distinct expert, the rest with
     length 0): start in `order`, length, expert. All [P] int32, written in place."""
     P = ids.numel()
-    _moe_align_kernel[(1,)](ids, order, seg_start, seg_len, seg_expert, P,
-                            BLOCK_P=max(16, triton.next_power_of_2(P)), num_warps=4)
+    block = max(16, triton.next_power_of_2(P))
+    pad = (2**31 - 1) // block - 1  # the largest id whose keys stay in int32
+    if pad < 2**10:  # ids up to 1023 must sort before the padding (K3 has 896 experts)
+        raise ValueError(f"moe_align sorts at most {2**21} pairs in one call, got {P}")
+    _moe_align_kernel[(1,)](ids, order, seg_start, seg_len, seg_expert, P, BLOCK_P=block, PAD=pad, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
