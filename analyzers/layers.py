@@ -30,6 +30,7 @@ from analyzers.trace import KINDS
 
 SCHEMA = "kprof.analyze/1"
 STEP_RANGE = "decode_step"
+PREFETCH_STAGE = "prefetch"
 DEFAULT_LAYER_REGEX = r"^layer\[(?P<index>\d+)\]:(?P<kind>\w+)$"
 METRICS = ("kernels", "kernel_ns", "busy_ns", "span_ns")
 
@@ -50,7 +51,8 @@ def label_ranges(ranges: pd.DataFrame, layer_regex: str = DEFAULT_LAYER_REGEX,
                  step_range: str = STEP_RANGE) -> pd.DataFrame:
     """For each range (aligned with ``ranges``): ``step`` (row position of the enclosing-or-self step range, -1),
     ``layer`` (layer number, -1), ``layer_kind`` ("" if none), ``stage`` (name of the range directly under the
-    layer on the path to this one, "" if none)."""
+    layer on the path to this one, "" if none; a ``prefetch`` range is its own stage however deep it sits in the
+    layer: a prefetch launched from inside another stage is not that stage's work)."""
     regex = compile_layer_regex(layer_regex)
     group = "index" if "index" in regex.groupindex else 1
     names = ranges["name"].astype("category")
@@ -63,6 +65,7 @@ def label_ranges(ranges: pd.DataFrame, layer_regex: str = DEFAULT_LAYER_REGEX,
     codes = names.cat.codes.to_numpy()
     is_layer = cat_layer[codes] >= 0 if len(categories) else np.zeros(len(ranges), dtype=bool)
     is_step = (names == step_range).to_numpy()
+    is_prefetch = (names == PREFETCH_STAGE).to_numpy()
 
     parent, depth = range_nesting(ranges)
     n = len(ranges)
@@ -77,7 +80,7 @@ def label_ranges(ranges: pd.DataFrame, layer_regex: str = DEFAULT_LAYER_REGEX,
         up_safe = np.where(has_up, up, 0)
         step[rows] = np.where(is_step[rows], own[rows], np.where(has_up, step[up_safe], -1))
         layer_pos[rows] = np.where(is_layer[rows], own[rows], np.where(has_up, layer_pos[up_safe], -1))
-        under_layer = has_up & is_layer[up_safe]
+        under_layer = (has_up & is_layer[up_safe]) | (is_prefetch[rows] & (layer_pos[rows] >= 0))
         stage_pos[rows] = np.where(is_layer[rows], -1,
                                    np.where(under_layer, own[rows], np.where(has_up, stage_pos[up_safe], -1)))
     has_layer = layer_pos >= 0

@@ -37,6 +37,20 @@ def test_without_decode_step_ranges_the_whole_trace_is_one_step():
                                 "span_us": 0.01}]
 
 
+def test_a_prefetch_range_inside_another_stage_is_its_own_stage():
+    """A prefetch launched from inside kda_core (to run beside it) is the prefetch stage; other ranges nested in a
+    stage still roll up into it, and a prefetch range outside every layer labels nothing."""
+    trace = _trace([("decode_step", 0, 1000), ("layer[1]:kda", 10, 500), ("kda_core", 20, 100),
+                    ("prefetch", 30, 40), ("cublas", 50, 60), ("prefetch", 600, 610)],
+                   [(1, 31, 32), (2, 51, 52), (3, 70, 71), (4, 601, 602)],
+                   [(1, 7, 2000, 2100), (2, 7, 2010, 2020), (3, 8, 2030, 2040), (4, 9, 2200, 2210)])
+    labels = kernel_layers(trace)
+    assert labels["stage"].tolist() == ["prefetch", "kda_core", "kda_core", ""]
+    assert labels["layer"].tolist() == [1, 1, 1, -1]
+    [layer] = analyze(trace)["layers"]
+    assert {st["name"]: st["kernels_per_step"] for st in layer["stages"]} == {"prefetch": 1.0, "kda_core": 2.0}
+
+
 def test_kernels_without_ranges_or_launches_are_counted_unattributed_not_dropped():
     trace = _trace([], [(1, 0, 1)], [(1, 7, 10, 20), (2, 7, 30, 40)])  # kernel 2 has no launch call
     result = analyze(trace)
