@@ -57,6 +57,7 @@ PREFETCH_MB = 0
 GLU_MAX_ROWS = 1
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
+BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
 
 
 class LatencySpecializedBackend(AutoBackend):
@@ -81,6 +82,10 @@ class LatencySpecializedBackend(AutoBackend):
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
         self._scaled = None  # bf16(routed sum * latent norm weight), from the expert kernel to the tail
+        if torch.cuda.is_available():  # the branch streams exist before any capture (a serving engine's first decode
+            device = torch.device("cuda", torch.cuda.current_device())  # step may be a CUDA-graph capture)
+            for name in BRANCHES:
+                self._stream(name, device)
 
     @staticmethod
     def _fallback(reason: str) -> None:
