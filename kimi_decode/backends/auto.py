@@ -214,16 +214,24 @@ class AutoBackend:
 
     def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig) -> torch.Tensor:
         """Latent down-projection, then the selected experts (this rank's slice) -> weighted sum, fp32 [B, latent]."""
-        latent = self.latent_down(x, w)
+        return self.experts_on_latent(self.latent_down(x, w), ids, weights, w, shard)
+
+    def expert_alignment(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """The (token, slot) pairs of `ids` [B, k] sorted by expert (Triton `moe_align`): pair order, and per distinct
+        expert its segment's start, length and id, four int32 [B * k]."""
+        align = [self._empty(ids.numel(), dtype=torch.int32, device=ids.device) for _ in range(4)]
+        tk.moe_align(ids.reshape(-1), *align)
+        return align
+
+    def experts_on_latent(self, latent, ids, weights, w: MoEWeights, shard: ShardConfig) -> torch.Tensor:
+        """The selected experts (this rank's slice) on the latent [B, latent] -> weighted sum, fp32 [B, latent]."""
         B, k = ids.shape
         if self._use_triton(latent):
-            flat = ids.reshape(-1)
-            align = [torch.empty(B * k, dtype=torch.int32, device=x.device) for _ in range(4)]
-            tk.moe_align(flat, *align)
-            h = self._empty(B * k, w.w13.shape[1], device=x.device)
+            align = self.expert_alignment(ids)
+            h = self._empty(B * k, w.w13.shape[1], device=latent.device)
             tk.moe_mxfp4(latent, w.w13, w.w13_scale, align, h, x_per_pair=False)
             act = self.situ_glu(h)
-            out = self._empty(B * k, w.w2.shape[1], dtype=torch.float32, device=x.device)
+            out = self._empty(B * k, w.w2.shape[1], dtype=torch.float32, device=latent.device)
             tk.moe_mxfp4(act, w.w2, w.w2_scale, align, out, x_per_pair=True, row_scale=weights.reshape(-1))
             return out.view(B, k, -1).sum(1)
         group = shard.model.mxfp4_group

@@ -243,10 +243,8 @@ class LatencySpecializedBackend(AutoBackend):
         L = w.w2.shape[1]
         if B > GEMV_MAX_ROWS:  # many pairs share an expert: sort them by expert and read each expert once
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
-            from ..kernels.triton_kernels import moe_align
 
-            align = [self._empty(B * k, dtype=torch.int32, device=x.device) for _ in range(4)]
-            moe_align(ids.reshape(-1), *align)
+            align = self.expert_alignment(ids)
             return moe_mxfp4_grouped(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
                                      pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device))

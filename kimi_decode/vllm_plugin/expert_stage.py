@@ -1,10 +1,10 @@
 """The routed-expert stage vLLM's MoE layers run with our backend on (`experts.CheckpointLayoutExperts.apply`): our
 ``auto`` backend's MXFP4 expert path on the checkpoint layout, for any number of tokens. Imports no vLLM.
 
-`kimi_decode.backends.auto.AutoBackend.routed_experts` computes the latent down-projection and then the selected
-experts; vLLM's K3 MoE hands its quant method the latent already projected, so the stage here is that method with the
-projection left out: Triton ``moe_align`` + ``moe_mxfp4`` + SiTU-GLU on CUDA, the torch twin over
-``mxfp4_dequantize`` on the CPU.
+vLLM's K3 MoE hands its quant method the latent already down-projected, so the stage here is
+`kimi_decode.backends.auto.AutoBackend.experts_on_latent`, the part of the ``auto`` routed-expert stage after that
+projection: Triton ``moe_align`` + ``moe_mxfp4`` + SiTU-GLU on CUDA, the torch twin over ``mxfp4_dequantize`` on the
+CPU.
 """
 from __future__ import annotations
 
@@ -25,14 +25,7 @@ MAX_PAIRS_CUDA = 8192
 MAX_PAIRS_CPU = 256
 
 
-class _ExpertsOnLatent(AutoBackend):
-    """The ``auto`` backend's routed-expert stage fed the latent itself: vLLM's K3 MoE has down-projected it already."""
-
-    def latent_down(self, x, w):
-        return x
-
-
-_BACKEND = _ExpertsOnLatent()
+_BACKEND = AutoBackend()  # its experts_on_latent: vLLM's K3 MoE has down-projected the latent already
 _SHARD = SimpleNamespace(model=SimpleNamespace(mxfp4_group=MXFP4_GROUP))  # all the expert stage reads of a shard
 
 
@@ -56,7 +49,7 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if max_pairs is None:
         max_pairs = MAX_PAIRS_CUDA if x.is_cuda else MAX_PAIRS_CPU
     for s, e in row_chunks(T, k, max_pairs):
-        out[s:e] = _BACKEND.routed_experts(xb[s:e], ids[s:e], weights[s:e], w, _SHARD)
+        out[s:e] = _BACKEND.experts_on_latent(xb[s:e], ids[s:e], weights[s:e], w, _SHARD)
     return out
 
 
