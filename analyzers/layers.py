@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from analyzers.attribution import attribute, range_nesting
-from analyzers.classes import ClassTable, classify
+from analyzers.classes import PREFETCH, ClassTable, classify
 from analyzers.intervals import union_length_by_group
 from analyzers.overlap import comm_compute, comm_kernel_records
 from analyzers.prefetch import prefetch_effect
@@ -30,7 +30,6 @@ from analyzers.trace import KINDS
 
 SCHEMA = "kprof.analyze/1"
 STEP_RANGE = "decode_step"
-PREFETCH_STAGE = "prefetch"
 DEFAULT_LAYER_REGEX = r"^layer\[(?P<index>\d+)\]:(?P<kind>\w+)$"
 METRICS = ("kernels", "kernel_ns", "busy_ns", "span_ns")
 
@@ -65,7 +64,7 @@ def label_ranges(ranges: pd.DataFrame, layer_regex: str = DEFAULT_LAYER_REGEX,
     codes = names.cat.codes.to_numpy()
     is_layer = cat_layer[codes] >= 0 if len(categories) else np.zeros(len(ranges), dtype=bool)
     is_step = (names == step_range).to_numpy()
-    is_prefetch = (names == PREFETCH_STAGE).to_numpy()
+    is_prefetch = (names == PREFETCH).to_numpy()  # the prefetch stage is named as its class
 
     parent, depth = range_nesting(ranges)
     n = len(ranges)
