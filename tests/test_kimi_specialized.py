@@ -52,10 +52,7 @@ def test_gemv_compiles_for_sm90a(sm90a, tp):
             assert compile_gemv(w, x, torch.empty(rows, n, dtype=torch.bfloat16)) is not None
     w = torch.empty(7168, 3584, dtype=torch.bfloat16)
     assert compile_gemv(w, torch.empty(1, 3584, dtype=torch.bfloat16), torch.empty(1, 7168), accumulate=True)
-    for rows in (1, 8):  # the MoE tail: RMSNorm prologue, residual + shared-expert epilogue
-        assert compile_gemv(w, torch.empty(rows, 3584), torch.empty(rows, 7168), accumulate=True,
-                            addend=torch.empty(rows, 7168, dtype=torch.bfloat16),
-                            norm=(torch.empty(3584), torch.empty(rows, 224), 1e-5)) is not None
+    for rows in (1, 8):
         # the shared experts' gate/up with SiTU-GLU in the epilogue
         gate_up = torch.empty(2 * s_inter(tp), 7168, dtype=torch.bfloat16)
         assert compile_gemv(gate_up, torch.empty(rows, 7168, dtype=torch.bfloat16),

@@ -27,34 +27,32 @@ if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     class SmallBatchGemv:
-        """`normed`: x is fp32 and enters as bf16(x * rsqrt(mean(x**2) + eps) * norm_w), the mean coming from
-        partial sums of squares `ssq` [M, parts] written by the kernel that produced x. `scaled`: x is bf16 and
-        each output row m is multiplied by rsqrt(ssq[m].sum() / K + eps) (an RMSNorm whose weight the producer
-        already applied)."""
+        """`scaled`: each output row m is multiplied by rsqrt(ssq[m].sum() / K + eps), the sum of squares of an
+        RMSNorm's input coming as partial sums `ssq` [M, parts] from the kernel that produced x (which also applied
+        the norm's weight)."""
 
-        def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, normed: bool = False,
-                     parts: int = 0, eps: float = 0.0, scaled: bool = False, glu: bool = False):
+        def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, parts: int = 0, eps: float = 0.0,
+                     scaled: bool = False, glu: bool = False):
             self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
-            self.normed, self.parts, self.eps, self.scaled = normed, parts, eps, scaled
+            self.parts, self.eps, self.scaled = parts, eps, scaled
             self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
             self.split = split_for(2 * N if glu else N, K)
             self.rows = WARPS // self.split  # output rows per CTA
             self.iters = -(-(-(-K // (32 * VEC))) // self.split)  # iterations of one K slice
 
         @cute.jit
-        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor,
-                     mNorm: cute.Tensor, mSsq: cute.Tensor, stream):
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                     stream):
             gW = cute.zipped_divide(mW, (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
-            gN = cute.zipped_divide(mNorm, (1, VEC))  # [1, K]: tiles shaped like the activations'
             N = mY.shape[1]
-            self.kernel(gW, gX, mY, mAdd, gN, mSsq, N).launch(grid=[cute.ceil_div(N, self.rows), 1, 1],
+            self.kernel(gW, gX, mY, mAdd, mSsq, N).launch(grid=[cute.ceil_div(N, self.rows), 1, 1],
                                                               block=[32 * WARPS, 1, 1], stream=stream,
                                                               use_pdl=self.pdl)
 
         @cute.kernel
-        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, gN: cute.Tensor,
-                   mSsq: cute.Tensor, N: Int32):
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                   N: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             lane = tidx % 32
@@ -74,7 +72,7 @@ if HAVE_CUTE:
             acc_up = cute.make_rmem_tensor((self.M,), Float32)  # the up rows' sums (glu)
             acc_up.fill(0.0)
             rstd = cute.make_rmem_tensor((self.M,), Float32)
-            if cutlass.const_expr(self.normed or self.scaled):
+            if cutlass.const_expr(self.scaled):
                 for m in cutlass.range_constexpr(self.M):
                     q = Float32(0.0)
                     for i in cutlass.range_constexpr(-(-self.parts // 32)):
@@ -90,18 +88,7 @@ if HAVE_CUTE:
                         rW = cute.make_rmem_tensor_like(tW)
                         cute.autovec_copy(tW, rW)
                         w = rW.load().to(Float32)
-                        if cutlass.const_expr(self.normed):
-                            tN = gN[(None, (0, kk))]
-                            rN = cute.make_rmem_tensor_like(tN)
-                            cute.autovec_copy(tN, rN)
-                            nw = rN.load()
-                            for m in cutlass.range_constexpr(self.M):
-                                tX = gX[(None, (m, kk))]
-                                rX = cute.make_rmem_tensor_like(tX)
-                                cute.autovec_copy(tX, rX)
-                                xn = (rX.load() * nw * rstd[m]).to(cutlass.BFloat16).to(Float32)
-                                acc[m] = acc[m] + (w * xn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        elif cutlass.const_expr(self.glu):
+                        if cutlass.const_expr(self.glu):
                             tU = gW[(None, (N + n, kk))]
                             rU = cute.make_rmem_tensor_like(tU)
                             cute.autovec_copy(tU, rU)
@@ -168,20 +155,19 @@ def split_for(N: int, K: int) -> int:
     return split
 
 
-def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, norm, row_scale=None,
+def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, row_scale=None,
            glu: bool = False) -> None:
     M, K = x.shape
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"small-batch GEMV takes 1..{MAX_ROWS} rows, got {M}")
-    if glu and (accumulate or addend is not None or norm is not None or row_scale is not None
-                or y.dtype != torch.bfloat16 or w.shape[0] % 2):
+    if glu and (accumulate or addend is not None or row_scale is not None or y.dtype != torch.bfloat16
+                or w.shape[0] % 2):
         raise ValueError("the SiTU-GLU epilogue takes [gate; up] weights with an even row count and a bf16 y, and no "
-                         "accumulate, addend, norm or row scale")
+                         "accumulate, addend or row scale")
     if w.shape[1] != K or y.shape != (M, w.shape[0] // 2 if glu else w.shape[0]):
         raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
-    x_dtype = torch.float32 if norm is not None else torch.bfloat16
-    if w.dtype != torch.bfloat16 or x.dtype != x_dtype or K % VEC:
-        raise ValueError(f"W must be bf16 and x {x_dtype} with K a multiple of 8")
+    if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or K % VEC:
+        raise ValueError("W and x must be bf16 with K a multiple of 8")
     if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % VEC or x.stride(0) % VEC:
         raise ValueError("rows must be contiguous and 16-byte aligned")
     if accumulate and y.dtype != torch.float32:
@@ -189,50 +175,33 @@ def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, 
     if addend is not None and (not accumulate or addend.shape != y.shape or addend.dtype != torch.bfloat16
                                or addend.stride(1) != 1):
         raise ValueError("an addend needs accumulate=True and a bf16 tensor shaped like y")
-    if norm is not None and row_scale is not None:
-        raise ValueError("norm and row_scale exclude each other")
-    if norm is not None or row_scale is not None:
-        ssq = norm[1] if norm is not None else row_scale[0]
-        if norm is not None and (norm[0].shape != (K,) or norm[0].dtype != torch.float32
-                                 or not norm[0].is_contiguous()):
-            raise ValueError("the norm weight must be fp32 [K]")
+    if row_scale is not None:
+        ssq = row_scale[0]
         if ssq.dim() != 2 or ssq.shape[0] != M or ssq.dtype != torch.float32 or not ssq.is_contiguous():
             raise ValueError("the partial sums of squares must be fp32 [M, parts]")
 
 
-def _norm_args(y, norm, row_scale):
-    """(norm weight [1, K], ssq, eps) of the kernel; y stands in for the tensors a mode does not read."""
-    if norm is not None:
-        weight, ssq, eps = norm
-        return weight.view(1, -1), ssq, eps
-    if row_scale is not None:
-        return y[:1], row_scale[0], row_scale[1]
-    return y[:1], y, 0.0
+def _kernel_tensors(y, addend, row_scale) -> tuple:
+    """(addend, ssq) as the kernel takes them; y stands in for the tensors a mode does not read."""
+    return (addend if addend is not None else y, row_scale[0] if row_scale is not None else y)
 
 
-def compile_gemv(w, x, y, accumulate: bool = False, addend=None, norm=None, row_scale=None, glu: bool = False):
-    extra = addend if addend is not None else y
-    weight, ssq, eps = _norm_args(y, norm, row_scale)
-    reads_ssq = norm is not None or row_scale is not None
-    key = ("gemv", accumulate, addend is not None, norm is not None, row_scale is not None, glu, float(eps),
-           *signature(w, x, y, extra, weight, ssq))
-    op = SmallBatchGemv(x.shape[0], y.shape[1], x.shape[1], accumulate, addend is not None, norm is not None,
-                        ssq.shape[1] if reads_ssq else 0, float(eps), row_scale is not None, glu)
-    return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, weight, ssq)))
+def compile_gemv(w, x, y, accumulate: bool = False, addend=None, row_scale=None, glu: bool = False):
+    extra, ssq = _kernel_tensors(y, addend, row_scale)
+    eps = float(row_scale[1]) if row_scale is not None else 0.0
+    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, *signature(w, x, y, extra, ssq))
+    op = SmallBatchGemv(x.shape[0], y.shape[1], x.shape[1], accumulate, addend is not None,
+                        ssq.shape[1] if row_scale is not None else 0, eps, row_scale is not None, glu)
+    return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, ssq)))
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False,
-         addend: torch.Tensor | None = None, norm: tuple | None = None,
-         row_scale: tuple | None = None, glu: bool = False) -> torch.Tensor:
+         addend: torch.Tensor | None = None, row_scale: tuple | None = None, glu: bool = False) -> torch.Tensor:
     """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, written in place on the current stream.
 
-    `norm=(weight, ssq, eps)` takes an fp32 x and multiplies by RMSNorm(x) * weight rounded to bf16 instead, the
-    row's sum of squares being ssq[m].sum() (partial sums left by the producer of x). `row_scale=(ssq, eps)` takes
-    a bf16 x that already carries the norm weight and multiplies row m of x @ w.T by rsqrt(ssq[m].sum() / K + eps).
-    `glu`: w is [gate; up] with 2N rows and y [M, N] = SiTU-GLU(x @ gate.T, x @ up.T) (the shared experts' first
-    half in one kernel)."""
-    _check(w, x, y, accumulate, addend, norm, row_scale, glu)
-    weight, ssq, _ = _norm_args(y, norm, row_scale)
-    launch(compile_gemv(w, x, y, accumulate, addend, norm, row_scale, glu), w, x, y,
-           addend if addend is not None else y, weight, ssq)
+    `row_scale=(ssq, eps)` multiplies row m of x @ w.T by rsqrt(ssq[m].sum() / K + eps): an RMSNorm of x whose
+    weight x already carries, its sum of squares left as partial sums by the producer of x. `glu`: w is [gate; up]
+    with 2N rows and y [M, N] = SiTU-GLU(x @ gate.T, x @ up.T) (the shared experts' first half in one kernel)."""
+    _check(w, x, y, accumulate, addend, row_scale, glu)
+    launch(compile_gemv(w, x, y, accumulate, addend, row_scale, glu), w, x, y, *_kernel_tensors(y, addend, row_scale))
     return y
