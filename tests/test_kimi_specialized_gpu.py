@@ -87,11 +87,11 @@ def test_specialized_layer_without_overlap_matches_reference(monkeypatch, tp, ba
 
 
 def test_prefetch_leaves_the_weights_as_they_are():
-    from kimi_decode.kernels.prefetch import prefetch_l2
+    from kimi_decode.kernels.prefetch import prefetch_weights
 
     w = torch.randn(3584, 7168, device="cuda").bfloat16()
     before = w.clone()
-    prefetch_l2(w, 24 << 20)
+    prefetch_weights(w, 24 << 20)
     torch.cuda.synchronize()
     assert torch.equal(w, before)
 

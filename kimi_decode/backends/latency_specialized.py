@@ -167,10 +167,10 @@ class LatencySpecializedBackend(AutoBackend):
         latency-bound kernels launched next, as the `prefetch` stage; joined at the end of the layer."""
         if not (self._overlap and self._prefetch_bytes > 0):
             return
-        from ..kernels.prefetch import prefetch_l2
+        from ..kernels.prefetch import prefetch_weights
 
         with rng("prefetch"), self.branch("prefetch", w):
-            prefetch_l2(w, self._prefetch_bytes)
+            prefetch_weights(w, self._prefetch_bytes)
 
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w, *, n_blocks: int, commit: bool, delta, delta_mode: int,

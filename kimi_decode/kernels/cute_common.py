@@ -89,6 +89,13 @@ if HAVE_CUTE:
         _llvm.inline_asm(None, [tensor.iterator.toint().ir_value()], "prefetch.global.L2 [$0];", "l",
                          has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
 
+    def bulk_prefetch_l2(tensor, nbytes) -> None:
+        """Ask L2 for `nbytes` (a multiple of 16) from `tensor`'s first element on (global memory, 16-byte aligned),
+        as one bulk request to the SM's copy engine; nothing comes back to the thread."""
+        _llvm.inline_asm(None, [tensor.iterator.toint().ir_value(), cutlass.Int32(nbytes).ir_value()],
+                         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
+
     def pdl_launch_dependents(pdl: bool) -> None:
         if pdl:
             cute.arch.griddepcontrol_launch_dependents()

@@ -19,13 +19,7 @@ CTAS = 16  # enough copy engines to request several TB/s
 
 
 if HAVE_CUTE:
-    from cutlass import Int32
-    from cutlass._mlir.dialects import llvm
-
-    def _bulk_prefetch(ptr, nbytes) -> None:
-        llvm.inline_asm(None, [ptr.toint().ir_value(), Int32(nbytes).ir_value()],
-                        "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    from .cute_common import bulk_prefetch_l2
 
     class PrefetchL2:
         """Bulk-prefetch every CHUNK of a [chunks, CHUNK] byte view into L2."""
@@ -46,7 +40,7 @@ if HAVE_CUTE:
             for i in cutlass.range_constexpr(self.per_thread):
                 c = first + i * (CTAS * THREADS)
                 if c < self.chunks:
-                    _bulk_prefetch(data[c, None].iterator, CHUNK)
+                    bulk_prefetch_l2(data[c, None], CHUNK)
 
 
 def prefetch_view(w: torch.Tensor, nbytes: int) -> torch.Tensor | None:
@@ -64,7 +58,7 @@ def compile_prefetch(view: torch.Tensor):
     return compile_kernel(("prefetch_l2", *signature(view)), PrefetchL2(view.shape[0]), fake_like(view))
 
 
-def prefetch_l2(w: torch.Tensor, nbytes: int) -> None:
+def prefetch_weights(w: torch.Tensor, nbytes: int) -> None:
     """Ask L2 for the first `nbytes` of `w`, on the current stream (returns before the data arrives)."""
     view = prefetch_view(w, nbytes)
     if view is not None:
