@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import cuda_driver, from_dlpack, pdl_launch_dependents, pdl_wait
+    from .cute_common import pdl_launch_dependents, pdl_wait
 
 VEC = 4  # fp32 per 16-byte access
 MAX_THREADS = 512
@@ -341,6 +341,5 @@ def attn_res(blocks, partial, delta, query, key_norm, input_norm, out, *, n_bloc
         raise ValueError("attn_res: CUDA tensors expected")
     fn, args = _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, commit, delta_mode,
                         use_partial, eps)
-    stream = cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    fn(*(from_dlpack(t, assumed_align=_align(t)) for t in args), stream)
+    launch(fn, *args, align=_align)
     return out

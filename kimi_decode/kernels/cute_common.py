@@ -72,13 +72,14 @@ def compile_kernel(key: tuple, op, *fake_args):
     return fn
 
 
-def launch(fn, *tensors: torch.Tensor, align: int = 16) -> None:
+def launch(fn, *tensors: torch.Tensor, align: int | Callable[[torch.Tensor], int] = 16) -> None:
     """Run a compiled kernel on torch tensors, on the current torch stream (capturable by CUDA graphs).
 
-    `align` must be the alignment the kernel was compiled for (see `fake_like`).
+    `align` must be the alignment the kernel was compiled for (see `fake_like`): one for all tensors, or a function
+    of the tensor.
     """
     stream = cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    fn(*(from_dlpack(t, assumed_align=align) for t in tensors), stream)
+    fn(*(from_dlpack(t, assumed_align=align(t) if callable(align) else align) for t in tensors), stream)
 
 
 if HAVE_CUTE:
