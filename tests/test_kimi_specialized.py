@@ -255,7 +255,7 @@ def test_moe_mxfp4_refuses_tensors_past_32_bit_offsets():
     assert M.fits_int32_offsets(torch.empty(E, 2 * s8.expert_inter, L // 2, **meta),
                                 torch.empty(E, L, s8.expert_inter // 2, **meta))
     with pytest.raises(ValueError, match="64-bit offsets"):
-        M._check(torch.empty(1, L, dtype=torch.bfloat16), torch.empty(1, m.top_k, dtype=torch.int32), w13,
+        M.check_expert_args(torch.empty(1, L, dtype=torch.bfloat16), torch.empty(1, m.top_k, dtype=torch.int32), w13,
                  torch.empty(E, 2 * I, L // 32, **meta), w2, torch.empty(E, L, I // 32, **meta), I,
                  torch.empty(m.top_k, I, dtype=torch.float16), torch.empty(1, L))
 

@@ -238,7 +238,8 @@ def fits_int32_offsets(*tensors: torch.Tensor) -> bool:
     return all(t.numel() * t.element_size() < INDEX_LIMIT for t in tensors)
 
 
-def _check(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out):
+def check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out):
+    """The expert kernels' argument checks (shared with the grouped kernels, `out` being theirs per pair)."""
     if not fits_int32_offsets(w13, w13_scale, w2, w2_scale, act):
         raise ValueError("MoE MXFP4: expert tensors of 2**31 bytes or more need 64-bit offsets, which these kernels "
                          "do not use")
@@ -292,7 +293,7 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
     out = out if out is not None else torch.empty(B, L, dtype=torch.float32, device=latent.device)
     ssq = ssq if ssq is not None else torch.empty(B, L // ROWS2, dtype=torch.float32, device=latent.device)
-    _check(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out)
+    check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out)
     if ssq.shape != (B, L // ROWS2) or ssq.dtype != torch.float32 or not ssq.is_contiguous():
         raise ValueError(f"MoE MXFP4: ssq must be fp32 [{B}, {L // ROWS2}]")
     if scaled is not None:

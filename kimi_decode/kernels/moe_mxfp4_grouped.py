@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
-from .moe_mxfp4 import GROUP, ROWS13, WARPS, _words, fits_int32_offsets
+from .moe_mxfp4 import GROUP, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA
@@ -168,22 +168,19 @@ if HAVE_CUTE:
                         out[q, rb] = wt * b1
 
 
-def _check(latent, ids, w13, w2, used, align, act, pair_out):
-    if not fits_int32_offsets(w13, w2, act, pair_out):
-        raise ValueError("grouped MoE MXFP4: tensors of 2**31 bytes or more need 64-bit offsets, which these kernels "
-                         "do not use")
-    E, two_i, half_l = w13.shape
-    B, L = latent.shape
-    P = ids.numel()
-    if L != 2 * half_l or L % ROWS2_CTA or used % GROUP or used % ROWS13 or used > two_i // 2:
-        raise ValueError(f"grouped MoE MXFP4: latent width must be a multiple of {ROWS2_CTA} and the expert slice "
-                         f"of {GROUP}, chaining with w13 {tuple(w13.shape)}")
-    if w2.shape[:2] != (E, L) or 2 * w2.shape[2] < used:
-        raise ValueError(f"grouped MoE MXFP4: w2 {tuple(w2.shape)} does not chain with w13 {tuple(w13.shape)}")
-    if ids.dtype != torch.int32 or ids.shape[0] != B or any(a.shape != (P,) or a.dtype != torch.int32 for a in align):
-        raise ValueError("grouped MoE MXFP4: ids must be int32 [batch, top_k] and the alignment four int32 [pairs]")
-    if latent.dtype != torch.bfloat16 or act.dtype != torch.float16 or pair_out.dtype != torch.float32:
-        raise ValueError("grouped MoE MXFP4: latent bf16, act fp16 and per-pair output fp32 expected")
+def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out):
+    """The per-pair kernels' checks (layouts, chaining, dtypes, contiguity, 32-bit offsets), then what grouping adds."""
+    check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, pair_out)
+    P, L = ids.numel(), latent.shape[1]
+    if not fits_int32_offsets(pair_out):
+        raise ValueError("grouped MoE MXFP4: a per-pair output of 2**31 bytes or more needs 64-bit offsets, which "
+                         "these kernels do not use")
+    if L % ROWS2_CTA:
+        raise ValueError(f"grouped MoE MXFP4: latent width must be a multiple of {ROWS2_CTA}")
+    if any(a.shape != (P,) or a.dtype != torch.int32 or not a.is_contiguous() for a in align):
+        raise ValueError("grouped MoE MXFP4: the alignment must be four contiguous int32 [pairs]")
+    if not weights.is_contiguous():
+        raise ValueError("grouped MoE MXFP4: inputs must be contiguous")
     if act.shape != (P, used) or pair_out.shape != (P, L):
         raise ValueError(f"grouped MoE MXFP4: act must be [{P}, {used}] and the per-pair output [{P}, {L}]")
 
@@ -209,10 +206,7 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
     pair_out = pair_out if pair_out is not None else torch.empty(B * k, L, dtype=torch.float32, device=latent.device)
-    for t in (latent, ids, weights, w13, w13_scale, w2, w2_scale, act, pair_out, *align):
-        if not t.is_contiguous():
-            raise ValueError("grouped MoE MXFP4: inputs must be contiguous")
-    _check(latent, ids, w13, w2, used, align, act, pair_out)
+    _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out)
     f13, f2 = compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used)
     launch(f13, _words(latent), _words(w13), w13_scale, *align, act)
     launch(f2, _words(act), weights, _words(w2), w2_scale, *align, pair_out)
