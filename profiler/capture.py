@@ -180,11 +180,7 @@ def run_child(command: list[str], env: dict, progress: Progress | None = None,
     """Run ``command``; progress lines go to ``progress``, other lines to ``output``, and the last
     :data:`TAIL_LINES` of them are returned with the exit status. On Ctrl-C (or any error) the child is stopped
     before the exception propagates."""
-    try:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, text=True, errors="replace", bufsize=1)
-    except OSError as exc:
-        raise CaptureError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+    proc = _spawn(command, env)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     try:
         for line in proc.stdout:
@@ -201,6 +197,15 @@ def run_child(command: list[str], env: dict, progress: Progress | None = None,
         raise
     finally:
         proc.stdout.close()
+
+
+def _spawn(command: list[str], env: dict) -> subprocess.Popen:
+    """Start a child whose stdout and stderr come back as one text stream, line by line."""
+    try:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, text=True, errors="replace", bufsize=1)
+    except OSError as exc:
+        raise CaptureError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
 
 
 def _report(progress: Progress | None, payload: str) -> None:
@@ -286,11 +291,7 @@ def run_ranks(commands: list[list[str]], env: dict, progress: Progress | None = 
 
     try:
         for rank, command in enumerate(commands):
-            try:
-                proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, text=True, errors="replace", bufsize=1)
-            except OSError as exc:
-                raise CaptureError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+            proc = _spawn(command, env)
             procs.append(proc)
             tails.append(deque(maxlen=TAIL_LINES))
             readers.append(threading.Thread(target=read, args=(rank, proc, tails[-1]), daemon=True))
