@@ -390,3 +390,35 @@ def test_moe_block_fork_and_the_measured_off_switches(monkeypatch, env, overlap,
     assert (backend._overlap, backend._prefetch_bytes, backend._fused_gate) == (overlap, prefetch, fused_gate)
     backend.begin_layer(SimpleNamespace(attn_res=lw.attn_res, attn_kind=KDA, mlp=object()), 1)
     assert not backend._overlap
+
+
+def _router_args(rows, E=896, K=7168, k=16):
+    return (torch.empty(E, K, dtype=torch.bfloat16), torch.empty(rows, K, dtype=torch.bfloat16),
+            torch.empty(rows, E), torch.empty(E), torch.empty(rows, k, dtype=torch.int32), torch.empty(rows, k),
+            torch.zeros(1, dtype=torch.int32))
+
+
+@needs_cute
+@pytest.mark.parametrize("rows", [1, 8])
+def test_router_topk_compiles_for_sm90a(sm90a, rows):
+    from kimi_decode.kernels.router_topk import compile_router_topk
+
+    assert compile_router_topk(*_router_args(rows), 2.5) is not None
+    # an expert count that is not a multiple of the 128 threads (some threads hold fewer scores)
+    assert compile_router_topk(*_router_args(rows, E=200, K=512, k=8), 1.0) is not None
+
+
+@needs_cute
+def test_router_topk_refuses_what_it_cannot_route():
+    from kimi_decode.kernels.router_topk import compile_router_topk
+
+    w, x, logits, bias, ids, weights, counter = _router_args(1)
+    with pytest.raises(ValueError, match="1..8 rows"):
+        compile_router_topk(w, torch.empty(9, 7168, dtype=torch.bfloat16), logits, bias, ids, weights, counter, 1.0)
+    with pytest.raises(ValueError, match="top-k of 1..32"):
+        compile_router_topk(w, x, logits, bias, torch.empty(1, 33, dtype=torch.int32), torch.empty(1, 33), counter,
+                            1.0)
+    with pytest.raises(ValueError, match="counter"):
+        compile_router_topk(w, x, logits, bias, ids, weights, torch.zeros(2, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="logits"):
+        compile_router_topk(w, x, torch.empty(1, 896, dtype=torch.bfloat16), bias, ids, weights, counter, 1.0)

@@ -305,3 +305,62 @@ def test_attn_res_matches_float64(batch, hidden, strided):
         assert errs["out"] < BF16_TOL and errs["partial"] < 1e-6 and errs["blocks"] < 1e-6, (i, errs)
         if strided:  # the rows around the view are left alone
             assert torch.equal(store[:, [0, nb + 1]], edges)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("E, K, k", [(896, 7168, 16), (200, 512, 8)])
+def test_router_topk_matches_float64(rows, E, K, k):
+    """The one-kernel router against float64: the chosen experts (up to near-ties), in descending order of their
+    selection score, and the renormalised weights; twice eagerly and twice replayed in a CUDA graph (the completion
+    counter resets itself), outputs poisoned before each run."""
+    from kimi_decode.kernels.router_topk import router_topk
+    from kimi_decode.testing import check_routing
+
+    g = torch.Generator(device="cuda").manual_seed(rows * 100 + E)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for trial in range(2):
+        w = (torch.randn(E, K, device="cuda", generator=g) * 0.02).bfloat16()
+        x = torch.randn(rows, K, device="cuda", generator=g).bfloat16()
+        bias = torch.randn(E, device="cuda", generator=g) * 0.1
+        logits = torch.full((rows, E), float("nan"), device="cuda")
+        ids = torch.full((rows, k), -1, dtype=torch.int32, device="cuda")
+        weights = torch.full((rows, k), float("nan"), device="cuda")
+        want_logits = x.double() @ w.double().T
+        scores = torch.sigmoid(want_logits)
+        selection = scores + bias.double()
+
+        def check():
+            assert rel_err(logits, want_logits) < 1e-4
+            check_routing(selection, ids.long())
+            chosen = selection.gather(-1, ids.long())
+            assert (chosen[:, :-1] >= chosen[:, 1:] - 1e-4).all(), "not in descending order"
+            s = scores.gather(-1, ids.long())
+            assert rel_err(weights, s / s.sum(-1, keepdim=True) * 2.5) < 1e-4
+            assert counter.item() == 0
+
+        if trial == 0:
+            for _ in range(2):
+                router_topk(w, x, logits, bias, ids, weights, counter, scaling=2.5)
+                check()
+                for t in (logits, weights):
+                    t.fill_(float("nan"))
+                ids.fill_(-1)
+        else:
+            router_topk(w, x, logits, bias, ids, weights, counter, scaling=2.5)  # compiled outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                router_topk(w, x, logits, bias, ids, weights, counter, scaling=2.5)
+            for _ in range(2):
+                for t in (logits, weights):
+                    t.fill_(float("nan"))
+                ids.fill_(-1)
+                graph.replay()
+                torch.cuda.synchronize()
+                check()
+
+
+def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypatch):
+    monkeypatch.setenv("KIMI_DECODE_FUSED_ROUTER", "0")
+    s = shard("k3", tp=16)
+    lw, res, state = layer_case(s, 1, 1, seed=4321, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)

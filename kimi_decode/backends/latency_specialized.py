@@ -7,7 +7,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
   with `KIMI_DECODE_FUSED_GATE=1` also the decay gate's low-rank up-projection f_b (one GEMV kernel fewer, slower
   as measured: off by default);
-- routing: the router GEMV (split-K inside the CTA), then the generic path's top-k kernel (2 kernels);
+- routing: at batch 1 one kernel, the router GEMV (split-K inside the CTA) whose last CTA takes the top-k and the
+  weights (`kernels/router_topk.py`; `KIMI_DECODE_FUSED_ROUTER=0`: two kernels); above batch 1 the GEMV, then the
+  generic path's top-k kernel;
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
   registers (`kernels/moe_mxfp4.py`); above batch 8 the pairs are sorted by expert (the generic path's alignment
@@ -55,9 +57,12 @@ PREFETCH_MB = 0
 # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
 # and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
 GLU_MAX_ROWS = 1
+# the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~2 us each): batch 1
+ROUTER_FUSED_MAX_ROWS = 1
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
+COUNTERS = ("router",)  # kernels whose last CTA finishes the stage, each with a counter of its own
 
 
 class LatencySpecializedBackend(AutoBackend):
@@ -78,7 +83,9 @@ class LatencySpecializedBackend(AutoBackend):
         # f_b inside the KDA kernel: one kernel fewer, but 2.4-3.3 us slower at batch 1 on the H200 (NOTES, v7)
         self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "0") == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
+        self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
         self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self._counters: dict[tuple, torch.Tensor] = {}  # self-resetting completion counters of last-CTA kernels
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
         self._scaled = None  # bf16(routed sum * latent norm weight), from the expert kernel to the tail
@@ -86,6 +93,8 @@ class LatencySpecializedBackend(AutoBackend):
             device = torch.device("cuda", torch.cuda.current_device())  # step may be a CUDA-graph capture)
             for name in BRANCHES:
                 self._stream(name, device)
+            for name in COUNTERS:
+                self._counter(name, device)
 
     @staticmethod
     def _fallback(reason: str) -> None:
@@ -129,6 +138,14 @@ class LatencySpecializedBackend(AutoBackend):
         if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
             self._streams[key] = torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
         return self._streams[key]
+
+    def _counter(self, name: str, device: torch.device) -> torch.Tensor:
+        """The completion counter of one last-CTA kernel site: one int32, 0 between launches (the kernel's last CTA
+        resets it). Made when the backend is built, like the streams, so nothing is allocated inside a capture."""
+        key = (device, name)
+        if key not in self._counters:
+            self._counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._counters[key]
 
     @contextlib.contextmanager
     def branch(self, name: str, *inputs: torch.Tensor):
@@ -213,6 +230,21 @@ class LatencySpecializedBackend(AutoBackend):
         return self._gemv(o, w.o_proj) if self._attn_fast else super().attn_out_proj(o, w)
 
     # ---- MoE ---------------------------------------------------------------------------------------------------------
+    def router(self, x: torch.Tensor, w: MoEWeights, shard: ShardConfig, layer: int):
+        if not (self._mlp_fast and self._fused_router and x.shape[0] <= ROUTER_FUSED_MAX_ROWS):
+            return super().router(x, w, shard, layer)
+        from ..kernels.router_topk import router_topk
+
+        m = shard.model
+        B = x.shape[0]
+        ids = self._empty(B, m.top_k, dtype=torch.int32, device=x.device)
+        weights = self._empty(B, m.top_k, dtype=torch.float32, device=x.device)
+        logits = self._empty(B, w.router.shape[0], dtype=torch.float32, device=x.device)
+        router_topk(w.router, x, logits, w.router_bias, ids, weights, self._counter("router", x.device),
+                    scaling=m.routed_scaling)
+        self.last_routes[layer] = ids
+        return ids, weights
+
     def router_logits(self, x, w: MoEWeights):
         return self._gemv(x, w.router, torch.float32) if self._mlp_fast else super().router_logits(x, w)
 

@@ -55,6 +55,15 @@ if HAVE_CUTE:
                    N: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
+            self.project(gW, gX, mY, mAdd, mSsq, N, red, tidx, bidx)
+
+        @cute.jit
+        def project(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                    N: Int32, red: cute.Tensor, tidx: Int32, bidx: Int32):
+            """This CTA's output rows (the whole kernel but for its shared memory, `red` [WARPS, 2 M] fp32, which
+            the caller allocates: kernels that do more after the GEMV own one allocator)."""
             lane = tidx % 32
             warp = tidx // 32
             n = bidx * self.rows + warp // self.split
@@ -112,8 +121,6 @@ if HAVE_CUTE:
                 if cutlass.const_expr(self.glu):
                     acc_up[m] = cute.arch.warp_reduction(acc_up[m], lambda a, b: a + b)
             if cutlass.const_expr(self.split > 1):
-                smem = cutlass.utils.SmemAllocator()
-                red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
                 if lane == 0:
                     for m in cutlass.range_constexpr(self.M):
                         red[warp, m] = acc[m]

@@ -1,0 +1,169 @@
+"""The whole router in one kernel: router GEMV, sigmoid, correction bias, top-k and renormalisation.
+
+The GEMV is the small-batch GEMV's (`gemv.SmallBatchGemv`, split-K inside the CTA: 896 CTAs of 4 warps for K3's
+896 experts), writing fp32 logits. The CTA that finishes last (`cute_common.last_cta`: an atomic counter that
+resets itself, so the kernel replays in a CUDA graph as it is) then routes each row from those logits:
+  1. each of its 128 threads holds the scores sigmoid(logit) + bias of experts tidx, tidx + 128, ... in registers
+     (7 for 896 experts);
+  2. each warp finds the top k of its 224 in k rounds of a warp arg-max (a butterfly over (score, expert) pairs;
+     the smaller expert id wins a tie), removing each round's winner from its lane's registers by comparison, with
+     no indexed register access; lane r keeps round r's winner, so each warp's k candidates come out sorted;
+  3. the 4 x k candidates go through shared memory, and each candidate's rank is the number of candidates ahead of
+     it (4 k comparisons per thread, one thread per candidate): the candidates of rank < k are the row's top k, in
+     descending order, as torch.topk gives them;
+  4. one warp reads the selected experts' logits again, and writes the ids and the weights sigmoid / sum x scaling.
+Rows are routed one after another (about 2 us each on the H200's clocks, so the backend uses this kernel at batch 1
+and the GEMV + Triton top-k pair above it).
+"""
+from __future__ import annotations
+
+import torch
+
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .gemv import MAX_ROWS, VEC, WARPS
+
+if HAVE_CUTE:
+    from cutlass import Float32, Int32
+
+    from .cute_common import last_cta
+    from .gemv import SmallBatchGemv
+
+THREADS = 32 * WARPS
+NEG = -3.0e38  # below every score (sigmoid + bias of bounded logits)
+
+
+if HAVE_CUTE:
+    def _sigmoid(v):
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(Float32(0.0) - v))
+
+    def _sel(cond, a, b):
+        return cutlass.select_(cond, a, b)
+
+    class RouterTopK(SmallBatchGemv):
+        def __init__(self, M: int, E: int, K: int, topk: int, scaling: float):
+            super().__init__(M, E, K, accumulate=False, addend=False)
+            self.E, self.topk, self.scaling = E, topk, float(scaling)
+            self.per = -(-E // THREADS)  # scores per thread
+            self.exact = self.per * THREADS == E
+            self.cands = WARPS * topk
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
+                     mWts: cute.Tensor, mCnt: cute.Tensor, stream):
+            gW = cute.zipped_divide(mW, (1, VEC))
+            gX = cute.zipped_divide(mX, (1, VEC))
+            N = mL.shape[1]
+            self.kernel(gW, gX, mL, mBias, mIds, mWts, mCnt, N).launch(
+                grid=[cute.ceil_div(N, self.rows), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
+                   mWts: cute.Tensor, mCnt: cute.Tensor, N: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            nblk, _, _ = cute.arch.grid_dim()
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
+            cand_v = smem.allocate_tensor(Float32, cute.make_layout(self.cands), 16)
+            cand_i = smem.allocate_tensor(Int32, cute.make_layout(self.cands), 16)
+            chosen = smem.allocate_tensor(Int32, cute.make_layout(self.topk), 16)
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            self.project(gW, gX, mL, mL, mL, N, red, tidx, bidx)
+            if last_cta(mCnt, flag, tidx, nblk) != 0:
+                for m in cutlass.range(self.M):
+                    self.route(mL, mBias, mIds, mWts, cand_v, cand_i, chosen, m, tidx)
+
+        @cute.jit
+        def route(self, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
+                  cand_v: cute.Tensor, cand_i: cute.Tensor, chosen: cute.Tensor, m: Int32, tidx: Int32):
+            lane = tidx % 32
+            warp = tidx // 32
+            key = cute.make_rmem_tensor((self.per,), Float32)
+            for i in cutlass.range_constexpr(self.per):
+                e = tidx + THREADS * i
+                key[i] = Float32(NEG)
+                if self.exact or e < self.E:
+                    key[i] = _sigmoid(mL[m, e]) + mBias[e]
+            my_v = Float32(NEG)
+            my_i = Int32(0)
+            for r in cutlass.range_constexpr(self.topk):
+                bv = key[0]
+                bi = tidx
+                for i in cutlass.range_constexpr(1, self.per):
+                    take = key[i] > bv
+                    bv = Float32(_sel(take, key[i], bv))
+                    bi = Int32(_sel(take, tidx + THREADS * i, bi))
+                for s in cutlass.range_constexpr(5):
+                    off = 16 >> s
+                    ov = cute.arch.shuffle_sync_bfly(bv, offset=off)
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=off)
+                    take = (ov > bv) | ((ov == bv) & (oi < bi))
+                    bv = Float32(_sel(take, ov, bv))
+                    bi = Int32(_sel(take, oi, bi))
+                for i in cutlass.range_constexpr(self.per):
+                    key[i] = Float32(_sel(tidx + THREADS * i == bi, Float32(NEG), key[i]))
+                my_v = Float32(_sel(lane == r, bv, my_v))
+                my_i = Int32(_sel(lane == r, bi, my_i))
+            if lane < self.topk:
+                cand_v[warp * self.topk + lane] = my_v
+                cand_i[warp * self.topk + lane] = my_i
+            cute.arch.barrier()
+            if tidx < self.cands:
+                v = cand_v[tidx]
+                vi = cand_i[tidx]
+                rank = Int32(0)
+                for j in cutlass.range_constexpr(self.cands):
+                    ov = cand_v[j]
+                    oi = cand_i[j]
+                    rank = rank + Int32(_sel((ov > v) | ((ov == v) & (oi < vi)), Int32(1), Int32(0)))
+                if rank < self.topk:
+                    chosen[rank] = vi
+            cute.arch.barrier()
+            if warp == 0:
+                idx = Int32(0)
+                s = Float32(0.0)
+                if lane < self.topk:
+                    idx = chosen[lane]
+                    s = _sigmoid(mL[m, idx])
+                tot = cute.arch.warp_reduction(s, lambda a, b: a + b)
+                if lane < self.topk:
+                    mIds[m, lane] = idx
+                    mWts[m, lane] = s / tot * Float32(self.scaling)
+            cute.arch.barrier()  # the next row reuses the candidates' shared memory
+
+
+def _check(w, x, logits, bias, ids, weights, counter) -> None:
+    M, K = x.shape
+    E = w.shape[0]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"router_topk: 1..{MAX_ROWS} rows, got {M}")
+    if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.shape[1] != K or K % VEC:
+        raise ValueError("router_topk: bf16 router weights [E, K] and x [M, K], K a multiple of 8")
+    if not (w.is_contiguous() and x.is_contiguous()):
+        raise ValueError("router_topk: router weights and x must be contiguous")
+    k = ids.shape[1] if ids.dim() == 2 else 0
+    if not 1 <= k <= 32 or WARPS * k > THREADS or k > E:
+        raise ValueError(f"router_topk: top-k of 1..32 (at most the {E} experts), got {k}")
+    for name, t, dtype, shape in (("logits", logits, torch.float32, (M, E)), ("bias", bias, torch.float32, (E,)),
+                                  ("ids", ids, torch.int32, (M, k)), ("weights", weights, torch.float32, (M, k)),
+                                  ("counter", counter, torch.int32, (1,))):
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"router_topk: {name} must be a contiguous {dtype} tensor of shape {shape}")
+
+
+def compile_router_topk(w, x, logits, bias, ids, weights, counter, scaling: float):
+    _check(w, x, logits, bias, ids, weights, counter)
+    args = (w, x, logits, bias, ids, weights, counter)
+    key = ("router_topk", float(scaling), *signature(*args))
+    op = RouterTopK(x.shape[0], w.shape[0], x.shape[1], ids.shape[1], scaling)
+    return compile_kernel(key, op, *(fake_like(t, align=4 if t is counter else 16) for t in args))
+
+
+def router_topk(w: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, counter: torch.Tensor, *, scaling: float):
+    """ids [M, k] int32 and weights [M, k] fp32 of the top k of sigmoid(x @ w.T) + bias per row, in descending
+    order, the weights being the selected sigmoids renormalised to sum `scaling`; `logits` [M, E] fp32 receives
+    x @ w.T. `counter` is one int32 that must be 0 (it is left at 0) and that no other kernel uses at the same time."""
+    fn = compile_router_topk(w, x, logits, bias, ids, weights, counter, scaling)
+    launch(fn, w, x, logits, bias, ids, weights, counter, align=lambda t: 4 if t is counter else 16)
+    return ids, weights
