@@ -7,7 +7,10 @@
 # $OUT), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
 # with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), noprefetch / prefetch12 / prefetch40 (latency_specialized with
 # KIMI_DECODE_PREFETCH_MB=0 / 12 / 40), glu (the shared experts' gate/up GEMV with and without
-# its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1).
+# its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1), router
+# (latency_specialized at batch 1 with KIMI_DECODE_FUSED_ROUTER=0: router GEMV and top-k as two kernels), ores (the same
+# with KIMI_DECODE_FUSED_O_RES=0: output projection and AttnRes as two kernels), numerics-new
+# (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -44,6 +47,12 @@ for name in "$@"; do
   case "$name" in
     numerics)
       step numerics 200 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
+    numerics-new)
+      step numerics-new 200 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py -k "${NEW_TESTS:-router}" ;;
+    router)
+      KIMI_DECODE_FUSED_ROUTER=0 bench router 90 bench_router2.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    ores)
+      KIMI_DECODE_FUSED_O_RES=0 bench ores 90 bench_ores2.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     bench)
       bench bench 200 bench.json --backend auto latency_specialized --tp 16 8 --batch 1 8 ;;
     bench64)

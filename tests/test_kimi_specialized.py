@@ -422,3 +422,23 @@ def test_router_topk_refuses_what_it_cannot_route():
         compile_router_topk(w, x, logits, bias, ids, weights, torch.zeros(2, dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="logits"):
         compile_router_topk(w, x, torch.empty(1, 896, dtype=torch.bfloat16), bias, ids, weights, counter, 1.0)
+
+
+@needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_oproj_attn_res_compiles_for_sm90a(sm90a, tp):
+    from kimi_decode.kernels.oproj_attn_res import compile_oproj_attn_res
+
+    s = shard("k3", tp=tp)
+    H, K = s.model.hidden, s.kda_dim
+    for n_blocks, delta_mode in ((0, 2), (4, 1)):
+        args = _attn_res_args(1, delta=True)  # blocks, partial, delta, query, key_norm, input_norm, out
+        fn, _ = compile_oproj_attn_res(torch.empty(H, K, dtype=torch.bfloat16), torch.empty(1, K, dtype=torch.bfloat16),
+                                       args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32),
+                                       n_blocks=n_blocks, delta_mode=delta_mode, eps=1e-5, ctas=132)
+        assert fn is not None
+    with pytest.raises(ValueError, match="one sequence"):
+        args = _attn_res_args(2, delta=True)
+        compile_oproj_attn_res(torch.empty(H, K, dtype=torch.bfloat16), torch.empty(2, K, dtype=torch.bfloat16),
+                               args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=4,
+                               delta_mode=1, eps=1e-5, ctas=132)

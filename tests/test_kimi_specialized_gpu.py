@@ -364,3 +364,65 @@ def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypa
     s = shard("k3", tp=16)
     lw, res, state = layer_case(s, 1, 1, seed=4321, device="cuda")
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("K", [768, 1536])
+@pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1), (8, 1)])
+def test_oproj_attn_res_matches_float64(K, n_blocks, delta_mode):
+    """The output projection + AttnRes kernel (TP16 / TP8 projection widths) against float64: the projection a, the
+    updated partial and the AttnRes output, with a, out (and partial when it is set) poisoned first; run twice (the
+    completion counter resets itself) and replayed in a CUDA graph."""
+    from kimi_decode.kernels.oproj_attn_res import oproj_attn_res
+    from kimi_decode.weights import AttnResWeights
+
+    H, eps = 7168, 1e-5
+    g = torch.Generator(device="cuda").manual_seed(K + 10 * n_blocks + delta_mode)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    w_o = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    o = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+    blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
+    partial0 = torch.randn(1, H, device="cuda", generator=g) * 2
+    w = AttnResWeights(query=torch.randn(H, device="cuda", generator=g) * (8 / H ** 0.5),
+                       key_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g),
+                       input_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g))
+    want_a = o.double() @ w_o.double().T
+    _, want_partial, want_out = _attn_res_float64(blocks, partial0, want_a.bfloat16(), w, n_blocks, False,
+                                                  delta_mode, True, eps)
+    a = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
+    partial = partial0.clone()
+
+    def reset():
+        a.fill_(float("nan"))
+        out.fill_(float("nan"))
+        partial.copy_(partial0 if delta_mode == 1 else torch.full_like(partial0, float("nan")))
+
+    def run():
+        oproj_attn_res(w_o, o, a, blocks, partial, w.query, w.key_norm, w.input_norm, out, counter,
+                       n_blocks=n_blocks, delta_mode=delta_mode, eps=eps)
+
+    def check():
+        torch.cuda.synchronize()
+        errs = {"a": rel_err(a, want_a), "partial": rel_err(partial, want_partial), "out": rel_err(out, want_out)}
+        assert errs["a"] < 1e-2 and errs["partial"] < 1e-3 and errs["out"] < BF16_TOL, errs
+        assert counter.item() == 0
+
+    for _ in range(2):
+        reset()
+        run()
+        check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        reset()
+        graph.replay()
+        check()
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_layer_with_two_kernel_o_proj_and_attn_res_matches_reference(monkeypatch, tp):
+    monkeypatch.setenv("KIMI_DECODE_FUSED_O_RES", "0")
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, 1, seed=4400 + tp, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)

@@ -26,6 +26,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
   the fork).
+- the KDA output projection at batch 1 inside the AttnRes kernel after it (`kernels/oproj_attn_res.py`: the
+  projection's CTAs, then the last one runs the AttnRes step; the kernel launches under the `attn_res` stage, so the
+  `o_proj` stage has no kernel of its own there; `KIMI_DECODE_FUSED_O_RES=0`: two kernels);
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
@@ -62,7 +65,7 @@ ROUTER_FUSED_MAX_ROWS = 1
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
-COUNTERS = ("router",)  # kernels whose last CTA finishes the stage, each with a counter of its own
+COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
 
 
 class LatencySpecializedBackend(AutoBackend):
@@ -84,6 +87,10 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "0") == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
+        # 0: the output projection and the AttnRes after it as two kernels (A/B)
+        self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
+        self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
+        self._pending_o = None  # (o, W) of that projection, until the AttnRes call
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._counters: dict[tuple, torch.Tensor] = {}  # self-resetting completion counters of last-CTA kernels
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
@@ -128,6 +135,10 @@ class LatencySpecializedBackend(AutoBackend):
                 self._experts_fast = self._mlp_fast = False  # the MoE tail then needs no partial sums
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
         self._fused_norm = self._mlp_fast and not reduced
+        # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
+        self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
+                            and not reduced)
+        self._pending_o = None
         self._ssq = self._scaled = None
         self._overlap = device_ok and self._overlap_on and isinstance(lw.mlp, MoEWeights)
         self._lw = lw
@@ -192,6 +203,18 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w, *, n_blocks: int, commit: bool, delta, delta_mode: int,
                  use_partial: bool, eps: float) -> torch.Tensor:
+        pending, self._pending_o = self._pending_o, None
+        if pending is not None:
+            if delta is not pending[2] or commit or not use_partial or delta_mode not in (1, 2):
+                raise RuntimeError("latency_specialized: a deferred output projection must be the next AttnRes "
+                                   "call's residual update")
+            from ..kernels.oproj_attn_res import oproj_attn_res
+
+            o, w_o, a = pending
+            out = self._empty(*res.partial.shape, device=res.partial.device)
+            return oproj_attn_res(w_o, o, a, res.blocks, res.partial, w.query, w.key_norm, w.input_norm, out,
+                                  self._counter("o_proj", o.device), n_blocks=n_blocks, delta_mode=delta_mode,
+                                  eps=eps)
         if not self._res_fast:
             return super().attn_res(res, w, n_blocks=n_blocks, commit=commit, delta=delta, delta_mode=delta_mode,
                                     use_partial=use_partial, eps=eps)
@@ -227,6 +250,10 @@ class LatencySpecializedBackend(AutoBackend):
                           f_col=shard.kda_in_proj_layout["f_a"][0] if fused else None)
 
     def attn_out_proj(self, o, w):
+        if self._fuse_o_res:  # deferred: the next AttnRes call runs it in the same kernel (its residual update)
+            a = self._empty(o.shape[0], w.o_proj.shape[0], device=o.device)
+            self._pending_o = (o, w.o_proj, a)
+            return a
         return self._gemv(o, w.o_proj) if self._attn_fast else super().attn_out_proj(o, w)
 
     # ---- MoE ---------------------------------------------------------------------------------------------------------

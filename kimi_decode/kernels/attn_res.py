@@ -51,7 +51,7 @@ def _next_pow2(n: int) -> int:
 
 
 if HAVE_CUTE:
-    from cutlass import BFloat16, Float32
+    from cutlass import BFloat16, Float32, Int32
 
     def _sel(cond, a, b):
         return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
@@ -127,15 +127,27 @@ if HAVE_CUTE:
                    gN: cute.Tensor, gO: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
+            pdl_launch_dependents(self.pdl)
+            smem = cutlass.utils.SmemAllocator()
+            red, sW, red2 = self.allocate(smem)
+            self.body(gB, gP, gD, gQ, gK, gN, gO, b, tidx, red, sW, red2, self.pdl)
+
+        def allocate(self, smem):
+            """The shared memory `body` uses, from the kernel's one allocator."""
+            return (smem.allocate_tensor(Float32, cute.make_layout(self.P * self.WS), 16),
+                    smem.allocate_tensor(Float32, cute.make_layout(self.NCP), 16),
+                    smem.allocate_tensor(Float32, cute.make_layout(self.W4), 16))
+
+        @cute.jit
+        def body(self, gB: cute.Tensor, gP: cute.Tensor, gD: cute.Tensor, gQ: cute.Tensor, gK: cute.Tensor,
+                 gN: cute.Tensor, gO: cute.Tensor, b: Int32, tidx: Int32, red: cute.Tensor, sW: cute.Tensor,
+                 red2: cute.Tensor, pdl: cutlass.Constexpr):
+            """Sequence b's AttnRes step by the T threads of one CTA (the whole kernel but for its launch and shared
+            memory, so that another kernel's last CTA can run it); with `pdl` it waits for the previous kernel after
+            loading the weights."""
             lane = tidx % 32
             warp = tidx // 32
             K, T, NC, P = self.K, self.T, self.NC, self.P
-            pdl_launch_dependents(self.pdl)
-
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout(P * self.WS), 16)
-            sW = smem.allocate_tensor(Float32, cute.make_layout(self.NCP), 16)
-            red2 = smem.allocate_tensor(Float32, cute.make_layout(self.W4), 16)
 
             # weights first: they do not depend on the previous kernel
             qk = cute.make_rmem_tensor((VEC, K), Float32)
@@ -151,7 +163,7 @@ if HAVE_CUTE:
                     _load4(gN[(None, j)], nrm[(None, k)])
                     for e in cutlass.range_constexpr(VEC):
                         qk[e, k] = qk[e, k] * tmp[e]
-            pdl_wait(self.pdl)
+            pdl_wait(pdl)
 
             # residual update / commit, then the candidates' partial sums
             vals = cute.make_rmem_tensor((VEC, K, self.R), Float32)

@@ -1,0 +1,158 @@
+"""The attention output projection and the AttnRes step after it in one kernel, for one sequence (batch 1).
+
+  a = bf16(o @ W.T)              (W the output projection [H, K], o the attention output [1, K])
+  then the AttnRes step with delta a (`attn_res.AttnRes`: residual update, softmax mix, input RMSNorm)
+
+The kernel has one CTA per SM, each of the T threads AttnRes uses (448 for H = 7168), since AttnRes's registers
+allow only one such CTA per SM anyway. For the projection every warp holds the whole of o in registers (K / 256
+16-byte slices per lane) and takes output rows warp, warp + all warps, ... two at a time, so each lane has 2 K / 256
+independent 16-byte weight loads in flight; a row's dot product is one warp reduction. The CTA that finishes last
+(`cute_common.last_cta`) runs the AttnRes step, reading a as the other CTAs wrote it. Compared with the projection
+kernel followed by the AttnRes kernel, what goes is the gap between the two kernels (the AttnRes kernel cannot start
+until the last projection CTA is done, and then has to be launched and fetch its code).
+"""
+from __future__ import annotations
+
+import torch
+
+from .attn_res import VEC as RES_VEC
+from .attn_res import _align as _res_align
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+
+if HAVE_CUTE:
+    from cutlass import Float32, Int32
+
+    from .attn_res import AttnRes
+    from .cute_common import last_cta, pdl_launch_dependents, pdl_wait
+
+VEC = 8  # bf16 per 16-byte load
+ROWS_AT_ONCE = 2  # output rows a warp streams together
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 132
+
+
+if HAVE_CUTE:
+    class OProjAttnRes:
+        def __init__(self, hidden: int, K: int, ctas: int, n_blocks: int, delta_mode: int, eps: float):
+            self.res = AttnRes(hidden, n_blocks, False, delta_mode, True, eps)
+            self.res.pdl = False  # the fused kernel waits for the previous one itself
+            self.H, self.K, self.ctas = hidden, K, ctas
+            self.T = self.res.T
+            self.W = self.T // 32
+            self.iters = -(-K // (32 * VEC))  # 16-byte slices of o per lane
+            self.exact = self.iters * 32 * VEC == K
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mA: cute.Tensor, blocks: cute.Tensor,
+                     partial: cute.Tensor, query: cute.Tensor, key_norm: cute.Tensor, input_norm: cute.Tensor,
+                     out: cute.Tensor, mCnt: cute.Tensor, stream):
+            gW = cute.zipped_divide(mW, (1, VEC))
+            gX = cute.zipped_divide(mX, (1, VEC))
+            gB = cute.zipped_divide(blocks, (1, 1, RES_VEC))
+            gP = cute.zipped_divide(partial, (1, RES_VEC))
+            gD = cute.zipped_divide(mA, (1, RES_VEC))
+            gQ = cute.zipped_divide(query, (RES_VEC,))
+            gK = cute.zipped_divide(key_norm, (RES_VEC,))
+            gN = cute.zipped_divide(input_norm, (RES_VEC,))
+            gO = cute.zipped_divide(out, (1, RES_VEC))
+            self.kernel(gW, gX, mA, gB, gP, gD, gQ, gK, gN, gO, mCnt).launch(
+                grid=[self.ctas, 1, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mA: cute.Tensor, gB: cute.Tensor, gP: cute.Tensor,
+                   gD: cute.Tensor, gQ: cute.Tensor, gK: cute.Tensor, gN: cute.Tensor, gO: cute.Tensor,
+                   mCnt: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            lane = tidx % 32
+            warp = tidx // 32
+            pdl_launch_dependents(self.pdl)
+            smem = cutlass.utils.SmemAllocator()
+            red, sW, red2 = self.res.allocate(smem)
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            pdl_wait(self.pdl)
+
+            xs = cute.make_rmem_tensor((VEC, self.iters), Float32)
+            xs.fill(0.0)
+            for it in cutlass.range_constexpr(self.iters):
+                kk = it * 32 + lane
+                if self.exact or kk * VEC < self.K:
+                    tX = gX[(None, (0, kk))]
+                    rX = cute.make_rmem_tensor_like(tX)
+                    cute.autovec_copy(tX, rX)
+                    for e in cutlass.range_constexpr(VEC):
+                        xs[e, it] = rX[e].to(Float32)
+            stride = self.ctas * self.W
+            gw = bidx * self.W + warp
+            per_warp = -(-self.H // stride)
+            for j in cutlass.range(0, per_warp, ROWS_AT_ONCE, unroll=1):
+                acc = cute.make_rmem_tensor((ROWS_AT_ONCE,), Float32)
+                acc.fill(0.0)
+                for r in cutlass.range_constexpr(ROWS_AT_ONCE):
+                    n = gw + stride * (j + r)
+                    if n < self.H:
+                        for it in cutlass.range_constexpr(self.iters):
+                            kk = it * 32 + lane
+                            if self.exact or kk * VEC < self.K:
+                                tW = gW[(None, (n, kk))]
+                                rW = cute.make_rmem_tensor_like(tW)
+                                cute.autovec_copy(tW, rW)
+                                w = rW.load().to(Float32)
+                                for e in cutlass.range_constexpr(VEC):
+                                    acc[r] = acc[r] + w[e] * xs[e, it]
+                for r in cutlass.range_constexpr(ROWS_AT_ONCE):
+                    n = gw + stride * (j + r)
+                    tot = cute.arch.warp_reduction(acc[r], lambda a, b: a + b)
+                    if n < self.H and lane == 0:
+                        mA[0, n] = tot.to(mA.element_type)
+            if last_cta(mCnt, flag, tidx, self.ctas) != 0:
+                self.res.body(gB, gP, gD, gQ, gK, gN, gO, Int32(0), tidx, red, sW, red2, False)
+
+
+def _check(w, x, a, partial, counter) -> None:
+    H, K = w.shape
+    if x.shape != (1, K) or a.shape != (1, H) or partial.shape != (1, H):
+        raise ValueError(f"oproj_attn_res: one sequence: x [1, {K}], a and partial [1, {H}] expected, got x "
+                         f"{tuple(x.shape)}, a {tuple(a.shape)}, partial {tuple(partial.shape)}")
+    if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16 or K % VEC:
+        raise ValueError("oproj_attn_res: bf16 W [H, K], o [1, K] and a [1, H], K a multiple of 8")
+    if not (w.is_contiguous() and x.is_contiguous() and a.is_contiguous()) or w.data_ptr() % 16 or x.data_ptr() % 16:
+        raise ValueError("oproj_attn_res: W, o and a must be contiguous, W and o 16-byte aligned")
+    if counter.dtype != torch.int32 or counter.shape != (1,):
+        raise ValueError("oproj_attn_res: the counter must be one int32")
+
+
+def _aligns(args) -> list[int]:
+    """The alignment each argument is compiled for: 16 bytes for W and o (16-byte loads), 4 for the counter, and
+    AttnRes's own (4 elements) for its tensors."""
+    return [16, 16] + [_res_align(t) for t in args[2:-1]] + [4]
+
+
+def compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm, out, counter, *, n_blocks: int,
+                           delta_mode: int, eps: float, ctas: int | None = None):
+    from .attn_res import _check as check_res
+
+    _check(w, x, a, partial, counter)
+    check_res(blocks, partial, a, query, key_norm, input_norm, out, n_blocks, False, delta_mode, True)
+    if delta_mode not in (1, 2):
+        raise ValueError("oproj_attn_res: the projection is the residual update: delta_mode 1 or 2")
+    ctas = ctas or _sm_count()
+    args = (w, x, a, blocks, partial, query, key_norm, input_norm, out, counter)
+    key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, *signature(*args))
+    op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps)
+    return compile_kernel(key, op, *(fake_like(t, align=al) for t, al in zip(args, _aligns(args)))), args
+
+
+def oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm, out, counter, *, n_blocks: int,
+                   delta_mode: int, eps: float) -> torch.Tensor:
+    """a = bf16(x @ w.T), then `attn_res.attn_res(blocks, partial, a, ..., out, n_blocks=n_blocks, commit=False,
+    delta_mode=delta_mode, use_partial=True, eps=eps)`, in one kernel, for one sequence. `counter` is one int32
+    that is 0 (and left at 0) that no other kernel uses at the same time. Returns out."""
+    fn, args = compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm, out, counter,
+                                      n_blocks=n_blocks, delta_mode=delta_mode, eps=eps)
+    aligns = {id(t): al for t, al in zip(args, _aligns(args))}
+    launch(fn, *args, align=lambda t: aligns[id(t)])
+    return out
