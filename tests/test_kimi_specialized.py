@@ -64,7 +64,7 @@ def test_gemv_compiles_for_sm90a(sm90a, tp):
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 8), (1, 1)])
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 8), (1, 1), (8, 64)])
 def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
     from kimi_decode.kernels.kda_decode import compile_kda_decode
 

@@ -34,7 +34,7 @@ def test_gemv_matches_float64(tp, rows):
 
 
 @pytest.mark.parametrize("tp", [16, 8, 1])
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8, 64])
 @pytest.mark.parametrize("fused_gate", [False, True])
 def test_kda_decode_matches_float64(tp, batch, fused_gate):
     """The fused KDA kernel against float64; `fused_gate`: it also applies f_b to the input projection's f_a columns

@@ -4,7 +4,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
   (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual and, at batch 1,
   the shared experts' SiTU-GLU in their gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel);
-- the KDA core: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm; `kernels/kda_decode.py`);
+- the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
+  `kernels/kda_decode.py`; above batch 8 on the generic path's projections);
   with `KIMI_DECODE_FUSED_GATE=1` also the decay gate's low-rank up-projection f_b (one GEMV kernel fewer, slower
   as measured: off by default);
 - routing: at batch 1 one kernel, the router GEMV (split-K inside the CTA) whose last CTA takes the top-k and the
@@ -32,7 +33,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
-It falls back to `auto`, logging the reason once per reason: MLA layers (attention), the projections, KDA core and
+It falls back to `auto`, logging the reason once per reason: MLA layers (attention), the projections and the
 MoE tail at batches over 8 (no tensor-core CuTe projection kernel yet), everything but AttnRes at batches over 64, no
 CUDA device or no cutlass-dsl.
 """
@@ -62,7 +63,8 @@ PREFETCH_MB = 0
 GLU_MAX_ROWS = 1
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~2 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
-EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
+EXPERT_MAX_ROWS = 64
+KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
 COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
@@ -74,6 +76,7 @@ class LatencySpecializedBackend(AutoBackend):
     def __init__(self, poison: bool = False):
         super().__init__(poison)
         self._attn_fast = False
+        self._kda_fast = False
         self._mlp_fast = False
         self._fused_norm = False
         self._res_fast = False
@@ -117,12 +120,13 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback("no CUDA device")
         small = batch <= GEMV_MAX_ROWS
         if device_ok and not small:
-            self._fallback(f"batch {batch} > {GEMV_MAX_ROWS}: the projections and the KDA core run auto (the "
+            self._fallback(f"batch {batch} > {GEMV_MAX_ROWS}: the projections and the MoE tail run auto (the "
                            "tensor-core projection kernel is not written yet)")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
         self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
+        self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA  # one CTA per (head, sequence)
         self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
         self._experts_fast = device_ok and batch <= EXPERT_MAX_ROWS and isinstance(lw.mlp, MoEWeights)
         if self._experts_fast:
@@ -235,7 +239,7 @@ class LatencySpecializedBackend(AutoBackend):
         return y, self._gemv(y[:, a:b], w.f_b)
 
     def kda_core(self, y, f, w: KDAWeights, state: KDAState, shard: ShardConfig):
-        if not self._attn_fast:
+        if not self._kda_fast:
             return super().kda_core(y, f, w, state, shard)
         from ..kernels.kda_decode import kda_decode
 
