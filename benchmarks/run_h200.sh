@@ -46,7 +46,7 @@ pip list 2>/dev/null | grep -i cutlass >>"$LOG"
 for name in "$@"; do
   case "$name" in
     numerics)
-      step numerics 200 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
+      step numerics 300 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
     numerics-new)
       step numerics-new 200 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py -k "${NEW_TESTS:-router}" ;;
     router)
