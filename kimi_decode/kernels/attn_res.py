@@ -112,15 +112,17 @@ if HAVE_CUTE:
         @cute.jit
         def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, delta: cute.Tensor, query: cute.Tensor,
                      key_norm: cute.Tensor, input_norm: cute.Tensor, out: cute.Tensor, stream):
-            gB = cute.zipped_divide(blocks, (1, 1, VEC))
-            gP = cute.zipped_divide(partial, (1, VEC))
-            gD = cute.zipped_divide(delta, (1, VEC))
-            gQ = cute.zipped_divide(query, (VEC,))
-            gK = cute.zipped_divide(key_norm, (VEC,))
-            gN = cute.zipped_divide(input_norm, (VEC,))
-            gO = cute.zipped_divide(out, (1, VEC))
+            gB, gP, gD, gQ, gK, gN, gO = self.tiles(blocks, partial, delta, query, key_norm, input_norm, out)
             self.kernel(gB, gP, gD, gQ, gK, gN, gO).launch(grid=[partial.shape[0], 1, 1], block=[self.T, 1, 1],
                                                            stream=stream, use_pdl=self.pdl)
+
+        @staticmethod
+        def tiles(blocks, partial, delta, query, key_norm, input_norm, out) -> tuple:
+            """The tensors as `body` takes them: 16-byte slices along the hidden dimension."""
+            return (cute.zipped_divide(blocks, (1, 1, VEC)), cute.zipped_divide(partial, (1, VEC)),
+                    cute.zipped_divide(delta, (1, VEC)), cute.zipped_divide(query, (VEC,)),
+                    cute.zipped_divide(key_norm, (VEC,)), cute.zipped_divide(input_norm, (VEC,)),
+                    cute.zipped_divide(out, (1, VEC)))
 
         @cute.kernel
         def kernel(self, gB: cute.Tensor, gP: cute.Tensor, gD: cute.Tensor, gQ: cute.Tensor, gK: cute.Tensor,

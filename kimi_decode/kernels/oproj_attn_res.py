@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from .attn_res import VEC as RES_VEC
 from .attn_res import _align as _res_align
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
@@ -51,13 +50,7 @@ if HAVE_CUTE:
                      out: cute.Tensor, mCnt: cute.Tensor, stream):
             gW = cute.zipped_divide(mW, (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
-            gB = cute.zipped_divide(blocks, (1, 1, RES_VEC))
-            gP = cute.zipped_divide(partial, (1, RES_VEC))
-            gD = cute.zipped_divide(mA, (1, RES_VEC))
-            gQ = cute.zipped_divide(query, (RES_VEC,))
-            gK = cute.zipped_divide(key_norm, (RES_VEC,))
-            gN = cute.zipped_divide(input_norm, (RES_VEC,))
-            gO = cute.zipped_divide(out, (1, RES_VEC))
+            gB, gP, gD, gQ, gK, gN, gO = self.res.tiles(blocks, partial, mA, query, key_norm, input_norm, out)
             self.kernel(gW, gX, mA, gB, gP, gD, gQ, gK, gN, gO, mCnt).launch(
                 grid=[self.ctas, 1, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl)
 
