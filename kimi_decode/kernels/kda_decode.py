@@ -1,18 +1,15 @@
 """Fused KDA decode step: one kernel for what the generic path does in three.
 
-For each (head, sequence), one CTA of 4 x head_dim threads does:
-  1. (the first head_dim threads, one channel each) the causal depthwise conv (width 4) on the q, k, v channels,
-     with the conv-state shift, then SiLU;
+For each (head, sequence), one CTA of head_dim threads does:
+  1. the causal depthwise conv (width 4) on the q, k, v channels, with the conv-state shift, then SiLU;
   2. q and k L2 normalisation (q scaled by head_dim**-0.5), the bounded decay gate
      exp(lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))) and beta = sigmoid(b);
-  3. the delta rule on the fp32 state, S = diag(decay) S,  S += beta * k^T (v - k S),  o = q S: column v of S is
-     split over 4 adjacent lanes, each owning a quarter of its rows in registers, so k S and q S per column are two
-     shuffles each, and nothing else is exchanged beyond q, k, v and decay in shared memory;
+  3. the delta rule on the fp32 state: thread v owns column v of S (head_dim registers), so
+     S = diag(decay) S,  S += beta * k^T (v - k S),  o = q S  need no communication beyond q, k, decay in shared memory;
   4. per-head RMSNorm of o times o_norm and the sigmoid output gate.
 The inputs come straight from the fused input projection's output (q, k, v, g, b at their column offsets). With
 `f_col` given, the kernel also does the decay gate's low-rank up-projection: `f` is then the weight f_b [heads *
-head_dim, rank] and the thread of channel c computes f[c] = f_b[c] . y[f_col : f_col + rank] itself (one GEMV
-kernel fewer).
+head_dim, rank] and thread v computes f[v] = f_b[v] . y[f_col : f_col + rank] itself (one GEMV kernel fewer).
 """
 from __future__ import annotations
 
@@ -22,8 +19,6 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, la
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_wait
-
-SPLIT = 4  # lanes per column of the state (each owns head_dim / SPLIT rows): a CTA of SPLIT x head_dim threads
 
 if HAVE_CUTE:
     from cutlass import Float32
@@ -45,10 +40,6 @@ if HAVE_CUTE:
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
             self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
-            self.split = SPLIT  # lanes per state column
-            self.log_split = SPLIT.bit_length() - 1
-            self.T = head_dim * SPLIT
-            self.warps = self.T // 32
 
         @cute.jit
         def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -56,7 +47,7 @@ if HAVE_CUTE:
                      out: cute.Tensor, stream):
             B = y.shape[0]
             self.kernel(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out).launch(
-                grid=[self.H, B, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[self.H, B, 1], block=[self.D, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.jit
         def _block_sum2(self, a: Float32, b: Float32, red: cute.Tensor):
@@ -67,13 +58,13 @@ if HAVE_CUTE:
             b = cute.arch.warp_reduction(b, lambda x, z: x + z)
             if tidx % 32 == 0:
                 red[warp] = a
-                red[warp + self.warps] = b
+                red[warp + self.D // 32] = b
             cute.arch.barrier()
             sa = Float32(0.0)
             sb = Float32(0.0)
-            for w in cutlass.range_constexpr(self.warps):
+            for w in cutlass.range_constexpr(self.D // 32):
                 sa = sa + red[w]
-                sb = sb + red[w + self.warps]
+                sb = sb + red[w + self.D // 32]
             cute.arch.barrier()
             return sa, sb
 
@@ -81,86 +72,65 @@ if HAVE_CUTE:
         def kernel(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
                    A_log: cute.Tensor, dt_bias: cute.Tensor, S: cute.Tensor, o_norm: cute.Tensor,
                    out: cute.Tensor):
-            tidx, _, _ = cute.arch.thread_idx()
+            t, _, _ = cute.arch.thread_idx()
             h, b, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
-            D, P = self.D, self.split
+            D = self.D
             smem = cutlass.utils.SmemAllocator()
             sQ = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
             sK = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
-            sV = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
             sDecay = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
-            red = smem.allocate_tensor(Float32, cute.make_layout(2 * self.warps), 16)
-
-            # 1. channel t = tidx (the first D threads): conv + SiLU, norms' inputs, decay gate
-            t = tidx
+            red = smem.allocate_tensor(Float32, cute.make_layout(2 * (D // 32)), 16)
             ch = h * D + t
-            active = tidx < D
+
             qkv = cute.make_rmem_tensor((3,), Float32)
-            qkv.fill(0.0)
-            if active:
-                for part in cutlass.range_constexpr(3):
-                    c = part * self.d + ch
-                    x_new = y[b, c].to(Float32)
-                    acc = x_new * conv_w[c, self.W - 1]
-                    for j in cutlass.range_constexpr(self.W - 1):
-                        s_j = conv_state[b, c, j].to(Float32)
-                        acc = acc + s_j * conv_w[c, j]
-                        if cutlass.const_expr(j > 0):
-                            conv_state[b, c, j - 1] = s_j.to(conv_state.element_type)
-                    conv_state[b, c, self.W - 2] = x_new.to(conv_state.element_type)
-                    qkv[part] = Float32(acc) * _sigmoid(acc)
+            for part in cutlass.range_constexpr(3):
+                c = part * self.d + ch
+                x_new = y[b, c].to(Float32)
+                acc = x_new * conv_w[c, self.W - 1]
+                for j in cutlass.range_constexpr(self.W - 1):
+                    s_j = conv_state[b, c, j].to(Float32)
+                    acc = acc + s_j * conv_w[c, j]
+                    if cutlass.const_expr(j > 0):
+                        conv_state[b, c, j - 1] = s_j.to(conv_state.element_type)
+                conv_state[b, c, self.W - 2] = x_new.to(conv_state.element_type)
+                qkv[part] = Float32(acc) * _sigmoid(acc)
+
             q = qkv[0]
             k = qkv[1]
+            v = qkv[2]
             sum_q, sum_k = self._block_sum2(q * q, k * k, red)
-            if active:
-                sQ[t] = q * _rsqrt(sum_q + Float32(1e-6)) * Float32(D ** -0.5)
-                sK[t] = k * _rsqrt(sum_k + Float32(1e-6))
-                sV[t] = qkv[2]
-                f_v = Float32(0.0)
-                if cutlass.const_expr(self.f_col >= 0):
-                    for r in cutlass.range_constexpr(self.f_rank):
-                        f_v = f_v + f[ch, r].to(Float32) * y[b, self.f_col + r].to(Float32)
-                else:
-                    f_v = f[b, ch].to(Float32)
-                gate_in = _exp(A_log[h]) * (f_v + dt_bias[ch])
-                sDecay[t] = _exp(Float32(self.lb) * _sigmoid(gate_in))
+            sQ[t] = q * _rsqrt(sum_q + Float32(1e-6)) * Float32(D ** -0.5)
+            sK[t] = k * _rsqrt(sum_k + Float32(1e-6))
+            f_v = Float32(0.0)
+            if cutlass.const_expr(self.f_col >= 0):
+                for r in cutlass.range_constexpr(self.f_rank):
+                    f_v = f_v + f[ch, r].to(Float32) * y[b, self.f_col + r].to(Float32)
+            else:
+                f_v = f[b, ch].to(Float32)
+            gate_in = _exp(A_log[h]) * (f_v + dt_bias[ch])
+            sDecay[t] = _exp(Float32(self.lb) * _sigmoid(gate_in))
             beta = _sigmoid(y[b, self.b_col + h].to(Float32))
             cute.arch.barrier()
 
-            # 2. the delta rule: column v of S is split over the P adjacent lanes (v, 0..P-1), lane (v, p) owning
-            # rows p * D/P .. (p + 1) * D/P - 1; the two dot products over rows are reduced by P - 1 shuffles
-            lane = tidx % 32
-            v = (tidx // 32) * (32 // P) + lane // P
-            p = lane % P
-            R = D // P
-            col = cute.make_rmem_tensor((R,), Float32)
+            col = cute.make_rmem_tensor((D,), Float32)
             k_s = Float32(0.0)
-            for i in cutlass.range_constexpr(R):
-                kk = p * R + i
-                s = S[b, h, kk, v] * sDecay[kk]
-                col[i] = s
+            for kk in cutlass.range_constexpr(D):
+                s = S[b, h, kk, t] * sDecay[kk]
+                col[kk] = s
                 k_s = k_s + sK[kk] * s
-            for sh in cutlass.range_constexpr(self.log_split):
-                k_s = k_s + cute.arch.shuffle_sync_bfly(k_s, offset=1 << sh)
-            delta = beta * (sV[v] - k_s)
+            delta = beta * (v - k_s)
             o = Float32(0.0)
-            for i in cutlass.range_constexpr(R):
-                kk = p * R + i
-                s = col[i] + sK[kk] * delta
-                S[b, h, kk, v] = s
+            for kk in cutlass.range_constexpr(D):
+                s = col[kk] + sK[kk] * delta
+                S[b, h, kk, t] = s
                 o = o + sQ[kk] * s
-            for sh in cutlass.range_constexpr(self.log_split):
-                o = o + cute.arch.shuffle_sync_bfly(o, offset=1 << sh)
 
-            # 3. per-head RMSNorm of o and the sigmoid output gate (lane (v, 0) writes column v)
-            lead = p == 0
-            sum_o, _ = self._block_sum2(Float32(cutlass.select_(lead, o * o, Float32(0.0))), Float32(0.0), red)
-            if lead:
-                g = y[b, 3 * self.d + h * D + v].to(Float32)
-                res = o * _rsqrt(sum_o * Float32(1.0 / D) + Float32(self.eps)) * o_norm[v] * _sigmoid(g)
-                out[b, h * D + v] = res.to(out.element_type)
+            sum_o, _ = self._block_sum2(o * o, Float32(0.0), red)
+            g = y[b, 3 * self.d + ch].to(Float32)
+            res = o * _rsqrt(sum_o * Float32(1.0 / D) + Float32(self.eps)) * o_norm[t] * _sigmoid(g)
+            out[b, ch] = res.to(out.element_type)
 
 
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
@@ -180,9 +150,8 @@ def kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_co
     `f` is the decay gate's input [B, heads * head_dim], or with `f_col` the weight f_b [heads * head_dim, rank]
     applied here to y's columns f_col .. f_col + rank."""
     B, H, D, _ = S.shape
-    if D % 32 or D * SPLIT > 1024 or not S.is_contiguous() or S.dtype != torch.float32:
-        raise ValueError(f"KDA decode needs a contiguous fp32 state with head_dim a multiple of 32 and at most "
-                         f"{1024 // SPLIT}")
+    if D % 32 or D > 1024 or not S.is_contiguous() or S.dtype != torch.float32:
+        raise ValueError("KDA decode needs a contiguous fp32 state with head_dim a multiple of 32")
     if f_col is not None and (f.shape[0] != H * D or f_col < 0 or f_col + f.shape[1] > y.shape[1]
                               or f.stride(1) != 1):
         raise ValueError(f"KDA decode: f_b must be [{H * D}, rank] with row-contiguous rows and y's columns "
