@@ -63,8 +63,8 @@ PREFETCH_MB = 0
 GLU_MAX_ROWS = 1
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~2 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
-EXPERT_MAX_ROWS = 64
-KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
+EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
+KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
 COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
@@ -93,7 +93,7 @@ class LatencySpecializedBackend(AutoBackend):
         # 0: the output projection and the AttnRes after it as two kernels (A/B)
         self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
         self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
-        self._pending_o = None  # (o, W) of that projection, until the AttnRes call
+        self._pending_o = None  # (o, W, a) of that projection, a its output, until the AttnRes call
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._counters: dict[tuple, torch.Tensor] = {}  # self-resetting completion counters of last-CTA kernels
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
@@ -126,7 +126,7 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback("MLA attention is not specialized yet")
         self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
-        self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA  # one CTA per (head, sequence)
+        self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA
         self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
         self._experts_fast = device_ok and batch <= EXPERT_MAX_ROWS and isinstance(lw.mlp, MoEWeights)
         if self._experts_fast:
