@@ -97,6 +97,16 @@ if HAVE_CUTE:
                          "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
                          is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
 
+    def sigmoid(x):
+        """1 / (1 + exp(-x)) on an fp32 value."""
+        return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(cutlass.Float32(0.0) - cutlass.Float32(x)))
+
+    def situ_glu(g, u):
+        """SiTU-GLU of a gate and an up value (fp32): 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
+        F = cutlass.Float32
+        gate = F(4.0) * cute.math.tanh(g * F(0.25)) / (F(1.0) + cute.math.exp(F(0.0) - g))
+        return gate * (F(25.0) * cute.math.tanh(u * F(0.04)))
+
     def pdl_launch_dependents(pdl: bool) -> None:
         if pdl:
             cute.arch.griddepcontrol_launch_dependents()

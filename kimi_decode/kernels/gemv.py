@@ -16,7 +16,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_wait, prefetch_l2
+    from .cute_common import pdl_launch_dependents, pdl_wait, prefetch_l2, situ_glu
 
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
@@ -139,10 +139,8 @@ if HAVE_CUTE:
                         acc_up[m] = total_up
             if n < N and lane == 0 and part == 0:
                 for m in cutlass.range_constexpr(self.M):
-                    if cutlass.const_expr(self.glu):  # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
-                        acc[m] = (Float32(4.0) * cute.math.tanh(acc[m] * Float32(0.25))
-                                  / (Float32(1.0) + cute.math.exp(Float32(0.0) - acc[m]))
-                                  * (Float32(25.0) * cute.math.tanh(acc_up[m] * Float32(0.04))))
+                    if cutlass.const_expr(self.glu):
+                        acc[m] = situ_glu(acc[m], acc_up[m])
                     if cutlass.const_expr(self.scaled):
                         acc[m] = acc[m] * rstd[m]
                     if cutlass.const_expr(self.accumulate):

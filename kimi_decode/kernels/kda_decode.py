@@ -18,7 +18,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_wait
+    from .cute_common import pdl_launch_dependents, pdl_wait, sigmoid
 
 if HAVE_CUTE:
     from cutlass import Float32
@@ -30,8 +30,6 @@ if HAVE_CUTE:
     def _rsqrt(x):
         return cute.math.rsqrt(Float32(x))
 
-    def _sigmoid(x):
-        return Float32(1.0) / (Float32(1.0) + _exp(Float32(0.0) - Float32(x)))
 
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
@@ -95,7 +93,7 @@ if HAVE_CUTE:
                     if cutlass.const_expr(j > 0):
                         conv_state[b, c, j - 1] = s_j.to(conv_state.element_type)
                 conv_state[b, c, self.W - 2] = x_new.to(conv_state.element_type)
-                qkv[part] = Float32(acc) * _sigmoid(acc)
+                qkv[part] = Float32(acc) * sigmoid(acc)
 
             q = qkv[0]
             k = qkv[1]
@@ -110,8 +108,8 @@ if HAVE_CUTE:
             else:
                 f_v = f[b, ch].to(Float32)
             gate_in = _exp(A_log[h]) * (f_v + dt_bias[ch])
-            sDecay[t] = _exp(Float32(self.lb) * _sigmoid(gate_in))
-            beta = _sigmoid(y[b, self.b_col + h].to(Float32))
+            sDecay[t] = _exp(Float32(self.lb) * sigmoid(gate_in))
+            beta = sigmoid(y[b, self.b_col + h].to(Float32))
             cute.arch.barrier()
 
             col = cute.make_rmem_tensor((D,), Float32)
@@ -129,7 +127,7 @@ if HAVE_CUTE:
 
             sum_o, _ = self._block_sum2(o * o, Float32(0.0), red)
             g = y[b, 3 * self.d + ch].to(Float32)
-            res = o * _rsqrt(sum_o * Float32(1.0 / D) + Float32(self.eps)) * o_norm[t] * _sigmoid(g)
+            res = o * _rsqrt(sum_o * Float32(1.0 / D) + Float32(self.eps)) * o_norm[t] * sigmoid(g)
             out[b, ch] = res.to(out.element_type)
 
 

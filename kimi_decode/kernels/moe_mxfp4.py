@@ -25,7 +25,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_wait
+    from .cute_common import pdl_launch_dependents, pdl_wait, situ_glu
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
 WARPS = 8  # K slices per CTA
@@ -150,11 +150,7 @@ if HAVE_CUTE:
                 for i in cutlass.range_constexpr(WARPS):
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
-                # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
-                gate = Float32(4.0) * cute.math.tanh(h1 * Float32(0.25)) / (
-                    Float32(1.0) + cute.math.exp(Float32(0.0) - h1))
-                up = Float32(25.0) * cute.math.tanh(h3 * Float32(0.04))
-                act[p, j] = (gate * up).to(act.element_type)
+                act[p, j] = situ_glu(h1, h3).to(act.element_type)
 
     class MoEW2Sum:
         """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used]); with `scaled`, also

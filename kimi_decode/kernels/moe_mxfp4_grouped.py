@@ -26,6 +26,7 @@ ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
+    from .cute_common import situ_glu
     from .moe_mxfp4 import group_mma_fragment, load4, mx_scale
 
     class MoEW13Grouped:
@@ -96,11 +97,8 @@ if HAVE_CUTE:
                             for i in cutlass.range_constexpr(WARPS):
                                 h1 = h1 + red[r, n, i]
                                 h3 = h3 + red[ROWS13 + r, n, i]
-                            # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
-                            gate = Float32(4.0) * cute.math.tanh(h1 * Float32(0.25)) / (
-                                Float32(1.0) + cute.math.exp(Float32(0.0) - h1))
-                            up = Float32(25.0) * cute.math.tanh(h3 * Float32(0.04))
-                            act[order[start + tile * COLS + n], bx * ROWS13 + r] = (gate * up).to(act.element_type)
+                            act[order[start + tile * COLS + n], bx * ROWS13 + r] = situ_glu(h1, h3).to(
+                                act.element_type)
                     cute.arch.barrier()  # the next tile reuses `red`
 
     class MoEW2Grouped:

@@ -27,7 +27,7 @@ from .gemv import MAX_ROWS, VEC, WARPS
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
-    from .cute_common import last_cta
+    from .cute_common import last_cta, sigmoid
     from .gemv import SmallBatchGemv
 
 THREADS = 32 * WARPS
@@ -35,9 +35,6 @@ NEG = -3.0e38  # below every score (sigmoid + bias of bounded logits)
 
 
 if HAVE_CUTE:
-    def _sigmoid(v):
-        return Float32(1.0) / (Float32(1.0) + cute.math.exp(Float32(0.0) - v))
-
     def _sel(cond, a, b):
         return cutlass.select_(cond, a, b)
 
@@ -85,7 +82,7 @@ if HAVE_CUTE:
                 e = tidx + THREADS * i
                 key[i] = Float32(NEG)
                 if self.exact or e < self.E:
-                    key[i] = _sigmoid(mL[m, e]) + mBias[e]
+                    key[i] = sigmoid(mL[m, e]) + mBias[e]
             my_v = Float32(NEG)
             my_i = Int32(0)
             for r in cutlass.range(self.topk, unroll=1):  # a loop: unrolled code is fetched cold per replay
@@ -126,7 +123,7 @@ if HAVE_CUTE:
                 s = Float32(0.0)
                 if lane < self.topk:
                     idx = chosen[lane]
-                    s = _sigmoid(mL[m, idx])
+                    s = sigmoid(mL[m, idx])
                 tot = cute.arch.warp_reduction(s, lambda a, b: a + b)
                 if lane < self.topk:
                     mIds[m, lane] = idx
