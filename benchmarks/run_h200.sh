@@ -4,10 +4,10 @@
 #   source .devsite/activate.sh && bash benchmarks/run_h200.sh BUDGET STEP...
 # Steps: numerics (every latency_specialized GPU test), bench (both backends, TP16/TP8, batch 1 and 8), bench64 (the
 # same at batch 64), fidelity (benchmarks/capture_fidelity.py), captures (latency_specialized TP16/TP8 batch 1 into
-# $OUT), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
+# $OUT), sweep (benchmarks/projection_sweep.py), captures-batch (both backends, TP16, at each of CAPTURE_BATCHES, default 8 64), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
 # with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), noprefetch / prefetch12 / prefetch40 (latency_specialized with
 # KIMI_DECODE_PREFETCH_MB=0 / 12 / 40), glu (the shared experts' gate/up GEMV with and without
-# its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1), router
+# its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1), tcplain (latency_specialized with KIMI_DECODE_TC_PLAIN=1, batch 8 and 16), router
 # (latency_specialized at batch 1 with KIMI_DECODE_FUSED_ROUTER=0: router GEMV and top-k as two kernels), ores (the same
 # with KIMI_DECODE_FUSED_O_RES=0: output projection and AttnRes as two kernels), numerics-new
 # (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`).
@@ -46,7 +46,7 @@ pip list 2>/dev/null | grep -i cutlass >>"$LOG"
 for name in "$@"; do
   case "$name" in
     numerics)
-      step numerics 300 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
+      step numerics 330 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
     numerics-new)
       step numerics-new 200 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py -k "${NEW_TESTS:-router}" ;;
     router)
@@ -54,7 +54,7 @@ for name in "$@"; do
     ores)
       KIMI_DECODE_FUSED_O_RES=0 bench ores 90 bench_ores2.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     bench)
-      bench bench 200 bench.json --backend auto latency_specialized --tp 16 8 --batch 1 8 ;;
+      bench bench 200 bench.json --backend auto latency_specialized --tp 16 8 --batch ${BENCH_BATCHES:-1 8} ;;
     bench64)
       bench bench64 150 bench64.json --backend auto latency_specialized --tp 16 8 --batch 64 ;;
     fidelity)
@@ -66,6 +66,16 @@ for name in "$@"; do
         step "capture latency_specialized tp$tp" 60 python3 -m profiler.cli capture --backend latency_specialized \
           --tp "$tp" --batch 1 --layers 4 --context 8192 --steps 50 --profiler cupti \
           -o "$OUT/latency_specialized_tp${tp}_b1.kprof"
+      done ;;
+    sweep)  # the projections alone: cuBLAS, GEMV and tensor-core tilings by rows (benchmarks/projection_sweep.py)
+      step sweep 240 python3 benchmarks/projection_sweep.py --tp ${SWEEP_TP:-16 8} --rows ${SWEEP_ROWS:-1 2 4 8 16 64} \
+        --plans ${SWEEP_PLANS:-8 64} --json "$OUT/sweep${SWEEP_TAG:-}.json" ;;
+    captures-batch)  # both backends at each batch of CAPTURE_BATCHES (default 8 64), TP16, for per-stage tables
+      for b in ${CAPTURE_BATCHES:-8 64}; do
+        for be in auto latency_specialized; do
+          step "capture $be tp16 b$b" 90 python3 -m profiler.cli capture --backend "$be" --tp 16 --batch "$b" \
+            --layers 4 --context 8192 --steps 20 --profiler cupti -o "$OUT/${be}_tp16_b${b}.kprof"
+        done
       done ;;
     capture-tests)
       step capture-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py ;;
@@ -84,6 +94,8 @@ for name in "$@"; do
       KIMI_DECODE_PREFETCH_MB=0 bench glu 90 bench_glu.json --backend latency_specialized --tp 16 8 --batch 1 4 8
       KIMI_DECODE_PREFETCH_MB=0 KIMI_DECODE_SHARED_GLU=0 bench noglu 90 bench_noglu.json --backend latency_specialized \
         --tp 16 8 --batch 1 4 8 ;;
+    tcplain)  # every plain projection on the tensor-core kernel (KIMI_DECODE_TC_PLAIN=1) at batch 8 and 16
+      KIMI_DECODE_TC_PLAIN=1 bench tcplain 90 bench_tcplain.json --backend latency_specialized --tp 16 8 --batch 8 16 ;;
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     *)

@@ -144,6 +144,68 @@ def test_gemv_split_k_only_for_few_rows():
     assert split_for(768, 128) == 1  # f_b: K too short to split
 
 
+@needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_tensor_core_projection_compiles_for_sm90a(sm90a, tp):
+    from kimi_decode.kernels.gemm_tc import compile_projection, plan_for, workspace
+
+    for n, k in projection_shapes(shard("k3", tp=tp)):
+        for rows in (2, 9, 64):
+            plan = plan_for(rows, n, k)
+            w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(rows, k, dtype=torch.bfloat16)
+            counters = torch.zeros(plan.groups, dtype=torch.int32)
+            ws = workspace(plan, w.device)
+            assert compile_projection(w, x, torch.empty(rows, n, dtype=torch.bfloat16), ws, counters)[0] is not None
+            assert compile_projection(w, x, torch.empty(rows, n), ws, counters, accumulate=True,
+                                      addend=torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
+    w = torch.empty(7168, 3584, dtype=torch.bfloat16)  # the MoE tail with the RMSNorm's 1/rms per row
+    plan = plan_for(8, 7168, 3584)
+    assert compile_projection(w, torch.empty(8, 3584, dtype=torch.bfloat16), torch.empty(8, 7168),
+                              workspace(plan, w.device), torch.zeros(plan.groups, dtype=torch.int32),
+                              accumulate=True, addend=torch.empty(8, 7168, dtype=torch.bfloat16),
+                              row_scale=(torch.empty(8, 224), 1e-5))[0] is not None
+
+
+@pytest.mark.parametrize("rows", [2, 8, 16, 64])
+def test_tensor_core_plan_fills_one_wave_within_its_limits(rows):
+    from kimi_decode.kernels.gemm_tc import GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT, SMEM_LIMIT, _stride, plan_for
+
+    for tp in (16, 8):
+        for n, k in projection_shapes(shard("k3", tp=tp)):
+            p = plan_for(rows, n, k, 132)
+            assert p.ctas <= p.per_sm * 132 and p.smem_bytes <= SMEM_LIMIT, (n, k, p.key())
+            assert (p.splits - 1) * p.per_split < p.chunks <= p.splits * p.per_split  # every split has work
+            assert p.groups * 32 * p.warps >= n
+            assert p.partial_bytes <= PARTIALS_LIMIT * n * k * 2
+            assert p.partial_bytes // p.groups <= GROUP_PARTIALS_LIMIT or rows == 64
+            if rows <= 16 and n * k >= 3584 * 7168:  # the big streams: at least 12 warps per SM streaming
+                assert p.ctas * p.warps >= 12 * 132, (n, k, p.key())
+    # the staged token rows are 64 bytes off a 128-byte multiple (quarter-warp reads in distinct banks)
+    for per_split in (1, 2, 7, 8, 45):
+        assert (_stride(per_split) * 4) % 128 == 64
+
+
+@needs_cute
+def test_tensor_core_projection_refuses_bad_shapes():
+    from kimi_decode.kernels.gemm_tc import project
+
+    w, c = torch.empty(64, 256, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rows"):
+        project(w, torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(1, 64), c)
+    with pytest.raises(ValueError, match="rows"):
+        project(w, torch.empty(65, 256, dtype=torch.bfloat16), torch.empty(65, 64), c)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        project(torch.empty(64, 248, dtype=torch.bfloat16), torch.empty(4, 248, dtype=torch.bfloat16),
+                torch.empty(4, 64), c)
+    with pytest.raises(ValueError, match="chain"):
+        project(w, torch.empty(4, 128, dtype=torch.bfloat16), torch.empty(4, 64), c)
+    with pytest.raises(ValueError, match="fp32 to accumulate"):
+        project(w, torch.empty(4, 256, dtype=torch.bfloat16), torch.empty(4, 64, dtype=torch.bfloat16), c,
+                accumulate=True)
+    with pytest.raises(ValueError, match="16-byte"):
+        project(w, torch.empty(4, 260, dtype=torch.bfloat16)[:, 2:258], torch.empty(4, 64), c)
+
+
 def s_inter(tp: int) -> int:
     return shard("k3", tp=tp).shared_inter
 
@@ -282,8 +344,9 @@ def _moe_on_meta(tp: int):
     (16, 1, False, None, (True, True, True, True, True)),
     (8, 8, False, None, (True, True, True, True, True)),
     (16, 8, True, None, (True, True, True, True, False)),  # an all-reduce between the experts and the tail
-    (16, 64, False, None, (False, False, True, True, False)),  # experts only, above the GEMV's 8 rows
-    (16, 64, False, "0", (False, False, True, False, False)),  # KIMI_DECODE_CUTE_ATTN_RES=0: Triton AttnRes
+    (16, 64, False, None, (True, True, True, True, False)),  # grouped experts: the RMSNorm before the tail
+    (16, 64, False, "0", (True, True, True, False, False)),  # KIMI_DECODE_CUTE_ATTN_RES=0: Triton AttnRes
+    (16, 65, False, None, (False, False, False, True, False)),  # past the decode path's 64 rows: AttnRes only
     (1, 1, False, None, (True, False, False, True, False)),  # TP1 expert tensors need 64-bit offsets
 ])
 def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env, want):
@@ -306,7 +369,7 @@ def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env
     assert got == want
     said = " ".join(r.getMessage() for r in caplog.records)
     assert ("64-bit" in said or "32 bits" in said) == (tp == 1)
-    assert (f"batch {batch} > 8" in said) == (batch > 8)
+    assert (f"batch {batch} > 64" in said) == (batch > 64)
 
 
 @needs_cute

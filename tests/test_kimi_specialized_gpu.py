@@ -66,7 +66,7 @@ def test_kda_decode_matches_float64(tp, batch, fused_gate):
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("layer", [1, 3])
-@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("batch", [1, 8, 16, 64])
 def test_specialized_layer_matches_reference(tp, layer, batch):
     s = shard("k3", tp=tp)
     lw, res, state = layer_case(s, layer, batch, seed=1000 + 100 * tp + 10 * layer + batch, device="cuda")
@@ -178,6 +178,69 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same):
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert not act.isnan().any() and not pair_out.isnan().any()
     assert rel_err(out, want) < BF16_TOL
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("rows", [2, 9, 33, 64])
+def test_tensor_core_projection_matches_float64(tp, rows):
+    """Every projection shape, stored as bf16 and fp32 and accumulated into fp32, against float64 (outputs poisoned);
+    the completion counters are back at 0 after each launch (the split-K row groups reset them)."""
+    from kimi_decode.kernels.gemm_tc import plan_for, project
+
+    g = torch.Generator(device="cuda").manual_seed(900 + tp * 100 + rows)
+    counters = torch.zeros(256, dtype=torch.int32, device="cuda")
+    for n, k in projection_shapes(shard("k3", tp=tp)):
+        w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+        x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+        want = x.double() @ w.double().T
+        for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-4)):
+            y = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
+            project(w, x, y, counters)
+            assert rel_err(y, want) < tol, (n, k, dtype, plan_for(rows, n, k).key())
+        y0 = torch.randn(rows, n, device="cuda", generator=g)
+        add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+        y = y0.clone()
+        project(w, x, y, counters, accumulate=True, addend=add)
+        assert rel_err(y, y0.double() + want + add.double()) < 1e-4, (n, k)
+        assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("rows", [4, 17, 64])
+def test_tensor_core_projection_row_scale_and_graph_replay(rows):
+    """The MoE tail's form (1/rms per row from partial sums of squares, addend, accumulate) in a CUDA graph replayed
+    twice: the residual gets the update twice, the counters stay at 0, and a strided input (f_b's slice of the
+    in_proj output) is read as such."""
+    from kimi_decode.kernels.gemm_tc import project
+
+    g = torch.Generator(device="cuda").manual_seed(950 + rows)
+    m = shard("k3", tp=16).model
+    n, k = m.hidden, m.moe_latent
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    x = torch.randn(rows, k, device="cuda", generator=g) * (1 + torch.arange(rows, device="cuda").view(-1, 1))
+    norm_w = 1 + 0.1 * torch.randn(k, device="cuda", generator=g)
+    ssq = x.pow(2).view(rows, k // 16, 16).sum(-1)
+    add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    xs = (x * norm_w).bfloat16()
+    counters = torch.zeros(256, dtype=torch.int32, device="cuda")
+    y0 = torch.randn(rows, n, device="cuda", generator=g)
+    y = y0.clone()
+    project(w, xs, y, counters, accumulate=True, addend=add, row_scale=(ssq, 1e-5))  # compile outside the capture
+    y.copy_(y0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        project(w, xs, y, counters, accumulate=True, addend=add, row_scale=(ssq, 1e-5))
+    y.copy_(y0)
+    graph.replay()
+    graph.replay()
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+    assert rel_err(y - y0, 2 * (normed @ w.double().T + add.double())) < BF16_TOL
+    assert int(counters.abs().sum()) == 0
+    wide = torch.randn(rows, 3216, device="cuda", generator=g).bfloat16()
+    f_b = torch.randn(768, 128, device="cuda", generator=g).bfloat16()
+    out = torch.full((rows, 768), float("nan"), dtype=torch.bfloat16, device="cuda")
+    project(f_b, wide[:, 1536:1664], out, counters)
+    assert rel_err(out, wide[:, 1536:1664].double() @ f_b.double().T) < 1e-2
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -425,4 +488,18 @@ def test_specialized_layer_with_two_kernel_o_proj_and_attn_res_matches_reference
     monkeypatch.setenv("KIMI_DECODE_FUSED_O_RES", "0")
     s = shard("k3", tp=tp)
     lw, res, state = layer_case(s, 1, 1, seed=4400 + tp, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch, env", [(4, {}), (8, {"KIMI_DECODE_TC_PLAIN": "1"}),
+                                        (16, {"KIMI_DECODE_TC_PLAIN": "1"}),
+                                        (32, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "64"})])
+def test_specialized_layer_with_tensor_core_projections_matches_reference(monkeypatch, tp, batch, env):
+    """The layer with every plain projection on the tensor-core kernel too (the A/B switch), and the tail on it past
+    its default row range (staged activations at 32 rows); at batch 4 the switch-over row count by default."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=7000 + tp + batch, device="cuda")
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)

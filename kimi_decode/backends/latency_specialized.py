@@ -1,9 +1,11 @@
 """The latency-specialized decode path (part 1): CuTe DSL kernels for KDA layers and the latent MoE block.
 
 What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
-- every bf16 projection of a KDA layer and of the MoE block at batch <= 8: the small-batch CUDA-core GEMV
-  (`kernels/gemv.py`), with the latent up-projection accumulating straight into the fp32 residual and, at batch 1,
-  the shared experts' SiTU-GLU in their gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel);
+- every bf16 projection of a KDA layer and of the MoE block at batch <= 64: below TC_MIN_ROWS rows the small-batch
+  CUDA-core GEMV (`kernels/gemv.py`), from there the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over
+  the tokens, split-K with the last CTA of each row group adding the splits), both with the latent up-projection
+  accumulating straight into the fp32 residual; at batch 1 the shared experts' SiTU-GLU in their gate/up GEMV's
+  epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel); `KIMI_DECODE_TC_MIN_ROWS=N` moves the switch-over (A/B);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
   `kernels/kda_decode.py`; above batch 8 on the generic path's projections);
   with `KIMI_DECODE_FUSED_GATE=1` also the decay gate's low-rank up-projection f_b (one GEMV kernel fewer, slower
@@ -14,12 +16,11 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
   registers (`kernels/moe_mxfp4.py`); above batch 8 the pairs are sorted by expert (the generic path's alignment
-  kernel) and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`),
-  the latent down-projection before them being the generic path's;
-- the MoE tail: one GEMV over bf16(routed sum x norm weight), which the expert kernel writes beside the partial
-  sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in its
-  epilogue; with a cross-rank all-reduce of the routed sum in between, the RMSNorm runs as its own kernel
-  (`kernels/rmsnorm.py`);
+  kernel) and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`);
+- the MoE tail: up to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes
+  beside the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the
+  residual in its epilogue; above batch 8 (the grouped experts) or with a cross-rank all-reduce of the routed sum
+  in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`) before the projection;
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so they run on streams of
   their own beside the latent down-projection (a fork and join in the CUDA graph); the experts wait for the router
   branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0` runs them in order on one stream (for A/B timing);
@@ -33,9 +34,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
-It falls back to `auto`, logging the reason once per reason: MLA layers (attention), the projections and the
-MoE tail at batches over 8 (no tensor-core CuTe projection kernel yet), everything but AttnRes at batches over 64, no
-CUDA device or no cutlass-dsl.
+It falls back to `auto`, logging the reason once per reason: MLA layers (attention), everything but AttnRes at
+batches over 64, no CUDA device or no cutlass-dsl.
 """
 from __future__ import annotations
 
@@ -54,7 +54,15 @@ from .auto import BF16, AutoBackend
 
 log = logging.getLogger(__name__)
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 8  # the per-(token, expert) expert kernels and the fused MoE-tail norm up to here; grouped above
+FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and the rest of this class up to here
+# Projections by rows (benchmarks/NOTES.md, v10): below TC_MIN_ROWS the CUDA-core GEMV; from there the plain ones
+# on cuBLAS, as `auto` (its pipelined split-K GEMM streamed 2.7-3.3 TB/s from 4 rows on, our tensor-core kernel
+# 2.1-2.4 TB/s; KIMI_DECODE_TC_PLAIN=1 runs them on ours up to TC_MAX_ROWS, for A/B), and the MoE tail, whose
+# RMSNorm scale, residual accumulate and shared-expert add cuBLAS would need four more kernels for, on the tensor-core
+# kernel up to TC_MAX_ROWS rows (at 32 rows it is 2.9x slower than cuBLAS: the generic tail there).
+TC_MIN_ROWS = 4
+TC_MAX_ROWS = 16
 # L2 prefetch per streaming projection, in MB: off by default, since on the H200 12 / 24 / 40 MB made the TP16 batch-1
 # KDA layer 1.1 / 3.3 / 5.9 us slower (benchmarks/NOTES.md, v6); KIMI_DECODE_PREFETCH_MB turns it on
 PREFETCH_MB = 0
@@ -68,6 +76,8 @@ KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch 
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
 COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
+# the tensor-core projection's counters (one per row group), one set per stream it may run on at the same time
+TC_COUNTERS = 1024
 
 
 class LatencySpecializedBackend(AutoBackend):
@@ -94,6 +104,9 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
         self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
         self._pending_o = None  # (o, W, a) of that projection, a its output, until the AttnRes call
+        self._tc_rows = (int(os.environ.get("KIMI_DECODE_TC_MIN_ROWS", TC_MIN_ROWS)),
+                         int(os.environ.get("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS)))
+        self._tc_plain = os.environ.get("KIMI_DECODE_TC_PLAIN", "0") == "1"  # plain projections on tensor cores too
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._counters: dict[tuple, torch.Tensor] = {}  # self-resetting completion counters of last-CTA kernels
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
@@ -105,6 +118,8 @@ class LatencySpecializedBackend(AutoBackend):
                 self._stream(name, device)
             for name in COUNTERS:
                 self._counter(name, device)
+            for name in ("main", *BRANCHES):
+                self._counter(f"tc.{name}", device, TC_COUNTERS)
 
     @staticmethod
     def _fallback(reason: str) -> None:
@@ -118,10 +133,9 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback("cutlass-dsl is not installed")
         elif not lw.attn_res.query.is_cuda:
             self._fallback("no CUDA device")
-        small = batch <= GEMV_MAX_ROWS
+        small = batch <= FAST_MAX_ROWS
         if device_ok and not small:
-            self._fallback(f"batch {batch} > {GEMV_MAX_ROWS}: the projections and the MoE tail run auto (the "
-                           "tensor-core projection kernel is not written yet)")
+            self._fallback(f"batch {batch} > {FAST_MAX_ROWS}: everything but AttnRes runs auto")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
         self._res_fast = device_ok and self._cute_attn_res
@@ -138,7 +152,7 @@ class LatencySpecializedBackend(AutoBackend):
                                "kernels index with 32 bits")
                 self._experts_fast = self._mlp_fast = False  # the MoE tail then needs no partial sums
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
-        self._fused_norm = self._mlp_fast and not reduced
+        self._fused_norm = self._mlp_fast and not reduced and batch <= GEMV_MAX_ROWS
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
                             and not reduced)
@@ -154,13 +168,37 @@ class LatencySpecializedBackend(AutoBackend):
             self._streams[key] = torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
         return self._streams[key]
 
-    def _counter(self, name: str, device: torch.device) -> torch.Tensor:
-        """The completion counter of one last-CTA kernel site: one int32, 0 between launches (the kernel's last CTA
-        resets it). Made when the backend is built, like the streams, so nothing is allocated inside a capture."""
+    def _counter(self, name: str, device: torch.device, n: int = 1) -> torch.Tensor:
+        """The completion counters of one last-CTA kernel site: `n` int32, 0 between launches (the kernel's last CTAs
+        reset them). Made when the backend is built, like the streams, so nothing is allocated inside a capture."""
         key = (device, name)
         if key not in self._counters:
-            self._counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+            self._counters[key] = torch.zeros(n, dtype=torch.int32, device=device)
         return self._counters[key]
+
+    def _tc_counters(self, device: torch.device) -> torch.Tensor:
+        """The tensor-core projection's counters for the stream in use: kernels on one stream run one after another
+        and share a set; the branches' streams, which run beside the main one, have their own."""
+        current = torch.cuda.current_stream(device)
+        for name in BRANCHES:
+            if self._streams.get((device, name)) == current:
+                return self._counter(f"tc.{name}", device, TC_COUNTERS)
+        return self._counter("tc.main", device, TC_COUNTERS)
+
+    def _cute_rows(self, rows: int) -> bool:
+        """Whether the MoE tail's projection of `rows` tokens runs on our kernels (else the generic tail)."""
+        return rows <= self._tc_rows[1]
+
+    def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, **epilogue) -> torch.Tensor:
+        """y = x @ w.T (or `gemv`'s accumulating forms) for up to TC_MAX_ROWS rows: the CUDA-core GEMV below
+        TC_MIN_ROWS rows, else tensor cores."""
+        if x.shape[0] < self._tc_rows[0]:
+            from ..kernels.gemv import gemv
+
+            return gemv(w, x, y, **epilogue)
+        from ..kernels.gemm_tc import project
+
+        return project(w, x, y, self._tc_counters(x.device), **epilogue)
 
     @contextlib.contextmanager
     def branch(self, name: str, *inputs: torch.Tensor):
@@ -189,10 +227,12 @@ class LatencySpecializedBackend(AutoBackend):
             t.record_stream(main)
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16) -> torch.Tensor:
-        from ..kernels.gemv import gemv
-
-        y = self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device)
-        return gemv(w, x, y)
+        """A plain projection (bf16 or fp32 out): the GEMV below TC_MIN_ROWS rows, else cuBLAS (see TC_MIN_ROWS)."""
+        rows = x.shape[0]
+        if rows >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(rows)):
+            # cuBLAS, fp32 accumulation (and output, for the router's logits)
+            return torch.mm(x, w.T, out_dtype=dtype) if dtype != BF16 else self.linear(x, w)
+        return self._project(w, x, self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device))
 
     def _prefetch(self, w: torch.Tensor) -> None:
         """Ask L2 for the first bytes of `w` (the weights of a streaming projection to come) on a stream beside the
@@ -244,8 +284,8 @@ class LatencySpecializedBackend(AutoBackend):
         from ..kernels.kda_decode import kda_decode
 
         m = shard.model
-        if self._mlp_fast:  # KDA core, output projection and AttnRes: latency-bound; the latent GEMV comes next
-            self._prefetch(self._lw.mlp.down)
+        if self._mlp_fast and y.shape[0] <= GEMV_MAX_ROWS:  # KDA core, output projection and AttnRes:
+            self._prefetch(self._lw.mlp.down)  # latency-bound; the latent projection comes next
         out = self._empty(y.shape[0], shard.kda_dim, device=y.device)
         fused = f is None  # from our kda_in_proj: the kernel applies f_b to y's f_a columns
         return kda_decode(y, w.f_b if fused else f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent,
@@ -322,16 +362,15 @@ class LatencySpecializedBackend(AutoBackend):
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
-        if not self._mlp_fast:
+        if not (self._mlp_fast and self._cute_rows(routed.shape[0])):
             return super().moe_tail(routed, shared, w, res, shard)
-        from ..kernels.gemv import gemv
         from ..kernels.rmsnorm import rmsnorm_rows
 
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
-            gemv(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
-                 row_scale=(self._ssq, shard.model.rms_eps))
+            self._project(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
+                          row_scale=(self._ssq, shard.model.rms_eps))
             self._scaled = self._ssq = None
             return
         normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
                               shard.model.rms_eps)
-        gemv(w.up, normed, res.partial, accumulate=True, addend=shared)
+        self._project(w.up, normed, res.partial, accumulate=True, addend=shared)

@@ -115,28 +115,30 @@ if HAVE_CUTE:
         if pdl:
             cute.arch.griddepcontrol_wait()
 
-    def _atomic_add_u32(counter, value: int):
-        """atom.global.add.u32 on `counter`'s first element; returns the old value."""
+    def _atomic_add_u32(counter, value: int, index=0):
+        """atom.global.add.u32 on `counter`'s element `index`; returns the old value."""
+        ptr = counter.iterator if isinstance(index, int) and index == 0 else counter.iterator + index
         return cutlass.Int32(_llvm.inline_asm(
-            cutlass.Int32.mlir_type, [counter.iterator.toint().ir_value(), cutlass.Int32(value).ir_value()],
+            cutlass.Int32.mlir_type, [ptr.toint().ir_value(), cutlass.Int32(value).ir_value()],
             "atom.global.add.u32 $0, [$1], $2;", "=r,l,r", has_side_effects=True, is_align_stack=False,
             asm_dialect=_llvm.AsmDialect.AD_ATT))
 
     @cute.jit
-    def last_cta(counter: cute.Tensor, flag: cute.Tensor, tidx, n_ctas):
+    def last_cta(counter: cute.Tensor, flag: cute.Tensor, tidx, n_ctas, index=0):
         """Called by every thread of every CTA once its results are stored: 1 in the CTA that finishes last (which may
-        then read what all the others wrote), else 0. `counter` is one int32 in global memory that is 0 at launch;
-        the last CTA sets it back to 0, so a kernel in a CUDA graph replays without a memset. `flag` is one int32 of
+        then read what all the others wrote), else 0. `counter[index]` is an int32 in global memory that is 0 at
+        launch and that `n_ctas` CTAs count on (several groups of CTAs may each have their own, `index` being the
+        group's); the last CTA sets it back to 0, so a kernel in a CUDA graph replays without a memset. `flag` is one int32 of
         shared memory. The ordering is the grid-sync one: CTA barrier, a gpu-scope fence and the atomic by one
         thread, a barrier, and a fence in every thread of the last CTA before it reads."""
         cute.arch.barrier()
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
-            old = _atomic_add_u32(counter, 1)
+            old = _atomic_add_u32(counter, 1, index)
             last = cutlass.Int32(0)
             if old == n_ctas - 1:
                 last = cutlass.Int32(1)
-                counter[0] = cutlass.Int32(0)
+                counter[index] = cutlass.Int32(0)
             flag[0] = last
         cute.arch.barrier()
         is_last = flag[0]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 NAMESPACE = "kimi_decode"
 AUTO, SPECIALIZED = "auto", "latency_specialized"
 DECODE_BACKENDS = (AUTO, SPECIALIZED)
-# Our projection kernels cover batch <= 8 (kimi_decode.backends.latency_specialized.GEMV_MAX_ROWS; the expert kernels
-# go to 64, the rest runs auto above 8).
+# Our kernels cover every batch up to 64 (kimi_decode.backends.latency_specialized.FAST_MAX_ROWS); the executor
+# prepares the small sizes by default, each one a CUDA-graph capture of its own.
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 MAX_BATCH = 64  # kimi_decode.slice.MAX_BATCH: our static buffers
 KNOWN_KEYS = {"decode_backend", "batch_sizes"}

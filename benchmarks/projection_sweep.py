@@ -1,0 +1,91 @@
+"""Per-projection time of cuBLAS, the small-batch GEMV and the tensor-core projection, cold L2, by rows.
+
+    python benchmarks/projection_sweep.py --tp 16 8 --rows 1 2 4 8 16 64
+
+Each variant runs as a CUDA graph of back-to-back launches over rotated weight copies (more bytes than L2 holds), 20
+replays, the median per launch; bytes are the weights plus x and y; TB/s against the 4.3 TB/s HBM floor.
+"""
+import argparse
+import json
+import statistics
+
+import torch
+
+from kimi_decode.config import shard
+from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
+from kimi_decode.kernels.gemv import MAX_ROWS as GEMV_ROWS, gemv
+from kimi_decode.testing import projection_shapes
+
+NAMES = ["in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down"]
+
+p = argparse.ArgumentParser()
+p.add_argument("--tp", type=int, nargs="+", default=[16, 8])
+p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+p.add_argument("--plans", type=int, nargs="*", default=[8, 64], help="rows at which other tilings are timed too")
+p.add_argument("--replays", type=int, default=20)
+p.add_argument("--json")
+a = p.parse_args()
+dev = torch.device("cuda")
+counters = torch.zeros(1024, dtype=torch.int32, device=dev)
+
+
+def timed(fn, copies):
+    """us per launch: a graph of launches over all copies (twice), median of the replays."""
+    fn(0)
+    torch.cuda.synchronize()
+    n = 2 * copies
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            fn(i % copies)
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(a.replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / n)
+    return statistics.median(times)
+
+
+rows_out = []
+print(f"{'tp':>3} {'projection':>15} {'N':>5} {'K':>5} {'rows':>4} {'MB':>6}  variant                       us    TB/s")
+for tp in a.tp:
+    for name, (N, K) in zip(NAMES, projection_shapes(shard("k3", tp=tp))):
+        wbytes = N * K * 2
+        copies = max(2, min(16, -(-256 * 2**20 // wbytes)))
+        ws = [torch.randn(N, K, device=dev).bfloat16() for _ in range(copies)]
+        for M in a.rows:
+            x = torch.randn(M, K, device=dev).bfloat16()
+            y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            nbytes = wbytes + x.numel() * 2 + y.numel() * 2
+            variants = [("cublas", lambda i: torch.matmul(x, ws[i].T, out=y))]
+            if M <= GEMV_ROWS:
+                variants.append(("gemv", lambda i: gemv(ws[i], x, y)))
+            if M >= 2:
+                best = plan_for(M, N, K)
+                variants.append((f"tc w{best.warps} s{best.splits} (plan)", lambda i, pl=best: project(ws[i], x, y, counters, plan=pl)))
+                if M in a.plans:
+                    for warps in (4, 8):
+                        for splits in sorted({max(1, best.splits // 2), best.splits * 2, best.splits + 1}):
+                            pl = Plan(M, N, K, warps, splits)
+                            if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:
+                                continue
+                            variants.append((f"tc w{warps} s{pl.splits}", lambda i, pl=pl: project(ws[i], x, y, counters, plan=pl)))
+            for label, fn in variants:
+                try:
+                    us = timed(fn, copies)
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not launch is reported, not fatal
+                    print(f"{tp:>3} {name:>15} {N:>5} {K:>5} {M:>4}  {label}: failed: {exc}")
+                    continue
+                rows_out.append(dict(tp=tp, projection=name, N=N, K=K, rows=M, variant=label, us=round(us, 2),
+                                     tbps=round(nbytes / us / 1e6, 3)))
+                print(f"{tp:>3} {name:>15} {N:>5} {K:>5} {M:>4} {wbytes / 1e6:6.1f}  {label:26s} {us:7.2f} {nbytes / us / 1e6:7.2f}")
+        del ws
+        torch.cuda.empty_cache()
+if a.json:
+    with open(a.json, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)

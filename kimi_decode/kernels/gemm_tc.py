@@ -1,0 +1,381 @@
+"""Projection for batches of 2 to 64 rows on tensor cores: y[m, n] = sum_k x[m, k] * W[n, k], bf16 in, fp32 accumulate.
+
+Decode projections are weight streams: the bytes of W are what costs, and at a few tokens the small-batch GEMV
+(`gemv.py`) turns every weight into a float and multiplies it once per token on CUDA cores, which from about 4 rows
+on costs more than the bytes. Here the multiplications run as `mma.sync m16n8k16` (bf16 operands, fp32
+accumulators) with the weight rows as the 16-row A operand and the tokens as the 8 columns of B, so a warp's 16 rows
+serve up to 64 tokens in 8 column tiles.
+
+Work split: a CTA takes `warps` x 32 weight rows (each warp two 16-row tiles) and one K slice (split-K, so that the
+few rows of the smaller projections still fill the GPU in one wave). It first stages the slice of all tokens' x in
+shared memory (rows padded so the 16-byte reads of one quarter-warp fall in distinct banks), then streams its
+weights from global memory with 16-byte loads: lane (g, t) = (lane // 4, lane % 4) loads words t of a 32-wide K
+chunk for rows g and g + 8, i.e. weights 8t..8t+7, and reads the same 8 activations of token g from shared memory.
+The mma k-slots are assigned so that those pair up (the dot product does not care about the order of k), as in the
+MXFP4 expert kernels. Each CTA writes its partial sums to an fp32 workspace [splits, N, 8 * tiles]; the CTA of a row
+group that finishes last (`cute_common.last_cta`, a completion counter per row group that resets itself) adds the
+splits in a fixed order, so the result does not depend on which CTA finishes first, and runs the epilogue of
+`gemv.py`: store y (bf16 or fp32), or add into an fp32 y with an optional bf16 addend, optionally scaling row m by
+an RMSNorm's 1/rms from partial sums of squares.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+
+MIN_ROWS, MAX_ROWS = 2, 64
+CHUNK = 32  # K per mma step pair (16 int32 words: 4 lanes x 16 bytes per row)
+SMEM_LIMIT = 200 * 1024  # bytes of staged activations per CTA
+DEFAULT_SMS = 132  # H100 / H200; the plan for a GPU in use takes its own count
+# per SM (sm_90): shared memory (with the 1 KB each CTA reserves), registers, threads
+SM_SMEM, SM_REGS, SM_THREADS = 228 * 1024, 65536, 2048
+WARPS_ENOUGH = 16  # resident warps per SM past which more do not stream faster (each keeps ~4 KB of loads in flight)
+PARTIALS_LIMIT = 0.25  # workspace bytes (written and read back, L2-resident) at most this share of the weight bytes
+DIRECT_TILES = 2
+PIPE = 3  # K chunks of weight loads in flight per warp (direct mode): 3 x 2 KB per warp
+GROUP_PARTIALS_LIMIT = 128 * 1024  # bytes of partial sums the last CTA of a row group reads back (its serial tail)
+
+if HAVE_CUTE:
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    from .cute_common import last_cta
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c):
+        """One m16n8k16 bf16 mma with fp32 accumulators: a0..a3 / b0, b1 the int32 words of the A / B fragments,
+        c the 4 accumulator values; returns the 4 new ones."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+            [Int32(v).ir_value() for v in (a0, a1, a2, a3, b0, b1)] + [Float32(v).ir_value() for v in c],
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9},"
+            " {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return [Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4)]
+
+    @cute.jit
+    def _load(tile: cute.Tensor):
+        r = cute.make_rmem_tensor_like(tile)
+        cute.autovec_copy(tile, r)
+        return r
+
+    class TensorCoreProjection:
+        def __init__(self, plan: "Plan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
+            self.p = plan
+            self.accumulate, self.addend, self.scaled, self.parts, self.eps = accumulate, addend, scaled, parts, eps
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                     mWs: cute.Tensor, mCnt: cute.Tensor, stream):
+            p = self.p
+            gW = cute.zipped_divide(mW, (1, 4))  # 16-byte vectors of int32 pairs of bf16: ((1,4), (N, K/8))
+            gX = cute.zipped_divide(mX, (1, 4))
+            gWs = cute.zipped_divide(mWs, (1, 1, 4))
+            self.kernel(gW, gX, mY, mAdd, mSsq, mWs, gWs, mCnt).launch(
+                grid=[p.groups, p.splits, 1], block=[32 * p.warps, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                   mWs: cute.Tensor, gWs: cute.Tensor, mCnt: cute.Tensor):
+            p = self.p
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, bs, _ = cute.arch.block_idx()
+            warp = tidx // 32
+            lane = tidx % 32
+            g = lane // 4
+            t = lane % 4
+            smem = cutlass.utils.SmemAllocator()
+            rs = smem.allocate_tensor(Float32, cute.make_layout(p.cols), 16)
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            vecs = p.per_split * 4  # 16-byte vectors of one token's K slice
+            v0 = bs * vecs
+            nch = Int32(p.per_split)
+            if p.chunks - bs * p.per_split < nch:
+                nch = p.chunks - bs * p.per_split
+            gS = gX
+            toks = []
+            if cutlass.const_expr(p.direct):  # x straight from global memory (L1): token g of each column tile
+                for nt in cutlass.range_constexpr(p.tiles):
+                    tok = nt * 8 + g
+                    if tok >= p.M:  # a column past M: any token, the column is not stored
+                        tok = Int32(p.M - 1)
+                    toks.append(tok)
+            else:  # this split's K slice of every token's x -> shared memory (tokens past M: zeros)
+                sX = smem.allocate_tensor(Int32, cute.make_layout((p.cols, p.stride), stride=(p.stride, 1)), 16)
+                gS = cute.zipped_divide(sX, (1, 4))
+                for i in cutlass.range(tidx, p.cols * vecs, 32 * p.warps, unroll=4):
+                    m = i // vecs
+                    j = i % vecs
+                    r = cute.make_rmem_tensor((4,), Int32)
+                    r.fill(0)
+                    if m < p.M:
+                        if j < nch * 4:
+                            cute.autovec_copy(gX[(None, (m, v0 + j))], r)
+                    cute.autovec_copy(r, gS[(None, (m, j))])
+                cute.arch.barrier()
+
+            row0 = bx * (32 * p.warps) + warp * 32
+            # the warp's two 16-row tiles; a tile past N reads the last one and stores nothing
+            base0 = row0
+            if base0 >= p.N:
+                base0 = Int32(p.N - 16)
+            base1 = row0 + 16
+            if base1 >= p.N:
+                base1 = Int32(p.N - 16)
+            base = [base0, base1]
+            acc = cute.make_rmem_tensor((2 * p.tiles * 4,), Float32)
+            acc.fill(0.0)
+            rows = [base[q // 2] + (q % 2) * 8 + g for q in range(4)]  # rows g, g + 8 of each tile
+            if cutlass.const_expr(p.direct):
+                # PIPE chunks of loads in flight per warp, in register slots used round-robin: the loop steps PIPE
+                # chunks at a time, so every slot index is a constant (no local memory)
+                wb = [[cute.make_rmem_tensor((4,), Int32) for q in range(4)] for d in range(PIPE)]
+                xb = [[cute.make_rmem_tensor((4,), Int32) for nt in range(p.tiles)] for d in range(PIPE)]
+                for d in cutlass.range_constexpr(PIPE):
+                    if d < nch:
+                        self.fetch(gW, gX, rows, toks, v0 + d * 4 + t, wb[d], xb[d])
+                for c0 in cutlass.range(0, nch, PIPE):
+                    for d in cutlass.range_constexpr(PIPE):
+                        if c0 + d < nch:
+                            self.multiply(acc, wb[d], xb[d])
+                            if c0 + d + PIPE < nch:
+                                self.fetch(gW, gX, rows, toks, v0 + (c0 + d + PIPE) * 4 + t, wb[d], xb[d])
+            else:
+                for c in cutlass.range(nch, unroll=4):
+                    kv = v0 + c * 4 + t
+                    wv = [_load(gW[(None, (rows[q], kv))]) for q in range(4)]
+                    xv = [_load(gS[(None, (nt * 8 + g, c * 4 + t))]) for nt in range(p.tiles)]
+                    self.multiply(acc, wv, xv)
+            # partial sums -> workspace [split, row, token]: (row g, tokens 2t, 2t + 1) and (row g + 8, ...)
+            for q in cutlass.range_constexpr(2):
+                if row0 + 16 * q < p.N:
+                    for nt in cutlass.range_constexpr(p.tiles):
+                        a = (q * p.tiles + nt) * 4
+                        col = nt * 8 + 2 * t
+                        mWs[bs, base[q] + g, col] = acc[a]
+                        mWs[bs, base[q] + g, col + 1] = acc[a + 1]
+                        mWs[bs, base[q] + g + 8, col] = acc[a + 2]
+                        mWs[bs, base[q] + g + 8, col + 1] = acc[a + 3]
+            is_last = Int32(1)
+            if cutlass.const_expr(p.splits > 1):
+                is_last = last_cta(mCnt, flag, tidx, p.splits, bx)
+            else:
+                cute.arch.barrier()
+            if is_last != 0:
+                self.finish(mY, mAdd, mSsq, gWs, rs, bx, tidx, warp, lane)
+
+        @staticmethod
+        def fetch(gW, gX, rows, toks, kv, wb, xb):
+            """The 16-byte vectors `kv` of the warp's four weight rows and of its tokens' x, into registers."""
+            for q in range(4):
+                cute.autovec_copy(gW[(None, (rows[q], kv))], wb[q])
+            for nt in range(len(toks)):
+                cute.autovec_copy(gX[(None, (toks[nt], kv))], xb[nt])
+
+        def multiply(self, acc, wv, xv):
+            """One K chunk: for each column tile and 16-row tile, two mma (weights 8t..8t+7 of rows g, g + 8 against
+            the same activations of token g)."""
+            for nt in range(self.p.tiles):
+                for q in range(2):
+                    lo, hi = wv[2 * q], wv[2 * q + 1]
+                    a = (q * self.p.tiles + nt) * 4
+                    d = mma_bf16(lo[0], hi[0], lo[1], hi[1], xv[nt][0], xv[nt][1], [acc[a + i] for i in range(4)])
+                    d = mma_bf16(lo[2], hi[2], lo[3], hi[3], xv[nt][2], xv[nt][3], d)
+                    for i in range(4):
+                        acc[a + i] = d[i]
+
+        @cute.jit
+        def finish(self, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor, gWs: cute.Tensor, rs: cute.Tensor,
+                   bx: Int32, tidx: Int32, warp: Int32, lane: Int32):
+            """The row group's epilogue, one weight row per thread: the splits' sums in order, then the store."""
+            p = self.p
+            if cutlass.const_expr(self.scaled):
+                for m in cutlass.range(warp, p.M, p.warps):
+                    ssq = Float32(0.0)
+                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
+                        if lane + 32 * i < self.parts:
+                            ssq = ssq + mSsq[m, lane + 32 * i]
+                    ssq = cute.arch.warp_reduction(ssq, lambda a, b: a + b)
+                    if lane == 0:
+                        rs[m] = cute.math.rsqrt(ssq / Float32(p.K) + Float32(self.eps))
+                cute.arch.barrier()
+            n = bx * (32 * p.warps) + tidx
+            if n < p.N:
+                for j in cutlass.range_constexpr(-(-p.M // 4)):
+                    tot = cute.make_rmem_tensor((4,), Float32)
+                    tot.fill(0.0)
+                    for s in cutlass.range_constexpr(p.splits):  # unrolled: all the loads in flight at once
+                        v = _load(gWs[(None, (s, n, j))])
+                        for i in cutlass.range_constexpr(4):
+                            tot[i] = tot[i] + v[i]
+                    for i in cutlass.range_constexpr(4):
+                        m = j * 4 + i
+                        if cutlass.const_expr(m < p.M):
+                            val = tot[i]
+                            if cutlass.const_expr(self.scaled):
+                                val = val * rs[m]
+                            if cutlass.const_expr(self.accumulate):
+                                if cutlass.const_expr(self.addend):
+                                    mY[m, n] = mY[m, n] + val + mAdd[m, n].to(Float32)
+                                else:
+                                    mY[m, n] = mY[m, n] + val
+                            else:
+                                mY[m, n] = val.to(mY.element_type)
+
+
+def _stride(per_split: int) -> int:
+    """int32 words per staged token row: ≡ 64 bytes mod 128, so tokens g and g + 1 of a quarter-warp's 16-byte reads
+    hit different banks."""
+    words = per_split * CHUNK // 2
+    return words + (16 if per_split % 2 == 0 else 0)
+
+
+class Plan:
+    """Tiling of one projection shape: `warps` x 32 rows per CTA, K in `splits` slices of `per_split` chunks."""
+
+    def __init__(self, M: int, N: int, K: int, warps: int, splits: int):
+        self.M, self.N, self.K, self.warps = M, N, K, warps
+        self.tiles = -(-M // 8)  # mma column tiles of 8 tokens
+        self.cols = 8 * self.tiles
+        self.chunks = K // CHUNK
+        self.per_split = -(-self.chunks // splits)
+        self.splits = -(-self.chunks // self.per_split)  # every split non-empty
+        self.groups = -(-N // (32 * warps))
+        self.stride = _stride(self.per_split)
+        # up to 2 column tiles (16 tokens) each warp reads x straight from global memory (L1 serves the CTA's other
+        # warps); more tokens are staged in shared memory, since every column tile would repeat the global loads
+        self.direct = self.tiles <= DIRECT_TILES
+
+    @property
+    def smem_bytes(self) -> int:
+        return 0 if self.direct else self.cols * self.stride * 4
+
+    @property
+    def ctas(self) -> int:
+        return self.groups * self.splits
+
+    @property
+    def per_sm(self) -> int:
+        """CTAs one SM holds: by shared memory, registers (per thread, per `ptxas -v` on sm_90a: staged about 64 + 8
+        per column tile, 76 / 100 / 126 at 2 / 5 / 8 tiles; direct, with its PIPE slots, 96 / 125 at 1 / 2) and
+        threads."""
+        regs = -(-(64 + (32 if self.direct else 8) * self.tiles) // 8) * 8
+        threads = 32 * self.warps
+        return max(1, min(SM_SMEM // (self.smem_bytes + 1024), SM_REGS // (regs * threads), SM_THREADS // threads))
+
+    @property
+    def partial_bytes(self) -> int:
+        return self.splits * self.N * self.cols * 4 if self.splits > 1 else 0
+
+    def key(self) -> tuple:
+        return (self.M, self.N, self.K, self.warps, self.splits)
+
+
+@functools.lru_cache(maxsize=None)
+def plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> Plan:
+    """The tiling with the most resident warps (up to WARPS_ENOUGH per SM) in one wave, its staged activations within
+    SMEM_LIMIT and its workspace within PARTIALS_LIMIT of the weights and GROUP_PARTIALS_LIMIT per row group (where
+    no tiling meets the last, as at 64 tokens, the one with the smallest row-group tail); among those within 10% of
+    the most warps, the least workspace. A weight stream is as fast as the loads it keeps in flight, which per warp
+    is about the same here."""
+    fits = []
+    for warps in (4, 8):
+        for splits in range(1, K // CHUNK + 1):
+            p = Plan(M, N, K, warps, splits)
+            if p.splits != splits or p.smem_bytes > SMEM_LIMIT or p.ctas > p.per_sm * sms:
+                continue
+            if p.partial_bytes <= PARTIALS_LIMIT * N * K * 2:
+                fits.append(p)
+    if not fits:  # more row groups than one wave holds: no split, the smallest K slice that fits
+        best = Plan(M, N, K, 8, 1)
+        splits = 1
+        while best.smem_bytes > SMEM_LIMIT:
+            splits += 1
+            best = Plan(M, N, K, 8, splits)
+        return best
+    cands = [p for p in fits if p.partial_bytes // p.groups <= GROUP_PARTIALS_LIMIT]
+    if not cands:
+        tail = min(p.partial_bytes // p.groups for p in fits)
+        cands = [p for p in fits if p.partial_bytes // p.groups == tail]
+    warps_of = {id(p): min(p.ctas * p.warps, WARPS_ENOUGH * sms) for p in cands}
+    most = max(warps_of.values())
+    return min((p for p in cands if warps_of[id(p)] >= 0.9 * most), key=lambda p: (p.partial_bytes, p.splits, p.warps))
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    if not MIN_ROWS <= M <= MAX_ROWS:
+        raise ValueError(f"tensor-core projection takes {MIN_ROWS}..{MAX_ROWS} rows, got {M}")
+    if w.shape[1] != K or y.shape != (M, N):
+        raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
+    if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        raise ValueError("W and x must be bf16")
+    if K % CHUNK or N % 16:
+        raise ValueError(f"tensor-core projection needs K a multiple of {CHUNK} and N of 16, got K={K}, N={N}")
+    if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % 8 or x.stride(0) % 8:
+        raise ValueError("rows must be contiguous and 16-byte aligned")
+    if w.storage_offset() % 8 or x.storage_offset() % 8:
+        raise ValueError("W and x must start on a 16-byte boundary")
+    if y.dtype not in (torch.bfloat16, torch.float32) or (accumulate and y.dtype != torch.float32):
+        raise ValueError("y must be bf16 or fp32, and fp32 to accumulate into")
+    if addend is not None and (not accumulate or addend.shape != y.shape or addend.dtype != torch.bfloat16
+                               or addend.stride(1) != 1):
+        raise ValueError("an addend needs accumulate=True and a bf16 tensor shaped like y")
+    if row_scale is not None:
+        ssq = row_scale[0]
+        if ssq.dim() != 2 or ssq.shape[0] != M or ssq.dtype != torch.float32 or not ssq.is_contiguous():
+            raise ValueError("the partial sums of squares must be fp32 [M, parts]")
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous()):
+        raise ValueError("counters must be a contiguous int32 vector")
+
+
+def compile_projection(w, x, y, ws, counters, accumulate: bool = False, addend=None, row_scale=None,
+                       plan: Plan | None = None):
+    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], _sms(w.device))
+    extra = addend if addend is not None else y
+    ssq = row_scale[0] if row_scale is not None else y
+    eps = float(row_scale[1]) if row_scale is not None else 0.0
+    args = (w.view(torch.int32), x.view(torch.int32), y, extra, ssq, ws, counters)
+    key = ("gemm_tc", plan.key(), accumulate, addend is not None, row_scale is not None, eps, *signature(*args))
+    op = TensorCoreProjection(plan, accumulate, addend is not None, row_scale is not None,
+                              ssq.shape[1] if row_scale is not None else 0, eps)
+    return compile_kernel(key, op, *(fake_like(t, align=4 if t is counters else 16) for t in args)), args
+
+
+def workspace(plan: Plan, device) -> torch.Tensor:
+    """The partial sums one launch of `plan` writes: fp32 [splits, N, 8 * tiles]."""
+    return torch.empty(plan.splits, plan.N, plan.cols, dtype=torch.float32, device=device)
+
+
+def project(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, accumulate: bool = False,
+            addend: torch.Tensor | None = None, row_scale: tuple | None = None, plan: Plan | None = None
+            ) -> torch.Tensor:
+    """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, on the current stream; the arguments are those of
+    `gemv.gemv`. `counters`: int32, at least `plan_for(...).groups` long, all 0 (they are left at 0), used by no
+    kernel running at the same time. `plan`: another tiling than `plan_for`'s (benchmarks)."""
+    _check(w, x, y, accumulate, addend, row_scale, counters)
+    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], _sms(w.device))
+    if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
+        raise ValueError(f"plan {plan.key()} is not for this shape")
+    if counters.numel() < plan.groups:
+        raise ValueError(f"tensor-core projection needs {plan.groups} counters, got {counters.numel()}")
+    ws = workspace(plan, w.device)
+    fn, args = compile_projection(w, x, y, ws, counters, accumulate, addend, row_scale, plan)
+    launch(fn, *args, align=lambda t: 4 if t is counters else 16)
+    return y
