@@ -67,14 +67,16 @@ for tp in a.tp:
                 variants.append(("gemv", lambda i: gemv(ws[i], x, y)))
             if M >= 2:
                 best = plan_for(M, N, K)
-                variants.append((f"tc w{best.warps} s{best.splits} (plan)", lambda i, pl=best: project(ws[i], x, y, counters, plan=pl)))
+                variants.append((f"tc w{best.warps} s{best.splits} (plan)",
+                                 lambda i, pl=best: project(ws[i], x, y, counters, plan=pl)))
                 if M in a.plans:
                     for warps in (4, 8):
                         for splits in sorted({max(1, best.splits // 2), best.splits * 2, best.splits + 1}):
                             pl = Plan(M, N, K, warps, splits)
                             if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:
                                 continue
-                            variants.append((f"tc w{warps} s{pl.splits}", lambda i, pl=pl: project(ws[i], x, y, counters, plan=pl)))
+                            variants.append((f"tc w{warps} s{pl.splits}",
+                                             lambda i, pl=pl: project(ws[i], x, y, counters, plan=pl)))
             for label, fn in variants:
                 try:
                     us = timed(fn, copies)
@@ -83,7 +85,8 @@ for tp in a.tp:
                     continue
                 rows_out.append(dict(tp=tp, projection=name, N=N, K=K, rows=M, variant=label, us=round(us, 2),
                                      tbps=round(nbytes / us / 1e6, 3)))
-                print(f"{tp:>3} {name:>15} {N:>5} {K:>5} {M:>4} {wbytes / 1e6:6.1f}  {label:26s} {us:7.2f} {nbytes / us / 1e6:7.2f}")
+                print(f"{tp:>3} {name:>15} {N:>5} {K:>5} {M:>4} {wbytes / 1e6:6.1f}  {label:26s} {us:7.2f} "
+                      f"{nbytes / us / 1e6:7.2f}")
         del ws
         torch.cuda.empty_cache()
 if a.json:

@@ -1,11 +1,14 @@
 """The latency-specialized decode path (part 1): CuTe DSL kernels for KDA layers and the latent MoE block.
 
 What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
-- every bf16 projection of a KDA layer and of the MoE block at batch <= 64: below TC_MIN_ROWS rows the small-batch
-  CUDA-core GEMV (`kernels/gemv.py`), from there the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over
-  the tokens, split-K with the last CTA of each row group adding the splits), both with the latent up-projection
-  accumulating straight into the fp32 residual; at batch 1 the shared experts' SiTU-GLU in their gate/up GEMV's
-  epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel); `KIMI_DECODE_TC_MIN_ROWS=N` moves the switch-over (A/B);
+- every bf16 projection of a KDA layer and of the MoE block at batch <= 64, by rows (TC_MIN_ROWS, TC_MAX_ROWS):
+  below 4 rows the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 4 rows the plain projections on cuBLAS,
+  as `auto` (measured faster than ours there; `KIMI_DECODE_TC_PLAIN=1` runs them on the tensor-core kernel), and
+  the MoE tail up to 16 rows on the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over the tokens, split-K
+  with the last CTA of each row group adding the splits and running the epilogue); the latent up-projection
+  accumulates straight into the fp32 residual; at batch 1 the shared experts' SiTU-GLU in their gate/up GEMV's
+  epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel); `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the
+  switch-overs (A/B);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
   `kernels/kda_decode.py`; above batch 8 on the generic path's projections);
   with `KIMI_DECODE_FUSED_GATE=1` also the decay gate's low-rank up-projection f_b (one GEMV kernel fewer, slower
@@ -19,8 +22,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   kernel) and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`);
 - the MoE tail: up to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes
   beside the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the
-  residual in its epilogue; above batch 8 (the grouped experts) or with a cross-rank all-reduce of the routed sum
-  in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`) before the projection;
+  residual in its epilogue; at batches 9..16 (the grouped experts) or with a cross-rank all-reduce of the routed
+  sum in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`) before the projection; above 16 rows
+  the generic tail;
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so they run on streams of
   their own beside the latent down-projection (a fork and join in the CUDA graph); the experts wait for the router
   branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0` runs them in order on one stream (for A/B timing);

@@ -128,8 +128,8 @@ if HAVE_CUTE:
         """Called by every thread of every CTA once its results are stored: 1 in the CTA that finishes last (which may
         then read what all the others wrote), else 0. `counter[index]` is an int32 in global memory that is 0 at
         launch and that `n_ctas` CTAs count on (several groups of CTAs may each have their own, `index` being the
-        group's); the last CTA sets it back to 0, so a kernel in a CUDA graph replays without a memset. `flag` is one int32 of
-        shared memory. The ordering is the grid-sync one: CTA barrier, a gpu-scope fence and the atomic by one
+        group's); the last CTA sets it back to 0, so a kernel in a CUDA graph replays without a memset. `flag` is one
+        int32 of shared memory. The ordering is the grid-sync one: CTA barrier, a gpu-scope fence and the atomic by one
         thread, a barrier, and a fence in every thread of the last CTA before it reads."""
         cute.arch.barrier()
         if tidx == 0:
