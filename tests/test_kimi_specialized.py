@@ -505,3 +505,54 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a, tp):
         compile_oproj_attn_res(torch.empty(H, K, dtype=torch.bfloat16), torch.empty(2, K, dtype=torch.bfloat16),
                                args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=4,
                                delta_mode=1, eps=1e-5, ctas=132)
+
+
+def _dispatch_spy(monkeypatch, env):
+    """A latency_specialized backend whose projection kernels only record which one was called."""
+    from kimi_decode.kernels import gemm_tc, gemv, rmsnorm
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    calls = []
+    monkeypatch.setattr(gemv, "gemv", lambda w, x, y, **kw: calls.append("gemv") or y)
+    monkeypatch.setattr(gemm_tc, "project", lambda w, x, y, counters, **kw: calls.append("tc") or y)
+    monkeypatch.setattr(rmsnorm, "rmsnorm_rows", lambda x, w, out, eps: out)
+    backend = get_backend("latency_specialized")
+    monkeypatch.setattr(backend, "linear", lambda x, w: calls.append("cublas") or x @ w.T)
+    monkeypatch.setattr(backend, "_tc_counters", lambda device: None)
+    return backend, calls
+
+
+@pytest.mark.parametrize("rows, env, want", [
+    (1, {}, "gemv"), (3, {}, "gemv"), (4, {}, "cublas"), (16, {}, "cublas"), (64, {}, "cublas"),
+    (8, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"), (16, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"),
+    (17, {"KIMI_DECODE_TC_PLAIN": "1"}, "cublas"), (6, {"KIMI_DECODE_TC_MIN_ROWS": "8"}, "gemv"),
+])
+def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
+    """Below 4 rows the GEMV, from there cuBLAS (faster than the tensor-core kernel as measured), which the A/B switch
+    replaces by the tensor-core kernel up to 16 rows."""
+    backend, calls = _dispatch_spy(monkeypatch, env)
+    x, w = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    backend._gemv(x, w)
+    assert calls == [want]
+
+
+@pytest.mark.parametrize("rows, fused_norm, want", [
+    (1, True, ["gemv"]), (8, True, ["tc"]), (12, False, ["tc"]), (16, False, ["tc"]), (17, False, ["cublas"]),
+    (64, False, ["cublas"]),
+])
+def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, want):
+    """The MoE tail on our kernels up to 16 rows (one projection with the norm scale, accumulate and add in its
+    epilogue), the generic tail above."""
+    from types import SimpleNamespace
+
+    backend, calls = _dispatch_spy(monkeypatch, {})
+    backend._mlp_fast, backend._fused_norm = True, fused_norm
+    L, H = 64, 32
+    backend._scaled = torch.zeros(rows, L, dtype=torch.bfloat16)
+    backend._ssq = torch.zeros(rows, L // 16)
+    w = SimpleNamespace(up=torch.zeros(H, L, dtype=torch.bfloat16), latent_norm=torch.ones(L))
+    res = SimpleNamespace(partial=torch.zeros(rows, H))
+    sh = SimpleNamespace(model=SimpleNamespace(rms_eps=1e-5, moe_latent=L))
+    backend.moe_tail(torch.zeros(rows, L), torch.zeros(rows, H, dtype=torch.bfloat16), w, res, sh)
+    assert calls == want
