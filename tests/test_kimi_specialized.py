@@ -199,7 +199,7 @@ def test_tensor_core_projection_refuses_bad_shapes():
                 torch.empty(4, 64), c)
     with pytest.raises(ValueError, match="chain"):
         project(w, torch.empty(4, 128, dtype=torch.bfloat16), torch.empty(4, 64), c)
-    with pytest.raises(ValueError, match="fp32 to accumulate"):
+    with pytest.raises(ValueError, match="fp32 y"):
         project(w, torch.empty(4, 256, dtype=torch.bfloat16), torch.empty(4, 64, dtype=torch.bfloat16), c,
                 accumulate=True)
     with pytest.raises(ValueError, match="16-byte"):

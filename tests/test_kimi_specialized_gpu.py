@@ -213,16 +213,8 @@ def test_tensor_core_projection_row_scale_and_graph_replay(rows):
     from kimi_decode.kernels.gemm_tc import project
 
     g = torch.Generator(device="cuda").manual_seed(950 + rows)
-    m = shard("k3", tp=16).model
-    n, k = m.hidden, m.moe_latent
-    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
-    x = torch.randn(rows, k, device="cuda", generator=g) * (1 + torch.arange(rows, device="cuda").view(-1, 1))
-    norm_w = 1 + 0.1 * torch.randn(k, device="cuda", generator=g)
-    ssq = x.pow(2).view(rows, k // 16, 16).sum(-1)
-    add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
-    xs = (x * norm_w).bfloat16()
+    w, xs, ssq, add, y0, want = _moe_tail_case(rows, g)
     counters = torch.zeros(256, dtype=torch.int32, device="cuda")
-    y0 = torch.randn(rows, n, device="cuda", generator=g)
     y = y0.clone()
     project(w, xs, y, counters, accumulate=True, addend=add, row_scale=(ssq, 1e-5))  # compile outside the capture
     y.copy_(y0)
@@ -232,9 +224,7 @@ def test_tensor_core_projection_row_scale_and_graph_replay(rows):
     y.copy_(y0)
     graph.replay()
     graph.replay()
-    xd = x.double()
-    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
-    assert rel_err(y - y0, 2 * (normed @ w.double().T + add.double())) < BF16_TOL
+    assert rel_err(y - y0, 2 * want) < BF16_TOL
     assert int(counters.abs().sum()) == 0
     wide = torch.randn(rows, 3216, device="cuda", generator=g).bfloat16()
     f_b = torch.randn(768, 128, device="cuda", generator=g).bfloat16()
@@ -299,6 +289,15 @@ def test_gemv_with_row_scale_epilogue_matches_float64(rows):
     from kimi_decode.kernels.gemv import gemv
 
     g = torch.Generator(device="cuda").manual_seed(650 + rows)
+    w, xs, ssq, add, y0, want = _moe_tail_case(rows, g)
+    y = y0.clone()
+    gemv(w, xs, y, accumulate=True, addend=add, row_scale=(ssq, 1e-5))
+    assert rel_err(y - y0, want) < BF16_TOL
+
+
+def _moe_tail_case(rows, g):
+    """The MoE tail's inputs at the TP16 shapes: up-projection W, bf16(x * norm_w) with x's partial sums of squares,
+    the shared experts' output (addend), a residual y0, and the float64 update y - y0 (eps 1e-5)."""
     m = shard("k3", tp=16).model
     n, k = m.hidden, m.moe_latent
     w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
@@ -307,11 +306,9 @@ def test_gemv_with_row_scale_epilogue_matches_float64(rows):
     ssq = x.pow(2).view(rows, k // 16, 16).sum(-1)
     add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     y0 = torch.randn(rows, n, device="cuda", generator=g)
-    y = y0.clone()
-    gemv(w, (x * norm_w).bfloat16(), y, accumulate=True, addend=add, row_scale=(ssq, 1e-5))
     xd = x.double()
     normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
-    assert rel_err(y - y0, normed @ w.double().T + add.double()) < BF16_TOL
+    return w, (x * norm_w).bfloat16(), ssq, add, y0, normed @ w.double().T + add.double()
 
 
 # (n_blocks, commit, delta_mode, use_partial) as decode_layer calls AttnRes (see tests/test_kimi_specialized.py)

@@ -107,6 +107,13 @@ if HAVE_CUTE:
         gate = F(4.0) * cute.math.tanh(g * F(0.25)) / (F(1.0) + cute.math.exp(F(0.0) - g))
         return gate * (F(25.0) * cute.math.tanh(u * F(0.04)))
 
+    @cute.jit
+    def load4(tile: cute.Tensor):
+        """A (small, contiguous) global or shared tile copied into registers, returned as a register tensor."""
+        r = cute.make_rmem_tensor_like(tile)
+        cute.autovec_copy(tile, r)
+        return r
+
     def pdl_launch_dependents(pdl: bool) -> None:
         if pdl:
             cute.arch.griddepcontrol_launch_dependents()

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .gemv import check_epilogue
 
 MIN_ROWS, MAX_ROWS = 2, 64
 CHUNK = 32  # K per mma step pair (16 int32 words: 4 lanes x 16 bytes per row)
@@ -43,7 +44,7 @@ if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from .cute_common import last_cta
+    from .cute_common import last_cta, load4
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c):
         """One m16n8k16 bf16 mma with fp32 accumulators: a0..a3 / b0, b1 the int32 words of the A / B fragments,
@@ -56,12 +57,6 @@ if HAVE_CUTE:
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return [Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4)]
-
-    @cute.jit
-    def _load(tile: cute.Tensor):
-        r = cute.make_rmem_tensor_like(tile)
-        cute.autovec_copy(tile, r)
-        return r
 
     class TensorCoreProjection:
         def __init__(self, plan: "Plan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
@@ -147,8 +142,8 @@ if HAVE_CUTE:
             else:
                 for c in cutlass.range(nch, unroll=4):
                     kv = v0 + c * 4 + t
-                    wv = [_load(gW[(None, (rows[q], kv))]) for q in range(4)]
-                    xv = [_load(gS[(None, (nt * 8 + g, c * 4 + t))]) for nt in range(p.tiles)]
+                    wv = [load4(gW[(None, (rows[q], kv))]) for q in range(4)]
+                    xv = [load4(gS[(None, (nt * 8 + g, c * 4 + t))]) for nt in range(p.tiles)]
                     self.multiply(acc, wv, xv)
             # partial sums -> workspace [split, row, token]: (row g, tokens 2t, 2t + 1) and (row g + 8, ...)
             for q in cutlass.range_constexpr(2):
@@ -209,7 +204,7 @@ if HAVE_CUTE:
                     tot = cute.make_rmem_tensor((4,), Float32)
                     tot.fill(0.0)
                     for s in cutlass.range_constexpr(p.splits):  # unrolled: all the loads in flight at once
-                        v = _load(gWs[(None, (s, n, j))])
+                        v = load4(gWs[(None, (s, n, j))])
                         for i in cutlass.range_constexpr(4):
                             tot[i] = tot[i] + v[i]
                     for i in cutlass.range_constexpr(4):
@@ -332,15 +327,9 @@ def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
         raise ValueError("rows must be contiguous and 16-byte aligned")
     if w.storage_offset() % 8 or x.storage_offset() % 8:
         raise ValueError("W and x must start on a 16-byte boundary")
-    if y.dtype not in (torch.bfloat16, torch.float32) or (accumulate and y.dtype != torch.float32):
-        raise ValueError("y must be bf16 or fp32, and fp32 to accumulate into")
-    if addend is not None and (not accumulate or addend.shape != y.shape or addend.dtype != torch.bfloat16
-                               or addend.stride(1) != 1):
-        raise ValueError("an addend needs accumulate=True and a bf16 tensor shaped like y")
-    if row_scale is not None:
-        ssq = row_scale[0]
-        if ssq.dim() != 2 or ssq.shape[0] != M or ssq.dtype != torch.float32 or not ssq.is_contiguous():
-            raise ValueError("the partial sums of squares must be fp32 [M, parts]")
+    if y.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("y must be bf16 or fp32")
+    check_epilogue(y, accumulate, addend, row_scale)
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous()):
         raise ValueError("counters must be a contiguous int32 vector")
 

@@ -175,6 +175,12 @@ def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, 
         raise ValueError("W and x must be bf16 with K a multiple of 8")
     if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % VEC or x.stride(0) % VEC:
         raise ValueError("rows must be contiguous and 16-byte aligned")
+    check_epilogue(y, accumulate, addend, row_scale)
+
+
+def check_epilogue(y: torch.Tensor, accumulate: bool, addend, row_scale) -> None:
+    """The epilogue arguments both projection kernels take: accumulate into an fp32 y, a bf16 addend shaped like y
+    (with accumulate only), `row_scale=(ssq, eps)` with fp32 partial sums of squares [M, parts]."""
     if accumulate and y.dtype != torch.float32:
         raise ValueError("accumulating into y needs an fp32 y")
     if addend is not None and (not accumulate or addend.shape != y.shape or addend.dtype != torch.bfloat16
@@ -182,7 +188,7 @@ def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, 
         raise ValueError("an addend needs accumulate=True and a bf16 tensor shaped like y")
     if row_scale is not None:
         ssq = row_scale[0]
-        if ssq.dim() != 2 or ssq.shape[0] != M or ssq.dtype != torch.float32 or not ssq.is_contiguous():
+        if ssq.dim() != 2 or ssq.shape[0] != y.shape[0] or ssq.dtype != torch.float32 or not ssq.is_contiguous():
             raise ValueError("the partial sums of squares must be fp32 [M, parts]")
 
 

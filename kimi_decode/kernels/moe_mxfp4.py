@@ -25,7 +25,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_wait, situ_glu
+    from .cute_common import load4, pdl_launch_dependents, pdl_wait, situ_glu
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
 WARPS = 8  # K slices per CTA
@@ -92,12 +92,6 @@ if HAVE_CUTE:
                                        "{\n .reg .b32 t;\n add.u32 t, $1, %d;\n shl.b32 $0, t, 23;\n}" % F16_SHIFT,
                                        "=f,r", has_side_effects=False, is_align_stack=False,
                                        asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    @cute.jit
-    def load4(tile: cute.Tensor):
-        r = cute.make_rmem_tensor_like(tile)
-        cute.autovec_copy(tile, r)
-        return r
 
     class MoEW13Act:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""

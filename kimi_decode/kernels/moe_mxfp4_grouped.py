@@ -26,8 +26,8 @@ ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
-    from .cute_common import situ_glu
-    from .moe_mxfp4 import group_mma_fragment, load4, mx_scale
+    from .cute_common import load4, situ_glu
+    from .moe_mxfp4 import group_mma_fragment, mx_scale
 
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
