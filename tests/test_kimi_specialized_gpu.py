@@ -14,23 +14,32 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_gemv_matches_float64(tp, rows):
+@pytest.mark.parametrize("kernel, rows", [("gemv", 1), ("gemv", 3), ("gemv", 8), ("tc", 2), ("tc", 9), ("tc", 33),
+                                          ("tc", 64)])
+def test_projection_matches_float64(tp, kernel, rows):
+    """The CUDA-core GEMV and the tensor-core projection on every projection shape, stored as bf16 and fp32 and
+    accumulated into fp32 with an addend, against float64 (outputs poisoned); the tensor-core kernel's completion
+    counters are back at 0 after each launch (its split-K row groups reset them)."""
+    from kimi_decode.kernels.gemm_tc import project
     from kimi_decode.kernels.gemv import gemv
 
-    g = torch.Generator(device="cuda").manual_seed(tp * 10 + rows)
+    counters = torch.zeros(256, dtype=torch.int32, device="cuda")
+    run = gemv if kernel == "gemv" else lambda w, x, y, **kw: project(w, x, y, counters, **kw)
+    g = torch.Generator(device="cuda").manual_seed(900 + tp * 100 + rows)
     for n, k in projection_shapes(shard("k3", tp=tp)):
         w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
         x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
         want = x.double() @ w.double().T
         for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-4)):
             y = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
-            gemv(w, x, y)
+            run(w, x, y)
             assert rel_err(y, want) < tol, (n, k, dtype)
         y0 = torch.randn(rows, n, device="cuda", generator=g)
+        add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
         y = y0.clone()
-        gemv(w, x, y, accumulate=True)
-        assert rel_err(y, y0.double() + want) < 1e-4
+        run(w, x, y, accumulate=True, addend=add)
+        assert rel_err(y, y0.double() + want + add.double()) < 1e-4, (n, k)
+        assert int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("tp", [16, 8, 1])
@@ -178,31 +187,6 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same):
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert not act.isnan().any() and not pair_out.isnan().any()
     assert rel_err(out, want) < BF16_TOL
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("rows", [2, 9, 33, 64])
-def test_tensor_core_projection_matches_float64(tp, rows):
-    """Every projection shape, stored as bf16 and fp32 and accumulated into fp32, against float64 (outputs poisoned);
-    the completion counters are back at 0 after each launch (the split-K row groups reset them)."""
-    from kimi_decode.kernels.gemm_tc import plan_for, project
-
-    g = torch.Generator(device="cuda").manual_seed(900 + tp * 100 + rows)
-    counters = torch.zeros(256, dtype=torch.int32, device="cuda")
-    for n, k in projection_shapes(shard("k3", tp=tp)):
-        w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
-        x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
-        want = x.double() @ w.double().T
-        for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-4)):
-            y = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
-            project(w, x, y, counters)
-            assert rel_err(y, want) < tol, (n, k, dtype, plan_for(rows, n, k).key())
-        y0 = torch.randn(rows, n, device="cuda", generator=g)
-        add = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
-        y = y0.clone()
-        project(w, x, y, counters, accumulate=True, addend=add)
-        assert rel_err(y, y0.double() + want + add.double()) < 1e-4, (n, k)
-        assert int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("rows", [4, 17, 64])
