@@ -7,16 +7,21 @@ accumulators) with the weight rows as the 16-row A operand and the tokens as the
 serve up to 64 tokens in 8 column tiles.
 
 Work split: a CTA takes `warps` x 32 weight rows (each warp two 16-row tiles) and one K slice (split-K, so that the
-few rows of the smaller projections still fill the GPU in one wave). It first stages the slice of all tokens' x in
-shared memory (rows padded so the 16-byte reads of one quarter-warp fall in distinct banks), then streams its
-weights from global memory with 16-byte loads: lane (g, t) = (lane // 4, lane % 4) loads words t of a 32-wide K
-chunk for rows g and g + 8, i.e. weights 8t..8t+7, and reads the same 8 activations of token g from shared memory.
-The mma k-slots are assigned so that those pair up (the dot product does not care about the order of k), as in the
-MXFP4 expert kernels. Each CTA writes its partial sums to an fp32 workspace [splits, N, 8 * tiles]; the CTA of a row
+few rows of the smaller projections still fill the GPU in one wave, several CTAs per SM where registers and shared
+memory allow). It streams its weights from global memory with 16-byte loads: lane (g, t) = (lane // 4, lane % 4)
+loads words t of a 32-wide K chunk for rows g and g + 8, i.e. weights 8t..8t+7, and the same 8 activations of token
+g. The mma k-slots are assigned so that those pair up (the dot product does not care about the order of k), as in
+the MXFP4 expert kernels. Up to 16 tokens ("direct") a warp reads x from global memory (the CTA's other warps hit
+L1) and keeps PIPE chunks of loads in flight in register slots; above, the CTA first stages its K slice of all
+tokens' x in shared memory (rows padded so the 16-byte reads of one quarter-warp fall in distinct banks). Each CTA writes its partial sums to an fp32 workspace [splits, N, 8 * tiles]; the CTA of a row
 group that finishes last (`cute_common.last_cta`, a completion counter per row group that resets itself) adds the
 splits in a fixed order, so the result does not depend on which CTA finishes first, and runs the epilogue of
 `gemv.py`: store y (bf16 or fp32), or add into an fp32 y with an optional bf16 addend, optionally scaling row m by
 an RMSNorm's 1/rms from partial sums of squares.
+
+On the H200 (benchmarks/NOTES.md, v10) it streams 2.6-2.8 TB/s on the 46-51 MB projections at 4-8 rows, 5-20% behind
+cuBLAS's pipelined split-K GEMM, and falls further behind from 16 rows; `latency_specialized` therefore runs it
+where its epilogue saves kernels (the MoE tail) and leaves plain projections to cuBLAS.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ DEFAULT_SMS = 132  # H100 / H200; the plan for a GPU in use takes its own count
 SM_SMEM, SM_REGS, SM_THREADS = 228 * 1024, 65536, 2048
 WARPS_ENOUGH = 16  # resident warps per SM past which more do not stream faster (each keeps ~4 KB of loads in flight)
 PARTIALS_LIMIT = 0.25  # workspace bytes (written and read back, L2-resident) at most this share of the weight bytes
-DIRECT_TILES = 2
+DIRECT_TILES = 2  # column tiles (of 8 tokens) up to which x is read from global memory rather than staged
 PIPE = 3  # K chunks of weight loads in flight per warp (direct mode): 3 x 2 KB per warp
 GROUP_PARTIALS_LIMIT = 128 * 1024  # bytes of partial sums the last CTA of a row group reads back (its serial tail)
 
