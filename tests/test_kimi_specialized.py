@@ -370,6 +370,7 @@ def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env
     said = " ".join(r.getMessage() for r in caplog.records)
     assert ("64-bit" in said or "32 bits" in said) == (tp == 1)
     assert (f"batch {batch} > 64" in said) == (batch > 64)
+    assert ("run on cuBLAS" in said) == (4 <= batch <= 64)
 
 
 @needs_cute

@@ -142,6 +142,9 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback(f"batch {batch} > {FAST_MAX_ROWS}: everything but AttnRes runs auto")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
+        if device_ok and small and batch >= self._tc_rows[0] and not self._tc_plain:
+            self._fallback(f"plain projections of {self._tc_rows[0]}..{FAST_MAX_ROWS} rows run on cuBLAS (measured "
+                           "faster than the tensor-core projection; KIMI_DECODE_TC_PLAIN=1 runs ours)")
         self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA
