@@ -193,7 +193,8 @@ class LatencySpecializedBackend(AutoBackend):
         return self._counter("tc.main", device, TC_COUNTERS)
 
     def _cute_rows(self, rows: int) -> bool:
-        """Whether the MoE tail's projection of `rows` tokens runs on our kernels (else the generic tail)."""
+        """Whether a projection of `rows` tokens may run on our kernels: the MoE tail's (else the generic tail), and
+        the plain ones under the A/B switch KIMI_DECODE_TC_PLAIN (else cuBLAS)."""
         return rows <= self._tc_rows[1]
 
     def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, **epilogue) -> torch.Tensor:

@@ -50,6 +50,7 @@ if HAVE_CUTE:
     from cutlass.cutlass_dsl import T
 
     from .cute_common import last_cta, load4
+    from .gemv import store_output
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c):
         """One m16n8k16 bf16 mma with fp32 accumulators: a0..a3 / b0, b1 the int32 words of the A / B fragments,
@@ -218,13 +219,7 @@ if HAVE_CUTE:
                             val = tot[i]
                             if cutlass.const_expr(self.scaled):
                                 val = val * rs[m]
-                            if cutlass.const_expr(self.accumulate):
-                                if cutlass.const_expr(self.addend):
-                                    mY[m, n] = mY[m, n] + val + mAdd[m, n].to(Float32)
-                                else:
-                                    mY[m, n] = mY[m, n] + val
-                            else:
-                                mY[m, n] = val.to(mY.element_type)
+                            store_output(mY, mAdd, m, n, val, self.accumulate, self.addend)
 
 
 def _stride(per_split: int) -> int:

@@ -26,6 +26,17 @@ PREFETCH_ITERS = 4  # loop iterations of weights asked of L2 while waiting for t
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
+    def store_output(mY: cute.Tensor, mAdd: cute.Tensor, m, n, val, accumulate: bool, addend: bool) -> None:
+        """The projections' store of output (m, n), fp32 `val`: y = val in y's dtype, or y += val (+ addend[m, n])
+        into an fp32 y."""
+        if accumulate:
+            if addend:
+                mY[m, n] = mY[m, n] + val + mAdd[m, n].to(Float32)
+            else:
+                mY[m, n] = mY[m, n] + val
+        else:
+            mY[m, n] = val.to(mY.element_type)
+
     class SmallBatchGemv:
         """`scaled`: each output row m is multiplied by rsqrt(ssq[m].sum() / K + eps), the sum of squares of an
         RMSNorm's input coming as partial sums `ssq` [M, parts] from the kernel that produced x (which also applied
@@ -143,13 +154,7 @@ if HAVE_CUTE:
                         acc[m] = situ_glu(acc[m], acc_up[m])
                     if cutlass.const_expr(self.scaled):
                         acc[m] = acc[m] * rstd[m]
-                    if cutlass.const_expr(self.accumulate):
-                        if cutlass.const_expr(self.addend):
-                            mY[m, n] = mY[m, n] + acc[m] + mAdd[m, n].to(Float32)
-                        else:
-                            mY[m, n] = mY[m, n] + acc[m]
-                    else:
-                        mY[m, n] = acc[m].to(mY.element_type)
+                    store_output(mY, mAdd, m, n, acc[m], self.accumulate, self.addend)
 
 
 def split_for(N: int, K: int) -> int:
