@@ -10,7 +10,8 @@
 # its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1), tcplain (latency_specialized with KIMI_DECODE_TC_PLAIN=1, batch 8 and 16), router
 # (latency_specialized at batch 1 with KIMI_DECODE_FUSED_ROUTER=0: router GEMV and top-k as two kernels), ores (the same
 # with KIMI_DECODE_FUSED_O_RES=0: output projection and AttnRes as two kernels), numerics-new
-# (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`).
+# (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`), experts (benchmarks/expert_sweep.py),
+# ncu-experts (ncu sections of the grouped expert kernels at TP16 batch 64).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -48,7 +49,7 @@ for name in "$@"; do
     numerics)
       step numerics 330 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
     numerics-new)
-      step numerics-new 200 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py -k "${NEW_TESTS:-router}" ;;
+      step numerics-new ${NEW_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py -k "${NEW_TESTS:-router}" ;;
     router)
       KIMI_DECODE_FUSED_ROUTER=0 bench router 90 bench_router2.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     ores)
@@ -98,6 +99,14 @@ for name in "$@"; do
       KIMI_DECODE_TC_PLAIN=1 bench tcplain 90 bench_tcplain.json --backend latency_specialized --tp 16 8 --batch 8 16 ;;
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    experts)  # the routed-expert kernels alone, grouped CuTe against auto's Triton (benchmarks/expert_sweep.py)
+      step experts 150 python3 benchmarks/expert_sweep.py --tp ${EXPERTS_TP:-16 8} --batch ${EXPERTS_BATCHES:-16 64} \
+        --json "$OUT/experts${EXPERTS_TAG:-}.json" ;;
+    ncu-experts)  # per-kernel metrics of the grouped expert kernels at TP16 batch 64 (one eager launch each)
+      step ncu-experts 150 ncu --clock-control none -k regex:Grouped --launch-count 2 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section InstructionStats \
+        python3 benchmarks/expert_sweep.py --tp 16 --batch 64 --sets 1 --replays 1 --only "grouped w" ;;
     *)
       echo "## unknown step $name" | tee -a "$LOG" ;;
   esac

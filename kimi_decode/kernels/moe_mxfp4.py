@@ -44,26 +44,47 @@ _DEQUANT = """
 # Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
 # (x0,x4) (x1,x5) (x2,x6) (x3,x7), matching the dequantised codes. From bf16 pairs: widen to fp32, round to fp16.
 _B_FROM_BF16 = """
-    shl.b32 f0, $6, 16; and.b32 f1, $6, 0xFFFF0000; shl.b32 f2, $7, 16; and.b32 f3, $7, 0xFFFF0000;
-    shl.b32 f4, $8, 16; and.b32 f5, $8, 0xFFFF0000; shl.b32 f6, $9, 16; and.b32 f7, $9, 0xFFFF0000;
-    cvt.rn.f16x2.f32 b0, f4, f0; cvt.rn.f16x2.f32 b1, f5, f1; cvt.rn.f16x2.f32 b2, f6, f2; cvt.rn.f16x2.f32 b3, f7, f3;
+    shl.b32 f0, {x0}, 16; and.b32 f1, {x0}, 0xFFFF0000; shl.b32 f2, {x1}, 16; and.b32 f3, {x1}, 0xFFFF0000;
+    shl.b32 f4, {x2}, 16; and.b32 f5, {x2}, 0xFFFF0000; shl.b32 f6, {x3}, 16; and.b32 f7, {x3}, 0xFFFF0000;
+    cvt.rn.f16x2.f32 {b0}, f4, f0; cvt.rn.f16x2.f32 {b1}, f5, f1;
+    cvt.rn.f16x2.f32 {b2}, f6, f2; cvt.rn.f16x2.f32 {b3}, f7, f3;
 """
 _B_FROM_F16 = """
-    prmt.b32 b0, $6, $8, 0x5410; prmt.b32 b1, $6, $8, 0x7632; prmt.b32 b2, $7, $9, 0x5410; prmt.b32 b3, $7, $9, 0x7632;
+    prmt.b32 {b0}, {x0}, {x2}, 0x5410; prmt.b32 {b1}, {x0}, {x2}, 0x7632;
+    prmt.b32 {b2}, {x1}, {x3}, 0x5410; prmt.b32 {b3}, {x1}, {x3}, 0x7632;
 """
+
+
+def _b_operands(bf16_activations: bool, x: int, b: str) -> str:
+    """The activation conversion with inputs $x..$x+3 and outputs b+"0".."3" (registers or operand numbers)."""
+    names = {f"x{i}": f"${x + i}" for i in range(4)} | {f"b{i}": f"{b}{i}" for i in range(4)}
+    return (_B_FROM_BF16 if bf16_activations else _B_FROM_F16).format(**names)
+
+
+_MMA_PAIR = (" mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {ha0, hb0, ha1, hb1}, {b0, b1},"
+             " {z, z, z, z};\n"
+             " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {ha2, hb2, ha3, hb3}, {b2, b3},"
+             " {e0, e1, e2, e3};\n}")
+_MMA_REGS = "{\n .reg .b32 t0, t1, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
 
 
 def _group_mma_asm(bf16_activations: bool) -> str:
     """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8, $6..$9 the activations;
     outputs $0..$3 the fp32 accumulator fragment (c0, c1: row g; c2, c3: row g + 8), unscaled."""
-    return ("{\n .reg .b32 t0, t1, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
-            + _DEQUANT.format(w="$4", h="ha") + _DEQUANT.format(w="$5", h="hb")
-            + (_B_FROM_BF16 if bf16_activations else _B_FROM_F16)
-            + " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {ha0, hb0, ha1, hb1}, {b0, b1},"
-              " {z, z, z, z};\n"
-              " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {ha2, hb2, ha3, hb3}, {b2, b3},"
-              " {e0, e1, e2, e3};\n}")
+    return (_MMA_REGS + _DEQUANT.format(w="$4", h="ha") + _DEQUANT.format(w="$5", h="hb")
+            + _b_operands(bf16_activations, 6, "b") + _MMA_PAIR)
 
+
+def _operand_mma_asm() -> str:
+    """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
+    use one activation group against several weight tiles convert it once."""
+    return (_MMA_REGS + _DEQUANT.format(w="$4", h="ha") + _DEQUANT.format(w="$5", h="hb")
+            + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR)
+
+
+def _operands_asm(bf16_activations: bool) -> str:
+    """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm`."""
+    return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
@@ -78,6 +99,23 @@ if HAVE_CUTE:
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(x).ir_value() for x in xs],
             _group_mma_asm(bf16_activations), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False,
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
+
+    def mma_operands(xs, bf16_activations: bool):
+        """One MX group's activations as loaded (four 32-bit words) -> the fp16x2 operands of `operand_mma`."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]), [Int32(x).ir_value() for x in xs],
+            _operands_asm(bf16_activations), "=r,=r,=r,=r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
+
+    def operand_mma(wa, wb, bs):
+        """`group_mma_fragment` on operands from `mma_operands`."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+            [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(b).ir_value() for b in bs],
+            _operand_mma_asm(), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
     def _group_mma(wa, wb, xs, bf16_activations: bool):

@@ -7,11 +7,14 @@ works on one expert segment, up to 8 of its pairs at a time: the 8 columns of th
 operand, which the per-pair kernels fill with one token, here carry 8 different pairs of the same expert. The
 dequantisation (the e2m1 code shifted into an fp16, scale per 32 codes) is the one of `moe_mxfp4.py`.
 
-`moe_w13_grouped`: CTA (row tile of 8 intermediate rows, segment); the 8 warps split K (the latent) and add their
-partial sums through shared memory; SiTU-GLU(h1, h3) -> act [pair, used] fp16. `moe_w2_grouped`: CTA (128 latent
-rows, segment), each warp 16 rows over the whole (short) K = used; -> routing weight x partial output per pair
-[pair, latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not depend on the
-order in which CTAs finish). Segments past the number of distinct experts have length 0 and exit at once.
+`moe_w13_grouped`: CTA (row block of 32 intermediate rows, segment): four mma row tiles (w1 rows j..j+7 in mma
+rows 0-7, the matching w3 rows in 8-15) per warp, the 8 warps splitting K (the latent); each latent group is loaded
+and converted to fp16 operands once for the four tiles. The warps add their partial sums through shared memory, one
+thread per (row, pair) output; SiTU-GLU(h1, h3) -> act [pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows,
+segment), each warp four tiles of 16 rows over the whole (short) K = used, the segment's act operands converted once
+into registers -> routing weight x partial output per pair [pair, latent] fp32, summed over each token's k pairs
+afterwards (no atomics: the result does not depend on the order in which CTAs finish). Segments past the number of
+distinct experts have length 0 and exit at once. (Fewer tiles per warp where the rows do not divide by four.)
 """
 from __future__ import annotations
 
@@ -21,13 +24,20 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, la
 from .moe_mxfp4 import GROUP, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
-ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA
+TILES = 4  # mma row tiles per warp: each activation group is loaded and converted once for all of them
+ROWS2_MIN = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
+
+
+def _tiles(n: int, most: int = TILES) -> int:
+    """The most row tiles per warp (up to `most`) that divide n tiles evenly."""
+    return next(k for k in (4, 2, 1) if k <= most and n % k == 0)
+
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     from .cute_common import load4, situ_glu
-    from .moe_mxfp4 import group_mma_fragment, mx_scale
+    from .moe_mxfp4 import mma_operands, mx_scale, operand_mma
 
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
@@ -36,6 +46,7 @@ if HAVE_CUTE:
             self.I, self.used, self.topk = inter, used, topk
             self.groups = latent // GROUP
             self.per_warp = -(-self.groups // WARPS)
+            self.tiles = _tiles(used // ROWS13)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -44,7 +55,22 @@ if HAVE_CUTE:
             P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             self.kernel(gX, w, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
-                grid=[self.used // ROWS13, P, 1], block=[32 * WARPS, 1, 1], stream=stream)
+                grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * WARPS, 1, 1], stream=stream)
+
+        @cute.jit
+        def group(self, gX: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, acc: cute.Tensor, e, b, j0, G, t):
+            """One MX group of this warp's K slice against every row tile: x loaded and converted once."""
+            xs = load4(gX[(None, (b, G * 4 + t))])
+            bs = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
+            for r in cutlass.range_constexpr(self.tiles):
+                j = j0 + r * ROWS13
+                c = operand_mma(w[e, j, G * 4 + t], w[e, self.I + j, G * 4 + t], bs)
+                s1 = mx_scale(w_scale[e, j, G])
+                s3 = mx_scale(w_scale[e, self.I + j, G])
+                acc[4 * r] = acc[4 * r] + c[0] * s1
+                acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
+                acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
+                acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -55,9 +81,9 @@ if HAVE_CUTE:
             lane = tidx % 32
             g = lane // 4
             t = lane % 4
-            j = bx * ROWS13 + g
+            j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, WARPS)), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, WARPS, self.tiles)), 16)
             length = seg_len[s]
             if length > 0:
                 start = seg_start[s]
@@ -67,46 +93,46 @@ if HAVE_CUTE:
                     if col >= length:  # past the segment: any pair of it, its column is not stored
                         col = length - 1
                     b = order[start + col] // self.topk
-                    a10 = Float32(0.0)
-                    a11 = Float32(0.0)
-                    a30 = Float32(0.0)
-                    a31 = Float32(0.0)
+                    acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
+                    acc.fill(0.0)
                     for it in cutlass.range_constexpr(self.per_warp):
                         G = warp * self.per_warp + it
-                        if G < self.groups:
-                            xs = load4(gX[(None, (b, G * 4 + t))])
-                            c = group_mma_fragment(w[e, j, G * 4 + t], w[e, self.I + j, G * 4 + t],
-                                                   [xs[0], xs[1], xs[2], xs[3]], True)
-                            s1 = mx_scale(w_scale[e, j, G])
-                            s3 = mx_scale(w_scale[e, self.I + j, G])
-                            a10 = a10 + c[0] * s1
-                            a11 = a11 + c[1] * s1
-                            a30 = a30 + c[2] * s3
-                            a31 = a31 + c[3] * s3
-                    red[g, 2 * t, warp] = a10
-                    red[g, 2 * t + 1, warp] = a11
-                    red[ROWS13 + g, 2 * t, warp] = a30
-                    red[ROWS13 + g, 2 * t + 1, warp] = a31
+                        if cutlass.const_expr(self.groups % WARPS == 0):
+                            self.group(gX, w, w_scale, acc, e, b, j0, G, t)
+                        else:
+                            if G < self.groups:
+                                self.group(gX, w, w_scale, acc, e, b, j0, G, t)
+                    for r in cutlass.range_constexpr(self.tiles):
+                        red[g, 2 * t, warp, r] = acc[4 * r]
+                        red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
+                        red[ROWS13 + g, 2 * t, warp, r] = acc[4 * r + 2]
+                        red[ROWS13 + g, 2 * t + 1, warp, r] = acc[4 * r + 3]
                     cute.arch.barrier()
-                    if tidx < ROWS13 * COLS:
-                        r = tidx // COLS
-                        n = tidx % COLS
-                        if tile * COLS + n < length:
-                            h1 = Float32(0.0)
-                            h3 = Float32(0.0)
-                            for i in cutlass.range_constexpr(WARPS):
-                                h1 = h1 + red[r, n, i]
-                                h3 = h3 + red[ROWS13 + r, n, i]
-                            act[order[start + tile * COLS + n], bx * ROWS13 + r] = situ_glu(h1, h3).to(
-                                act.element_type)
+                    for q in cutlass.range_constexpr(-(-ROWS13 * COLS * self.tiles // (32 * WARPS))):
+                        i = q * 32 * WARPS + tidx  # one (tile, row, column) of the reduction per thread
+                        if i < ROWS13 * COLS * self.tiles:
+                            r = i // (ROWS13 * COLS)
+                            row = i % (ROWS13 * COLS) // COLS
+                            n = i % COLS
+                            if tile * COLS + n < length:
+                                h1 = Float32(0.0)
+                                h3 = Float32(0.0)
+                                for k in cutlass.range_constexpr(WARPS):
+                                    h1 = h1 + red[row, n, k, r]
+                                    h3 = h3 + red[ROWS13 + row, n, k, r]
+                                act[order[start + tile * COLS + n], bx * ROWS13 * self.tiles + r * ROWS13 + row] = (
+                                    situ_glu(h1, h3).to(act.element_type))
                     cute.arch.barrier()  # the next tile reuses `red`
 
     class MoEW2Grouped:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
-        def __init__(self, used: int, topk: int):
+        def __init__(self, latent: int, used: int, topk: int):
             self.topk = topk
             self.groups = used // GROUP
+            # the act operands take 4 registers per group: with a long K (TP8: 12 groups) two tiles keep the
+            # registers under 128, two CTAs per SM
+            self.tiles = _tiles(latent // ROWS2_MIN, TILES if self.groups <= 8 else 2)
 
         @cute.jit
         def __call__(self, act: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -115,7 +141,7 @@ if HAVE_CUTE:
             P, L = out.shape
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
             self.kernel(gA, weights, w, w_scale, order, seg_start, seg_len, seg_expert, out).launch(
-                grid=[L // ROWS2_CTA, P, 1], block=[32 * WARPS, 1, 1], stream=stream)
+                grid=[L // (ROWS2_MIN * self.tiles), P, 1], block=[32 * WARPS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -127,8 +153,7 @@ if HAVE_CUTE:
             lane = tidx % 32
             g = lane // 4
             t = lane % 4
-            ra = bx * ROWS2_CTA + warp * 16 + g
-            rb = ra + 8
+            r0 = (bx * WARPS + warp) * 16 * self.tiles + g  # this warp's rows: tiles of 16 from here
             length = seg_len[s]
             if length > 0:
                 start = seg_start[s]
@@ -138,32 +163,34 @@ if HAVE_CUTE:
                     if col >= length:
                         col = length - 1
                     p = order[start + col]
-                    a0 = Float32(0.0)
-                    a1 = Float32(0.0)
-                    b0 = Float32(0.0)
-                    b1 = Float32(0.0)
+                    bs = cute.make_rmem_tensor((4 * self.groups,), Int32)
                     for G in cutlass.range_constexpr(self.groups):
                         xs = load4(gA[(None, (p, G * 4 + t))])
-                        c = group_mma_fragment(w[e, ra, G * 4 + t], w[e, rb, G * 4 + t],
-                                               [xs[0], xs[1], xs[2], xs[3]], False)
-                        sa = mx_scale(w_scale[e, ra, G])
-                        sb = mx_scale(w_scale[e, rb, G])
-                        a0 = a0 + c[0] * sa
-                        a1 = a1 + c[1] * sa
-                        b0 = b0 + c[2] * sb
-                        b1 = b1 + c[3] * sb
-                    # this lane holds columns 2t and 2t + 1 of rows ra and rb
-                    n0 = tile * COLS + 2 * t
-                    if n0 < length:
-                        q = order[start + n0]
-                        wt = weights[q // self.topk, q % self.topk]
-                        out[q, ra] = wt * a0
-                        out[q, rb] = wt * b0
-                    if n0 + 1 < length:
-                        q = order[start + n0 + 1]
-                        wt = weights[q // self.topk, q % self.topk]
-                        out[q, ra] = wt * a1
-                        out[q, rb] = wt * b1
+                        ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], False)
+                        for i in cutlass.range_constexpr(4):
+                            bs[4 * G + i] = ops[i]
+                    acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
+                    acc.fill(0.0)
+                    for r in cutlass.range_constexpr(self.tiles):
+                        ra = r0 + 16 * r
+                        for G in cutlass.range_constexpr(self.groups):
+                            c = operand_mma(w[e, ra, G * 4 + t], w[e, ra + 8, G * 4 + t],
+                                            [bs[4 * G], bs[4 * G + 1], bs[4 * G + 2], bs[4 * G + 3]])
+                            sa = mx_scale(w_scale[e, ra, G])
+                            sb = mx_scale(w_scale[e, ra + 8, G])
+                            acc[4 * r] = acc[4 * r] + c[0] * sa
+                            acc[4 * r + 1] = acc[4 * r + 1] + c[1] * sa
+                            acc[4 * r + 2] = acc[4 * r + 2] + c[2] * sb
+                            acc[4 * r + 3] = acc[4 * r + 3] + c[3] * sb
+                    # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
+                    for h in cutlass.range_constexpr(2):
+                        n = tile * COLS + 2 * t + h
+                        if n < length:
+                            q = order[start + n]
+                            wt = weights[q // self.topk, q % self.topk]
+                            for r in cutlass.range_constexpr(self.tiles):
+                                out[q, r0 + 16 * r] = wt * acc[4 * r + h]
+                                out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
 
 
 def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out):
@@ -173,8 +200,8 @@ def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act,
     if not fits_int32_offsets(pair_out):
         raise ValueError("grouped MoE MXFP4: a per-pair output of 2**31 bytes or more needs 64-bit offsets, which "
                          "these kernels do not use")
-    if L % ROWS2_CTA:
-        raise ValueError(f"grouped MoE MXFP4: latent width must be a multiple of {ROWS2_CTA}")
+    if L % ROWS2_MIN:
+        raise ValueError(f"grouped MoE MXFP4: latent width must be a multiple of {ROWS2_MIN}")
     if any(a.shape != (P,) or a.dtype != torch.int32 or not a.is_contiguous() for a in align):
         raise ValueError("grouped MoE MXFP4: the alignment must be four contiguous int32 [pairs]")
     if not weights.is_contiguous():
@@ -189,7 +216,7 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     f13 = compile_kernel(("moe_w13_grouped", used, *signature(*a13)), MoEW13Grouped(L, I, used, k),
                          *(fake_like(t, align=16) for t in a13))
     a2 = (_words(act), weights, _words(w2), w2_scale, *align, pair_out)
-    f2 = compile_kernel(("moe_w2_grouped", used, *signature(*a2)), MoEW2Grouped(used, k),
+    f2 = compile_kernel(("moe_w2_grouped", used, *signature(*a2)), MoEW2Grouped(L, used, k),
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
