@@ -100,13 +100,17 @@ for name in "$@"; do
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     experts)  # the routed-expert kernels alone, grouped CuTe against auto's Triton (benchmarks/expert_sweep.py)
-      step experts 150 python3 benchmarks/expert_sweep.py --tp ${EXPERTS_TP:-16 8} --batch ${EXPERTS_BATCHES:-16 64} \
+      mkdir -p "$OUT/cubin"  # the compiled kernels, for cuobjdump (registers, local memory)
+      CUTE_DSL_KEEP_CUBIN=1 CUTE_DSL_DUMP_DIR="$OUT/cubin" \
+        step experts 150 python3 benchmarks/expert_sweep.py --tp ${EXPERTS_TP:-16 8} --batch ${EXPERTS_BATCHES:-16 64} \
         --json "$OUT/experts${EXPERTS_TAG:-}.json" ;;
     ncu-experts)  # per-kernel metrics of the grouped expert kernels at TP16 batch 64 (one eager launch each)
-      step ncu-experts 150 ncu --clock-control none -k regex:Grouped --launch-count 2 --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section LaunchStats --section InstructionStats \
-        python3 benchmarks/expert_sweep.py --tp 16 --batch 64 --sets 1 --replays 1 --only "grouped w" ;;
+      for v in w13 w2; do
+        step "ncu-experts $v" 90 ncu --clock-control none -k regex:Grouped --launch-count 1 --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section Occupancy --section LaunchStats --section InstructionStats \
+          python3 benchmarks/expert_sweep.py --tp 16 --batch 64 --sets 1 --replays 1 --only "grouped $v"
+      done ;;
     *)
       echo "## unknown step $name" | tee -a "$LOG" ;;
   esac

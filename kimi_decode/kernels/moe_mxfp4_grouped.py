@@ -34,7 +34,7 @@ def _tiles(n: int, most: int = TILES) -> int:
 
 
 if HAVE_CUTE:
-    from cutlass import Float32, Int32
+    from cutlass import Float32
 
     from .cute_common import load4, situ_glu
     from .moe_mxfp4 import mma_operands, mx_scale, operand_mma
@@ -45,7 +45,10 @@ if HAVE_CUTE:
         def __init__(self, latent: int, inter: int, used: int, topk: int):
             self.I, self.used, self.topk = inter, used, topk
             self.groups = latent // GROUP
-            self.per_warp = -(-self.groups // WARPS)
+            # K split over the CTA's warps in equal slices (K3: 112 groups, 8 warps of 14), so that no group is
+            # behind a per-warp condition and the accumulators stay in registers
+            self.warps = next(n for n in range(WARPS, 0, -1) if self.groups % n == 0)
+            self.per_warp = self.groups // self.warps
             self.tiles = _tiles(used // ROWS13)
 
         @cute.jit
@@ -55,10 +58,10 @@ if HAVE_CUTE:
             P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             self.kernel(gX, w, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
-                grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * WARPS, 1, 1], stream=stream)
+                grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
         @cute.jit
-        def group(self, gX: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, acc: cute.Tensor, e, b, j0, G, t):
+        def group(self, gX: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, acc: list, e, b, j0, G, t):
             """One MX group of this warp's K slice against every row tile: x loaded and converted once."""
             xs = load4(gX[(None, (b, G * 4 + t))])
             bs = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
@@ -83,7 +86,7 @@ if HAVE_CUTE:
             t = lane % 4
             j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, WARPS, self.tiles)), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, self.warps, self.tiles)), 16)
             length = seg_len[s]
             if length > 0:
                 start = seg_start[s]
@@ -93,23 +96,17 @@ if HAVE_CUTE:
                     if col >= length:  # past the segment: any pair of it, its column is not stored
                         col = length - 1
                     b = order[start + col] // self.topk
-                    acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
-                    acc.fill(0.0)
+                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, not memory: registers
                     for it in cutlass.range_constexpr(self.per_warp):
-                        G = warp * self.per_warp + it
-                        if cutlass.const_expr(self.groups % WARPS == 0):
-                            self.group(gX, w, w_scale, acc, e, b, j0, G, t)
-                        else:
-                            if G < self.groups:
-                                self.group(gX, w, w_scale, acc, e, b, j0, G, t)
+                        self.group(gX, w, w_scale, acc, e, b, j0, warp * self.per_warp + it, t)
                     for r in cutlass.range_constexpr(self.tiles):
                         red[g, 2 * t, warp, r] = acc[4 * r]
                         red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
                         red[ROWS13 + g, 2 * t, warp, r] = acc[4 * r + 2]
                         red[ROWS13 + g, 2 * t + 1, warp, r] = acc[4 * r + 3]
                     cute.arch.barrier()
-                    for q in cutlass.range_constexpr(-(-ROWS13 * COLS * self.tiles // (32 * WARPS))):
-                        i = q * 32 * WARPS + tidx  # one (tile, row, column) of the reduction per thread
+                    for q in cutlass.range_constexpr(-(-ROWS13 * COLS * self.tiles // (32 * self.warps))):
+                        i = q * 32 * self.warps + tidx  # one (tile, row, column) of the reduction per thread
                         if i < ROWS13 * COLS * self.tiles:
                             r = i // (ROWS13 * COLS)
                             row = i % (ROWS13 * COLS) // COLS
@@ -117,7 +114,7 @@ if HAVE_CUTE:
                             if tile * COLS + n < length:
                                 h1 = Float32(0.0)
                                 h3 = Float32(0.0)
-                                for k in cutlass.range_constexpr(WARPS):
+                                for k in cutlass.range_constexpr(self.warps):
                                     h1 = h1 + red[row, n, k, r]
                                     h3 = h3 + red[ROWS13 + row, n, k, r]
                                 act[order[start + tile * COLS + n], bx * ROWS13 * self.tiles + r * ROWS13 + row] = (
@@ -163,19 +160,15 @@ if HAVE_CUTE:
                     if col >= length:
                         col = length - 1
                     p = order[start + col]
-                    bs = cute.make_rmem_tensor((4 * self.groups,), Int32)
+                    bs = []  # the act operands of every group, as values (registers)
                     for G in cutlass.range_constexpr(self.groups):
                         xs = load4(gA[(None, (p, G * 4 + t))])
-                        ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], False)
-                        for i in cutlass.range_constexpr(4):
-                            bs[4 * G + i] = ops[i]
-                    acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
-                    acc.fill(0.0)
+                        bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], False))
+                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]
                     for r in cutlass.range_constexpr(self.tiles):
                         ra = r0 + 16 * r
                         for G in cutlass.range_constexpr(self.groups):
-                            c = operand_mma(w[e, ra, G * 4 + t], w[e, ra + 8, G * 4 + t],
-                                            [bs[4 * G], bs[4 * G + 1], bs[4 * G + 2], bs[4 * G + 3]])
+                            c = operand_mma(w[e, ra, G * 4 + t], w[e, ra + 8, G * 4 + t], bs[G])
                             sa = mx_scale(w_scale[e, ra, G])
                             sb = mx_scale(w_scale[e, ra + 8, G])
                             acc[4 * r] = acc[4 * r] + c[0] * sa
