@@ -11,7 +11,8 @@
 # (latency_specialized at batch 1 with KIMI_DECODE_FUSED_ROUTER=0: router GEMV and top-k as two kernels), ores (the same
 # with KIMI_DECODE_FUSED_O_RES=0: output projection and AttnRes as two kernels), numerics-new
 # (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`), experts (benchmarks/expert_sweep.py),
-# ncu-experts (ncu sections of the grouped expert kernels at TP16 batch 64).
+# experts-tiles (the grouped kernels at 4 and 1 row tiles per warp), ncu-experts (ncu sections of the grouped
+# expert kernels at TP16 batch 64).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -104,6 +105,11 @@ for name in "$@"; do
       CUTE_DSL_KEEP_CUBIN=1 CUTE_DSL_DUMP_DIR="$OUT/cubin" \
         step experts 150 python3 benchmarks/expert_sweep.py --tp ${EXPERTS_TP:-16 8} --batch ${EXPERTS_BATCHES:-16 64} \
         --json "$OUT/experts${EXPERTS_TAG:-}.json" ;;
+    experts-tiles)  # the same with 4 and 1 row tiles per warp in the grouped kernels (KIMI_DECODE_GROUPED_TILES)
+      for n in 4 1; do
+        KIMI_DECODE_GROUPED_TILES=$n step "experts tiles=$n" 90 python3 benchmarks/expert_sweep.py --tp 16 8 \
+          --batch 64 --only "grouped w" --json "$OUT/experts_tiles$n.json"
+      done ;;
     ncu-experts)  # per-kernel metrics of the grouped expert kernels at TP16 batch 64 (one eager launch each)
       for v in w13 w2; do
         step "ncu-experts $v" 90 ncu --clock-control none -k regex:Grouped --launch-count 1 --section SpeedOfLight \

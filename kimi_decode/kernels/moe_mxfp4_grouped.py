@@ -8,15 +8,20 @@ operand, which the per-pair kernels fill with one token, here carry 8 different 
 dequantisation (the e2m1 code shifted into an fp16, scale per 32 codes) is the one of `moe_mxfp4.py`.
 
 `moe_w13_grouped`: CTA (row block of 32 intermediate rows, segment): four mma row tiles (w1 rows j..j+7 in mma
-rows 0-7, the matching w3 rows in 8-15) per warp, the 8 warps splitting K (the latent); each latent group is loaded
-and converted to fp16 operands once for the four tiles. The warps add their partial sums through shared memory, one
-thread per (row, pair) output; SiTU-GLU(h1, h3) -> act [pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows,
-segment), each warp four tiles of 16 rows over the whole (short) K = used, the segment's act operands converted once
-into registers -> routing weight x partial output per pair [pair, latent] fp32, summed over each token's k pairs
-afterwards (no atomics: the result does not depend on the order in which CTAs finish). Segments past the number of
-distinct experts have length 0 and exit at once. (Fewer tiles per warp where the rows do not divide by four.)
+rows 0-7, the matching w3 rows in 8-15) per warp, the warps splitting K (the latent) in whole quads of 4 MX groups.
+The weights come in 16-byte loads: lane t of a quad loads group t of the quad for its row, and two rounds of
+shuffles (`quad_transpose`) leave it word t of each of the four groups, what the mma fragment takes; the four scale
+bytes of a quad are one 32-bit load. (With one 4-byte load per lane and group, every load instruction touched 8
+rows for 16 bytes each, and the kernel ran at 1.25 TB/s, bound by load instructions, not bytes.) Each activation group
+is loaded and converted to fp16 operands once for the four tiles. The warps add their partial sums through shared
+memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act [pair, used] fp16. `moe_w2_grouped`: CTA (128
+latent rows, segment), each warp 16 rows over the whole (short) K = used -> routing weight x partial output per pair
+[pair, latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not depend on the
+order in which CTAs finish). Segments past the number of distinct experts have length 0 and exit at once.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,32 +29,89 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, la
 from .moe_mxfp4 import GROUP, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
-TILES = 4  # mma row tiles per warp: each activation group is loaded and converted once for all of them
-ROWS2_MIN = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
+ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA
+QUAD = 4  # w13: MX groups per 16-byte weight load
 
 
-def _tiles(n: int, most: int = TILES) -> int:
+def grouped_tiles() -> int:
+    """mma row tiles per warp, which share each activation group (loaded and converted once): 2 (measured fastest
+    for w13 on the H200, see benchmarks/NOTES.md), or KIMI_DECODE_GROUPED_TILES (1, 2 or 4) for A/B timing."""
+    n = int(os.environ.get("KIMI_DECODE_GROUPED_TILES", "2"))
+    if n not in (1, 2, 4):
+        raise ValueError(f"KIMI_DECODE_GROUPED_TILES must be 1, 2 or 4, got {n}")
+    return n
+
+
+def _tiles(n: int, most: int) -> int:
     """The most row tiles per warp (up to `most`) that divide n tiles evenly."""
     return next(k for k in (4, 2, 1) if k <= most and n % k == 0)
 
 
+def quad_transpose(v, t, select, bfly):
+    """Lane t of a quad (t = lane % 4) holds v, the four words of MX group t of four consecutive groups (one 16-byte
+    load); returns word t of groups 0..3, the layout the mma fragments take. Two butterfly rounds, over lanes t ^ 1
+    and t ^ 2, each lane keeping two words and sending two, then a reorder: 4 shuffles and 16 selects.
+    `select(c, a, b)` is c ? a : b and `bfly(x, d)` the x of lane t ^ d: the kernel's select and shuffle, or in the
+    tests numpy's over four simulated lanes."""
+    b = (t & 1) != 0
+    c = (t & 2) != 0
+    k0, k1 = select(b, v[1], v[0]), select(b, v[3], v[2])  # own group, the words whose bit 0 is b
+    r0, r1 = bfly(select(b, v[0], v[1]), 1), bfly(select(b, v[2], v[3]), 1)  # the same words of group t ^ 1
+    p0, p1 = select(c, k1, k0), select(c, r1, r0)  # word t of groups t and t ^ 1
+    q0, q1 = bfly(select(c, k0, k1), 2), bfly(select(c, r0, r1), 2)  # word t of groups t ^ 2 and t ^ 3
+    plo, phi = select(b, p1, p0), select(b, p0, p1)
+    qlo, qhi = select(b, q1, q0), select(b, q0, q1)
+    return [select(c, qlo, plo), select(c, qhi, phi), select(c, plo, qlo), select(c, phi, qhi)]
+
+
 if HAVE_CUTE:
-    from cutlass import Float32
+    from cutlass import Float32, Int32
 
     from .cute_common import load4, situ_glu
-    from .moe_mxfp4 import mma_operands, mx_scale, operand_mma
+    from .moe_mxfp4 import group_mma_fragment, mma_operands, mx_scale, operand_mma
+
+    def _select(c, a, b):
+        return Int32(cutlass.select_(c, Int32(a), Int32(b)))
+
+    def _bfly(x, d):
+        return cute.arch.shuffle_sync_bfly(x, offset=d)
+
+    def _byte(word, i: int):
+        return (word >> (8 * i)) & 0xFF
+
+    def _quad_words(gW: cute.Tensor, e, row, G0, t):
+        """Word t of MX groups G0..G0+3 of one weight row, from one 16-byte load per lane (group G0 + t)."""
+        v = load4(gW[(None, (e, row, G0 + t))])
+        return quad_transpose([v[0], v[1], v[2], v[3]], t, _select, _bfly)
+
+    def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int):
+        """Word t of every MX group of a row: whole quads as `_quad_words`, the rest one 4-byte load per group."""
+        words = []
+        for q in range(groups // QUAD):
+            words += _quad_words(gW, e, row, q * QUAD, t)
+        for G in range(groups // QUAD * QUAD, groups):
+            words.append(w[e, row, G * 4 + t])
+        return words
+
+    def _row_scales(w_scale: cute.Tensor, e, row, groups: int, words: bool):
+        """The scale bytes of a row's groups: one 32-bit load per 4 groups where `w_scale` is a word view, else one
+        load per byte."""
+        if not words:
+            return [w_scale[e, row, G] for G in range(groups)]
+        ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
+        return [_byte(ws[G // QUAD], G % QUAD) for G in range(groups)]
 
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int):
+            """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4)."""
             self.I, self.used, self.topk = inter, used, topk
-            self.groups = latent // GROUP
-            # K split over the CTA's warps in equal slices (K3: 112 groups, 8 warps of 14), so that no group is
-            # behind a per-warp condition and the accumulators stay in registers
-            self.warps = next(n for n in range(WARPS, 0, -1) if self.groups % n == 0)
-            self.per_warp = self.groups // self.warps
-            self.tiles = _tiles(used // ROWS13)
+            quads = latent // (GROUP * QUAD)
+            # K split over the CTA's warps in equal slices of whole quads (K3: 28 quads, 7 warps of 4)
+            self.warps = next(n for n in range(WARPS, 0, -1) if quads % n == 0)
+            self.per_warp = quads // self.warps
+            self.tiles = _tiles(used // ROWS13, tiles)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -57,26 +119,12 @@ if HAVE_CUTE:
                      stream):
             P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
-            self.kernel(gX, w, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
+            gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
+            self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
                 grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
-        @cute.jit
-        def group(self, gX: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, acc: list, e, b, j0, G, t):
-            """One MX group of this warp's K slice against every row tile: x loaded and converted once."""
-            xs = load4(gX[(None, (b, G * 4 + t))])
-            bs = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
-            for r in cutlass.range_constexpr(self.tiles):
-                j = j0 + r * ROWS13
-                c = operand_mma(w[e, j, G * 4 + t], w[e, self.I + j, G * 4 + t], bs)
-                s1 = mx_scale(w_scale[e, j, G])
-                s3 = mx_scale(w_scale[e, self.I + j, G])
-                acc[4 * r] = acc[4 * r] + c[0] * s1
-                acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
-                acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
-                acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
-
         @cute.kernel
-        def kernel(self, gX: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
+        def kernel(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
                    seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, s, _ = cute.arch.block_idx()
@@ -96,9 +144,27 @@ if HAVE_CUTE:
                     if col >= length:  # past the segment: any pair of it, its column is not stored
                         col = length - 1
                     b = order[start + col] // self.topk
-                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, not memory: registers
+                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
                     for it in cutlass.range_constexpr(self.per_warp):
-                        self.group(gX, w, w_scale, acc, e, b, j0, warp * self.per_warp + it, t)
+                        G0 = (warp * self.per_warp + it) * QUAD
+                        bs = []  # the quad's activations as fp16 operands, shared by the row tiles
+                        for i in cutlass.range_constexpr(QUAD):
+                            xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                            bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
+                        for r in cutlass.range_constexpr(self.tiles):
+                            j = j0 + r * ROWS13
+                            u1 = _quad_words(gW, e, j, G0, t)
+                            u3 = _quad_words(gW, e, self.I + j, G0, t)
+                            sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
+                            sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                            for i in cutlass.range_constexpr(QUAD):
+                                c = operand_mma(u1[i], u3[i], bs[i])
+                                s1 = mx_scale(_byte(sw1, i))
+                                s3 = mx_scale(_byte(sw3, i))
+                                acc[4 * r] = acc[4 * r] + c[0] * s1
+                                acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
+                                acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
+                                acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
                     for r in cutlass.range_constexpr(self.tiles):
                         red[g, 2 * t, warp, r] = acc[4 * r]
                         red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
@@ -124,12 +190,12 @@ if HAVE_CUTE:
     class MoEW2Grouped:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
-        def __init__(self, latent: int, used: int, topk: int):
+        def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool):
+            """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4)."""
             self.topk = topk
             self.groups = used // GROUP
-            # the act operands take 4 registers per group: with a long K (TP8: 12 groups) two tiles keep the
-            # registers under 128, two CTAs per SM
-            self.tiles = _tiles(latent // ROWS2_MIN, TILES if self.groups <= 8 else 2)
+            self.scale_words = scale_words
+            self.tiles = _tiles(latent // ROWS2_CTA, tiles)
 
         @cute.jit
         def __call__(self, act: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -137,13 +203,14 @@ if HAVE_CUTE:
                      out: cute.Tensor, stream):
             P, L = out.shape
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
-            self.kernel(gA, weights, w, w_scale, order, seg_start, seg_len, seg_expert, out).launch(
-                grid=[L // (ROWS2_MIN * self.tiles), P, 1], block=[32 * WARPS, 1, 1], stream=stream)
+            gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile
+            self.kernel(gA, weights, w, gW, w_scale, order, seg_start, seg_len, seg_expert, out).launch(
+                grid=[L // (ROWS2_CTA * self.tiles), P, 1], block=[32 * WARPS, 1, 1], stream=stream)
 
         @cute.kernel
-        def kernel(self, gA: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
-                   order: cute.Tensor, seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor,
-                   out: cute.Tensor):
+        def kernel(self, gA: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, gW: cute.Tensor,
+                   w_scale: cute.Tensor, order: cute.Tensor, seg_start: cute.Tensor, seg_len: cute.Tensor,
+                   seg_expert: cute.Tensor, out: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, s, _ = cute.arch.block_idx()
             warp = tidx // 32
@@ -167,14 +234,18 @@ if HAVE_CUTE:
                     acc = [Float32(0.0) for _ in range(4 * self.tiles)]
                     for r in cutlass.range_constexpr(self.tiles):
                         ra = r0 + 16 * r
+                        wa = _row_words(gW, w, e, ra, t, self.groups)
+                        wb = _row_words(gW, w, e, ra + 8, t, self.groups)
+                        sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
+                        sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
                         for G in cutlass.range_constexpr(self.groups):
-                            c = operand_mma(w[e, ra, G * 4 + t], w[e, ra + 8, G * 4 + t], bs[G])
-                            sa = mx_scale(w_scale[e, ra, G])
-                            sb = mx_scale(w_scale[e, ra + 8, G])
-                            acc[4 * r] = acc[4 * r] + c[0] * sa
-                            acc[4 * r + 1] = acc[4 * r + 1] + c[1] * sa
-                            acc[4 * r + 2] = acc[4 * r + 2] + c[2] * sb
-                            acc[4 * r + 3] = acc[4 * r + 3] + c[3] * sb
+                            c = operand_mma(wa[G], wb[G], bs[G])
+                            fa = mx_scale(sa[G])
+                            fb = mx_scale(sb[G])
+                            acc[4 * r] = acc[4 * r] + c[0] * fa
+                            acc[4 * r + 1] = acc[4 * r + 1] + c[1] * fa
+                            acc[4 * r + 2] = acc[4 * r + 2] + c[2] * fb
+                            acc[4 * r + 3] = acc[4 * r + 3] + c[3] * fb
                     # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
                     for h in cutlass.range_constexpr(2):
                         n = tile * COLS + 2 * t + h
@@ -185,7 +256,6 @@ if HAVE_CUTE:
                                 out[q, r0 + 16 * r] = wt * acc[4 * r + h]
                                 out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
 
-
 def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out):
     """The per-pair kernels' checks (layouts, chaining, dtypes, contiguity, 32-bit offsets), then what grouping adds."""
     check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, pair_out)
@@ -193,8 +263,8 @@ def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act,
     if not fits_int32_offsets(pair_out):
         raise ValueError("grouped MoE MXFP4: a per-pair output of 2**31 bytes or more needs 64-bit offsets, which "
                          "these kernels do not use")
-    if L % ROWS2_MIN:
-        raise ValueError(f"grouped MoE MXFP4: latent width must be a multiple of {ROWS2_MIN}")
+    if L % ROWS2_CTA:
+        raise ValueError(f"grouped MoE MXFP4: latent width must be a multiple of {ROWS2_CTA}")
     if any(a.shape != (P,) or a.dtype != torch.int32 or not a.is_contiguous() for a in align):
         raise ValueError("grouped MoE MXFP4: the alignment must be four contiguous int32 [pairs]")
     if not weights.is_contiguous():
@@ -203,14 +273,21 @@ def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act,
         raise ValueError(f"grouped MoE MXFP4: act must be [{P}, {used}] and the per-pair output [{P}, {L}]")
 
 
+def _w2_scales(w2_scale: torch.Tensor) -> torch.Tensor:
+    """w2's scales as int32 words where each row's bytes are a multiple of 4 (TP16 padded, TP8), else as bytes."""
+    return _words(w2_scale) if w2_scale.shape[-1] % 4 == 0 else w2_scale
+
+
 def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
-    a13 = (_words(latent), _words(w13), w13_scale, *align, act)
-    f13 = compile_kernel(("moe_w13_grouped", used, *signature(*a13)), MoEW13Grouped(L, I, used, k),
+    tiles = grouped_tiles()
+    a13 = (_words(latent), _words(w13), _words(w13_scale), *align, act)
+    f13 = compile_kernel(("moe_w13_grouped", used, tiles, *signature(*a13)), MoEW13Grouped(L, I, used, k, tiles),
                          *(fake_like(t, align=16) for t in a13))
-    a2 = (_words(act), weights, _words(w2), w2_scale, *align, pair_out)
-    f2 = compile_kernel(("moe_w2_grouped", used, *signature(*a2)), MoEW2Grouped(L, used, k),
-                        *(fake_like(t, align=16) for t in a2))
+    s2 = _w2_scales(w2_scale)
+    a2 = (_words(act), weights, _words(w2), s2, *align, pair_out)
+    f2 = compile_kernel(("moe_w2_grouped", used, tiles, *signature(*a2)),
+                        MoEW2Grouped(L, used, k, tiles, s2.dtype == torch.int32), *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
 
@@ -226,6 +303,6 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
     pair_out = pair_out if pair_out is not None else torch.empty(B * k, L, dtype=torch.float32, device=latent.device)
     _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out)
     f13, f2 = compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used)
-    launch(f13, _words(latent), _words(w13), w13_scale, *align, act)
-    launch(f2, _words(act), weights, _words(w2), w2_scale, *align, pair_out)
+    launch(f13, _words(latent), _words(w13), _words(w13_scale), *align, act)
+    launch(f2, _words(act), weights, _words(w2), _w2_scales(w2_scale), *align, pair_out)
     return pair_out.view(B, k, L).sum(1)
