@@ -413,7 +413,7 @@ def test_moe_mxfp4_grouped_refuses_bad_shapes():
 def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
     """The w13 kernel's exchange, run on 4 simulated lanes (a tensor over lanes; a shuffle reads lane ^ d): lane t
     loaded the 4 words of group t and must end with word t of groups 0..3, for every word value (random bits)."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import quad_transpose
+    from kimi_decode.kernels.moe_mxfp4 import quad_transpose
 
     g = torch.Generator().manual_seed(5)
     words = torch.randint(-2**31, 2**31 - 1, (4, 4), generator=g, dtype=torch.int64)  # [lane = group, word]
@@ -425,12 +425,12 @@ def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
 def test_grouped_tiles_switch_is_checked(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import grouped_tiles
 
-    assert grouped_tiles() == 2
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", "4")
-    assert grouped_tiles() == 4
+    assert (grouped_tiles("w13"), grouped_tiles("w2")) == (2, 4)
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", "1")
+    assert (grouped_tiles("w13"), grouped_tiles("w2")) == (1, 1)
     monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", "3")
     with pytest.raises(ValueError, match="1, 2 or 4"):
-        grouped_tiles()
+        grouped_tiles("w2")
 
 def test_prefetch_view_takes_whole_chunks_of_the_first_bytes():
     from kimi_decode.kernels.prefetch import CHUNK, prefetch_view

@@ -31,6 +31,7 @@ GROUP = 32  # codes per MX group = 16 bytes = 4 words
 WARPS = 8  # K slices per CTA
 ROWS13 = 8  # intermediate rows per w13 CTA (w1 rows in mma rows 0-7, the matching w3 rows in 8-15)
 ROWS2 = 16  # latent rows per w2 CTA
+QUAD = 4  # MX groups per 16-byte weight load (`quad_words`)
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 
 # e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
@@ -86,6 +87,24 @@ def _operands_asm(bf16_activations: bool) -> str:
     """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm`."""
     return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
 
+def quad_transpose(v, t, select, bfly):
+    """Lane t of a quad (t = lane % 4) holds v, the four words of MX group t of four consecutive groups (one 16-byte
+    load); returns word t of groups 0..3, the layout the mma fragments take. Two butterfly rounds, over lanes t ^ 1
+    and t ^ 2, each lane keeping two words and sending two, then a reorder: 4 shuffles and 16 selects.
+    `select(c, a, b)` is c ? a : b and `bfly(x, d)` the x of lane t ^ d: the kernel's select and shuffle, or in the
+    tests numpy's over four simulated lanes."""
+    b = (t & 1) != 0
+    c = (t & 2) != 0
+    k0, k1 = select(b, v[1], v[0]), select(b, v[3], v[2])  # own group, the words whose bit 0 is b
+    r0, r1 = bfly(select(b, v[0], v[1]), 1), bfly(select(b, v[2], v[3]), 1)  # the same words of group t ^ 1
+    p0, p1 = select(c, k1, k0), select(c, r1, r0)  # word t of groups t and t ^ 1
+    q0, q1 = bfly(select(c, k0, k1), 2), bfly(select(c, r0, r1), 2)  # word t of groups t ^ 2 and t ^ 3
+    plo, phi = select(b, p1, p0), select(b, p0, p1)
+    qlo, qhi = select(b, q1, q0), select(b, q0, q1)
+    return [select(c, qlo, plo), select(c, qhi, phi), select(c, plo, qlo), select(c, phi, qhi)]
+
+
+
 if HAVE_CUTE:
     from cutlass import Float32, Int32
     from cutlass._mlir.dialects import llvm
@@ -118,6 +137,20 @@ if HAVE_CUTE:
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
+    def _select(c, a, b):
+        return Int32(cutlass.select_(c, Int32(a), Int32(b)))
+
+    def _bfly(x, d):
+        return cute.arch.shuffle_sync_bfly(x, offset=d)
+
+    def byte_of(word, i: int):
+        return (word >> (8 * i)) & 0xFF
+
+    def quad_words(gW: cute.Tensor, e, row, G0, t):
+        """Word t of MX groups G0..G0+3 of one weight row, from one 16-byte load per lane (group G0 + t)."""
+        v = load4(gW[(None, (e, row, G0 + t))])
+        return quad_transpose([v[0], v[1], v[2], v[3]], t, _select, _bfly)
+
     def _group_mma(wa, wb, xs, bf16_activations: bool):
         """(row g, row g + 8) partial dot products of one MX group, before its scale (every column holds the same
         token: column 0 is read)."""
@@ -135,20 +168,25 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int):
+            """`w_scale` comes as int32 words (4 scale bytes each); K is split over the warps in equal slices of
+            whole quads (K3: 28 quads, 7 warps of 4), read with 16-byte loads (`quad_words`)."""
             self.I, self.used, self.topk = inter, used, topk
-            self.groups = latent // GROUP
-            self.per_warp = -(-self.groups // WARPS)
+            quads = latent // (GROUP * QUAD)
+            self.warps = next(n for n in range(WARPS, 0, -1) if quads % n == 0)
+            self.per_warp = quads // self.warps
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
                      act: cute.Tensor, stream):
             P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
-            self.kernel(gX, ids, w, w_scale, act).launch(
-                grid=[self.used // ROWS13, P, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
+            gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
+            self.kernel(gX, ids, gW, w_scale, act).launch(
+                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
-        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor):
+        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
+                   act: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, p, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
@@ -163,15 +201,18 @@ if HAVE_CUTE:
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
             for it in cutlass.range_constexpr(self.per_warp):
-                G = warp * self.per_warp + it
-                if G < self.groups:
-                    xs = load4(gX[(None, (b, G * 4 + t))])
-                    d1, d3 = _group_mma(w[e, j, G * 4 + t], w[e, self.I + j, G * 4 + t],
-                                        [xs[0], xs[1], xs[2], xs[3]], True)
-                    acc1 = acc1 + d1 * mx_scale(w_scale[e, j, G])
-                    acc3 = acc3 + d3 * mx_scale(w_scale[e, self.I + j, G])
+                G0 = (warp * self.per_warp + it) * QUAD
+                u1 = quad_words(gW, e, j, G0, t)
+                u3 = quad_words(gW, e, self.I + j, G0, t)
+                sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
+                sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                for i in cutlass.range_constexpr(QUAD):
+                    xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                    d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
+                    acc1 = acc1 + d1 * mx_scale(byte_of(sw1, i))
+                    acc3 = acc3 + d3 * mx_scale(byte_of(sw3, i))
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, WARPS)), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
             if t == 0:
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3
@@ -179,7 +220,7 @@ if HAVE_CUTE:
             if warp == 0 and t == 0:
                 h1 = Float32(0.0)
                 h3 = Float32(0.0)
-                for i in cutlass.range_constexpr(WARPS):
+                for i in cutlass.range_constexpr(self.warps):
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
@@ -273,8 +314,9 @@ def check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out)
                          "do not use")
     E, two_i, half_l = w13.shape
     L = latent.shape[1]
-    if L != 2 * half_l or L % GROUP or L % ROWS2 or used % GROUP or used > two_i // 2:
-        raise ValueError("MoE MXFP4: latent width and expert slice must be multiples of 32 and chain")
+    if L != 2 * half_l or L % (GROUP * QUAD) or used % GROUP or used > two_i // 2:
+        raise ValueError("MoE MXFP4: the latent width must be a multiple of 128, the expert slice of 32, and they "
+                         "must chain")
     if w2.shape[:2] != (E, L) or 2 * w2.shape[2] < used:
         raise ValueError(f"MoE MXFP4: w2 {tuple(w2.shape)} does not chain with w13 {tuple(w13.shape)}")
     if ids.dtype != torch.int32 or ids.shape[0] != latent.shape[0]:
@@ -299,7 +341,7 @@ def _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled):
 
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
-    a13 = (_words(latent), ids, _words(w13), w13_scale, act)
+    a13 = (_words(latent), ids, _words(w13), _words(w13_scale), act)
     f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
                          *(fake_like(t, align=16) for t in a13))
     a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
@@ -330,6 +372,6 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
                 or y.shape != (B, L) or y.dtype != torch.bfloat16 or not y.is_contiguous()):
             raise ValueError(f"MoE MXFP4: scaled output needs an fp32 [{L}] norm weight and a bf16 [{B}, {L}] tensor")
     f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled)
-    launch(f13, _words(latent), ids, _words(w13), w13_scale, act)
+    launch(f13, _words(latent), ids, _words(w13), _words(w13_scale), act)
     launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
     return out

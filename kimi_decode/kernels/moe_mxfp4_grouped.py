@@ -7,17 +7,18 @@ works on one expert segment, up to 8 of its pairs at a time: the 8 columns of th
 operand, which the per-pair kernels fill with one token, here carry 8 different pairs of the same expert. The
 dequantisation (the e2m1 code shifted into an fp16, scale per 32 codes) is the one of `moe_mxfp4.py`.
 
-`moe_w13_grouped`: CTA (row block of 32 intermediate rows, segment): four mma row tiles (w1 rows j..j+7 in mma
+`moe_w13_grouped`: CTA (row block of 16 intermediate rows, segment): two mma row tiles (w1 rows j..j+7 in mma
 rows 0-7, the matching w3 rows in 8-15) per warp, the warps splitting K (the latent) in whole quads of 4 MX groups.
 The weights come in 16-byte loads: lane t of a quad loads group t of the quad for its row, and two rounds of
 shuffles (`quad_transpose`) leave it word t of each of the four groups, what the mma fragment takes; the four scale
 bytes of a quad are one 32-bit load. (With one 4-byte load per lane and group, every load instruction touched 8
-rows for 16 bytes each, and the kernel ran at 1.25 TB/s, bound by load instructions, not bytes.) Each activation group
-is loaded and converted to fp16 operands once for the four tiles. The warps add their partial sums through shared
-memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act [pair, used] fp16. `moe_w2_grouped`: CTA (128
-latent rows, segment), each warp 16 rows over the whole (short) K = used -> routing weight x partial output per pair
-[pair, latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not depend on the
-order in which CTAs finish). Segments past the number of distinct experts have length 0 and exit at once.
+rows for 16 bytes each, and the kernel ran at 1.25 TB/s against 2.4 now: bound by load instructions, not bytes.) Each activation group
+is loaded and converted to fp16 operands once for the two tiles. The warps add their partial sums through shared
+memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act [pair, used] fp16. `moe_w2_grouped`: CTA (512
+latent rows, segment), each warp four tiles of 16 rows over the whole (short) K = used, its weights loaded the same
+way (whole quads by 16-byte loads, the two groups left at TP16 by 4-byte ones), the act operands converted once for
+the four tiles -> routing weight x partial output per pair [pair, latent] fp32, summed over each token's k pairs
+afterwards (no atomics: the result does not depend on the order in which CTAs finish). Segments past the number of distinct experts have length 0 and exit at once.
 """
 from __future__ import annotations
 
@@ -26,17 +27,19 @@ import os
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
-from .moe_mxfp4 import GROUP, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets
+from .moe_mxfp4 import GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA
-QUAD = 4  # w13: MX groups per 16-byte weight load
 
 
-def grouped_tiles() -> int:
-    """mma row tiles per warp, which share each activation group (loaded and converted once): 2 (measured fastest
-    for w13 on the H200, see benchmarks/NOTES.md), or KIMI_DECODE_GROUPED_TILES (1, 2 or 4) for A/B timing."""
-    n = int(os.environ.get("KIMI_DECODE_GROUPED_TILES", "2"))
+DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/NOTES.md, v11)
+
+
+def grouped_tiles(kernel: str) -> int:
+    """mma row tiles per warp of the "w13" or "w2" kernel, which share each activation group (loaded and converted
+    once): `DEFAULT_TILES`, or KIMI_DECODE_GROUPED_TILES (1, 2 or 4, for both kernels) for A/B timing."""
+    n = int(os.environ.get("KIMI_DECODE_GROUPED_TILES", DEFAULT_TILES[kernel]))
     if n not in (1, 2, 4):
         raise ValueError(f"KIMI_DECODE_GROUPED_TILES must be 1, 2 or 4, got {n}")
     return n
@@ -47,48 +50,17 @@ def _tiles(n: int, most: int) -> int:
     return next(k for k in (4, 2, 1) if k <= most and n % k == 0)
 
 
-def quad_transpose(v, t, select, bfly):
-    """Lane t of a quad (t = lane % 4) holds v, the four words of MX group t of four consecutive groups (one 16-byte
-    load); returns word t of groups 0..3, the layout the mma fragments take. Two butterfly rounds, over lanes t ^ 1
-    and t ^ 2, each lane keeping two words and sending two, then a reorder: 4 shuffles and 16 selects.
-    `select(c, a, b)` is c ? a : b and `bfly(x, d)` the x of lane t ^ d: the kernel's select and shuffle, or in the
-    tests numpy's over four simulated lanes."""
-    b = (t & 1) != 0
-    c = (t & 2) != 0
-    k0, k1 = select(b, v[1], v[0]), select(b, v[3], v[2])  # own group, the words whose bit 0 is b
-    r0, r1 = bfly(select(b, v[0], v[1]), 1), bfly(select(b, v[2], v[3]), 1)  # the same words of group t ^ 1
-    p0, p1 = select(c, k1, k0), select(c, r1, r0)  # word t of groups t and t ^ 1
-    q0, q1 = bfly(select(c, k0, k1), 2), bfly(select(c, r0, r1), 2)  # word t of groups t ^ 2 and t ^ 3
-    plo, phi = select(b, p1, p0), select(b, p0, p1)
-    qlo, qhi = select(b, q1, q0), select(b, q0, q1)
-    return [select(c, qlo, plo), select(c, qhi, phi), select(c, plo, qlo), select(c, phi, qhi)]
-
-
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     from .cute_common import load4, situ_glu
-    from .moe_mxfp4 import group_mma_fragment, mma_operands, mx_scale, operand_mma
-
-    def _select(c, a, b):
-        return Int32(cutlass.select_(c, Int32(a), Int32(b)))
-
-    def _bfly(x, d):
-        return cute.arch.shuffle_sync_bfly(x, offset=d)
-
-    def _byte(word, i: int):
-        return (word >> (8 * i)) & 0xFF
-
-    def _quad_words(gW: cute.Tensor, e, row, G0, t):
-        """Word t of MX groups G0..G0+3 of one weight row, from one 16-byte load per lane (group G0 + t)."""
-        v = load4(gW[(None, (e, row, G0 + t))])
-        return quad_transpose([v[0], v[1], v[2], v[3]], t, _select, _bfly)
+    from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_words
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int):
         """Word t of every MX group of a row: whole quads as `_quad_words`, the rest one 4-byte load per group."""
         words = []
         for q in range(groups // QUAD):
-            words += _quad_words(gW, e, row, q * QUAD, t)
+            words += quad_words(gW, e, row, q * QUAD, t)
         for G in range(groups // QUAD * QUAD, groups):
             words.append(w[e, row, G * 4 + t])
         return words
@@ -99,7 +71,7 @@ if HAVE_CUTE:
         if not words:
             return [w_scale[e, row, G] for G in range(groups)]
         ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
-        return [_byte(ws[G // QUAD], G % QUAD) for G in range(groups)]
+        return [byte_of(ws[G // QUAD], G % QUAD) for G in range(groups)]
 
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
@@ -153,14 +125,14 @@ if HAVE_CUTE:
                             bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
                         for r in cutlass.range_constexpr(self.tiles):
                             j = j0 + r * ROWS13
-                            u1 = _quad_words(gW, e, j, G0, t)
-                            u3 = _quad_words(gW, e, self.I + j, G0, t)
+                            u1 = quad_words(gW, e, j, G0, t)
+                            u3 = quad_words(gW, e, self.I + j, G0, t)
                             sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
                             sw3 = w_scale[e, self.I + j, G0 // QUAD]
                             for i in cutlass.range_constexpr(QUAD):
                                 c = operand_mma(u1[i], u3[i], bs[i])
-                                s1 = mx_scale(_byte(sw1, i))
-                                s3 = mx_scale(_byte(sw3, i))
+                                s1 = mx_scale(byte_of(sw1, i))
+                                s3 = mx_scale(byte_of(sw3, i))
                                 acc[4 * r] = acc[4 * r] + c[0] * s1
                                 acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
                                 acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
@@ -280,14 +252,14 @@ def _w2_scales(w2_scale: torch.Tensor) -> torch.Tensor:
 
 def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
-    tiles = grouped_tiles()
+    t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     a13 = (_words(latent), _words(w13), _words(w13_scale), *align, act)
-    f13 = compile_kernel(("moe_w13_grouped", used, tiles, *signature(*a13)), MoEW13Grouped(L, I, used, k, tiles),
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, *signature(*a13)), MoEW13Grouped(L, I, used, k, t13),
                          *(fake_like(t, align=16) for t in a13))
     s2 = _w2_scales(w2_scale)
     a2 = (_words(act), weights, _words(w2), s2, *align, pair_out)
-    f2 = compile_kernel(("moe_w2_grouped", used, tiles, *signature(*a2)),
-                        MoEW2Grouped(L, used, k, tiles, s2.dtype == torch.int32), *(fake_like(t, align=16) for t in a2))
+    f2 = compile_kernel(("moe_w2_grouped", used, t2, *signature(*a2)),
+                        MoEW2Grouped(L, used, k, t2, s2.dtype == torch.int32), *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
 
