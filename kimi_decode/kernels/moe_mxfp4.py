@@ -11,10 +11,12 @@ into an fp16's sign, exponent and mantissa fields is the code's value times 2**-
 on the fp16 subnormal 2**-15). The 2**14 is folded into the group's ue8m0 scale, applied in fp32 once per 32 codes.
 
 Layout of one warp's work: a tile of 16 weight rows by one MX group (32 codes). Lane (g, t) = (lane // 4, lane % 4)
-loads the 4-byte word t of the group's 16 bytes for rows g and g + 8, which holds codes 8t..8t+7; mma k-slots are
+holds the 4-byte word t of the group's 16 bytes for rows g and g + 8, which holds codes 8t..8t+7; mma k-slots are
 assigned so that those eight codes pair with activations 8t..8t+7 of the same lane (the dot product does not care
-about the order of k). The 8 warps of a CTA split the K groups between them and add their partial sums through
-shared memory. The activation operand carries the same token in all 8 mma columns, so column 0 (lanes with t = 0)
+about the order of k). `moe_w2_sum` loads that word directly; `moe_w13_act` (and the grouped kernels) load 16 bytes
+per lane, group t of four consecutive groups, and exchange words within each quad of lanes (`quad_transpose`), since
+a 4-byte load per lane touches 8 rows for 16 bytes each and bounds the kernel by load instructions. The warps of a
+CTA split the K groups between them and add their partial sums through shared memory. The activation operand carries the same token in all 8 mma columns, so column 0 (lanes with t = 0)
 holds the result. Only the expert rows the math needs are read: padded intermediate rows (TP16 stores 256, uses
 192) are skipped.
 """
