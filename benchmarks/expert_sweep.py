@@ -14,6 +14,7 @@ import statistics
 
 import torch
 
+from graph_timing import launch_us
 from kimi_decode.bench import expert_bytes
 from kimi_decode.config import shard
 from kimi_decode.kernels import triton_kernels as tk
@@ -31,27 +32,6 @@ p.add_argument("--only", nargs="*", default=[], help="time only the variants who
 p.add_argument("--json")
 a = p.parse_args()
 dev = torch.device("cuda")
-
-
-def timed(fn, n):
-    """us per launch: a graph of 2n launches (fn(i % n)), median of the replays."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(2 * n):
-            fn(i % n)
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(a.replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / (2 * n))
-    return statistics.median(times)
 
 
 rows = []
@@ -101,7 +81,7 @@ for tp in a.tp:
         for name, (fn, nbytes) in variants.items():
             if a.only and not any(o in name for o in a.only):
                 continue
-            us = timed(fn, a.sets)
+            us = launch_us(fn, a.sets, a.replays)
             vmb = distinct * nbytes / 1e6
             print(f"{tp:>3} {batch:>5} {distinct:>8.0f} {vmb:>7.1f}  {name:<22} {us:>8.2f} {vmb / us:>6.2f}")
             rows.append({"tp": tp, "batch": batch, "distinct": distinct, "mb": round(vmb, 2), "variant": name,

@@ -7,10 +7,10 @@ replays, the median per launch; bytes are the weights plus x and y; TB/s against
 """
 import argparse
 import json
-import statistics
 
 import torch
 
+from graph_timing import launch_us
 from kimi_decode.config import shard
 from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
 from kimi_decode.kernels.gemv import MAX_ROWS as GEMV_ROWS, gemv
@@ -27,28 +27,6 @@ p.add_argument("--json")
 a = p.parse_args()
 dev = torch.device("cuda")
 counters = torch.zeros(1024, dtype=torch.int32, device=dev)
-
-
-def timed(fn, copies):
-    """us per launch: a graph of launches over all copies (twice), median of the replays."""
-    fn(0)
-    torch.cuda.synchronize()
-    n = 2 * copies
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            fn(i % copies)
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(a.replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / n)
-    return statistics.median(times)
 
 
 rows_out = []
@@ -79,7 +57,7 @@ for tp in a.tp:
                                              lambda i, pl=pl: project(ws[i], x, y, counters, plan=pl)))
             for label, fn in variants:
                 try:
-                    us = timed(fn, copies)
+                    us = launch_us(fn, copies, a.replays)
                 except Exception as exc:  # noqa: BLE001 - a tiling that does not launch is reported, not fatal
                     print(f"{tp:>3} {name:>15} {N:>5} {K:>5} {M:>4}  {label}: failed: {exc}")
                     continue
