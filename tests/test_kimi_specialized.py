@@ -322,13 +322,13 @@ def test_moe_mxfp4_refuses_tensors_past_32_bit_offsets():
                  torch.empty(m.top_k, I, dtype=torch.float16), torch.empty(1, L))
 
 
-def _moe_on_meta(tp: int):
-    """A K3 MoE block's tensors at a shard's real shapes, on the meta device (no memory)."""
+def _moe_on_meta(tp: int, latent: int | None = None):
+    """A K3 MoE block's tensors at a shard's real shapes (or another latent width), on the meta device (no memory)."""
     from kimi_decode.weights import MoEWeights
 
     s = shard("k3", tp=tp)
     m = s.model
-    E, H, L, I, Is, g = m.num_experts, m.hidden, m.moe_latent, s.expert_inter, s.shared_inter, m.mxfp4_group
+    E, H, L, I, Is, g = m.num_experts, m.hidden, latent or m.moe_latent, s.expert_inter, s.shared_inter, m.mxfp4_group
     u8, meta = torch.uint8, "meta"
     return MoEWeights(
         router=torch.empty(E, H, device=meta), router_bias=torch.empty(E, device=meta),
@@ -371,6 +371,25 @@ def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env
     assert ("64-bit" in said or "32 bits" in said) == (tp == 1)
     assert (f"batch {batch} > 64" in said) == (batch > 64)
     assert ("run on cuBLAS" in said) == (4 <= batch <= 64)
+
+
+def test_expert_kernels_fall_back_for_a_latent_width_off_their_quads(monkeypatch, caplog):
+    """The expert kernels split the latent into quads of 4 MX groups (128 values): another width runs auto's experts
+    (and the MoE tail that goes with them), saying so once."""
+    from types import SimpleNamespace
+
+    from kimi_decode.backends import latency_specialized
+    from kimi_decode.config import KDA
+
+    monkeypatch.setattr(latency_specialized, "_said", set())
+    monkeypatch.setattr(latency_specialized.cute_common, "HAVE_CUTE", True)
+    backend = get_backend("latency_specialized")
+    lw = SimpleNamespace(attn_res=SimpleNamespace(query=SimpleNamespace(is_cuda=True)), attn_kind=KDA,
+                         mlp=_moe_on_meta(16, latent=3584 - 32))
+    with caplog.at_level(logging.WARNING):
+        backend.begin_layer(lw, 1, reduced=False)
+    assert not backend._experts_fast and not backend._mlp_fast
+    assert "multiple of 128" in " ".join(r.getMessage() for r in caplog.records)
 
 
 @needs_cute

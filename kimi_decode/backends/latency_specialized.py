@@ -151,13 +151,17 @@ class LatencySpecializedBackend(AutoBackend):
         self._mlp_fast = device_ok and small and isinstance(lw.mlp, MoEWeights)
         self._experts_fast = device_ok and batch <= EXPERT_MAX_ROWS and isinstance(lw.mlp, MoEWeights)
         if self._experts_fast:
-            from ..kernels.moe_mxfp4 import fits_int32_offsets
+            from ..kernels.moe_mxfp4 import GROUP, QUAD, fits_int32_offsets
 
             w = lw.mlp
             if not fits_int32_offsets(w.w13, w.w13_scale, w.w2, w.w2_scale):
                 self._fallback("routed-expert tensors of 2**31 bytes or more (a TP1 shard): the MXFP4 expert "
                                "kernels index with 32 bits")
                 self._experts_fast = self._mlp_fast = False  # the MoE tail then needs no partial sums
+            elif w.w2.shape[1] % (GROUP * QUAD):
+                self._fallback(f"latent width {w.w2.shape[1]} is not a multiple of 128: the MXFP4 expert kernels "
+                               "read the latent in quads of 4 groups of 32")
+                self._experts_fast = self._mlp_fast = False
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
         self._fused_norm = self._mlp_fast and not reduced and batch <= GEMV_MAX_ROWS
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
