@@ -16,9 +16,9 @@ assigned so that those eight codes pair with activations 8t..8t+7 of the same la
 about the order of k). `moe_w2_sum` loads that word directly; `moe_w13_act` (and the grouped kernels) load 16 bytes
 per lane, group t of four consecutive groups, and exchange words within each quad of lanes (`quad_transpose`), since
 a 4-byte load per lane touches 8 rows for 16 bytes each and bounds the kernel by load instructions. The warps of a
-CTA split the K groups between them and add their partial sums through shared memory. The activation operand carries the same token in all 8 mma columns, so column 0 (lanes with t = 0)
-holds the result. Only the expert rows the math needs are read: padded intermediate rows (TP16 stores 256, uses
-192) are skipped.
+CTA split the K groups between them and add their partial sums through shared memory. The activation operand carries
+the same token in all 8 mma columns, so column 0 (lanes with t = 0) holds the result. Only the expert rows the math
+needs are read: padded intermediate rows (TP16 stores 256, uses 192) are skipped.
 """
 from __future__ import annotations
 
@@ -89,12 +89,13 @@ def _operands_asm(bf16_activations: bool) -> str:
     """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm`."""
     return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
 
+
 def quad_transpose(v, t, select, bfly):
     """Lane t of a quad (t = lane % 4) holds v, the four words of MX group t of four consecutive groups (one 16-byte
     load); returns word t of groups 0..3, the layout the mma fragments take. Two butterfly rounds, over lanes t ^ 1
     and t ^ 2, each lane keeping two words and sending two, then a reorder: 4 shuffles and 16 selects.
     `select(c, a, b)` is c ? a : b and `bfly(x, d)` the x of lane t ^ d: the kernel's select and shuffle, or in the
-    tests numpy's over four simulated lanes."""
+    tests torch's over four simulated lanes."""
     b = (t & 1) != 0
     c = (t & 2) != 0
     k0, k1 = select(b, v[1], v[0]), select(b, v[3], v[2])  # own group, the words whose bit 0 is b
@@ -104,7 +105,6 @@ def quad_transpose(v, t, select, bfly):
     plo, phi = select(b, p1, p0), select(b, p0, p1)
     qlo, qhi = select(b, q1, q0), select(b, q0, q1)
     return [select(c, qlo, plo), select(c, qhi, phi), select(c, plo, qlo), select(c, phi, qhi)]
-
 
 
 if HAVE_CUTE:
