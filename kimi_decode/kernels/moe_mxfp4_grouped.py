@@ -227,6 +227,7 @@ if HAVE_CUTE:
                                 out[q, r0 + 16 * r] = wt * acc[4 * r + h]
                                 out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
 
+
 def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out):
     """The per-pair kernels' checks (layouts, chaining, dtypes, contiguity, 32-bit offsets), then what grouping adds."""
     check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, pair_out)
