@@ -328,7 +328,8 @@ def _moe_on_meta(tp: int, latent: int | None = None):
 
     s = shard("k3", tp=tp)
     m = s.model
-    E, H, L, I, Is, g = m.num_experts, m.hidden, latent or m.moe_latent, s.expert_inter, s.shared_inter, m.mxfp4_group
+    E, H, I, Is, g = m.num_experts, m.hidden, s.expert_inter, s.shared_inter, m.mxfp4_group
+    L = latent or m.moe_latent
     u8, meta = torch.uint8, "meta"
     return MoEWeights(
         router=torch.empty(E, H, device=meta), router_bias=torch.empty(E, device=meta),
@@ -428,10 +429,10 @@ def test_moe_mxfp4_grouped_refuses_bad_shapes():
                           s.expert_inter_used, align[:3] + [torch.empty(5, dtype=torch.int32)])
 
 
-
 def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
-    """The w13 kernel's exchange, run on 4 simulated lanes (a tensor over lanes; a shuffle reads lane ^ d): lane t
-    loaded the 4 words of group t and must end with word t of groups 0..3, for every word value (random bits)."""
+    """The expert kernels' word exchange, run on 4 simulated lanes (a tensor over lanes; a shuffle reads lane ^ d):
+    lane t loaded the 4 words of group t and must end with word t of groups 0..3, for every word value (random
+    bits)."""
     from kimi_decode.kernels.moe_mxfp4 import quad_transpose
 
     g = torch.Generator().manual_seed(5)
@@ -450,6 +451,7 @@ def test_grouped_tiles_switch_is_checked(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", "3")
     with pytest.raises(ValueError, match="1, 2 or 4"):
         grouped_tiles("w2")
+
 
 def test_prefetch_view_takes_whole_chunks_of_the_first_bytes():
     from kimi_decode.kernels.prefetch import CHUNK, prefetch_view
