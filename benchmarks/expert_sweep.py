@@ -19,8 +19,7 @@ from kimi_decode.bench import expert_bytes
 from kimi_decode.config import shard
 from kimi_decode.kernels import triton_kernels as tk
 from kimi_decode.kernels.cute_common import launch
-from kimi_decode.kernels.moe_mxfp4 import _words
-from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped, moe_mxfp4_grouped
+from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped, kernel_args, moe_mxfp4_grouped
 from kimi_decode.weights import init_layer
 
 p = argparse.ArgumentParser()
@@ -60,15 +59,14 @@ for tp in a.tp:
         pair_out = torch.empty(P, L, device=dev)
         f13, f2 = compile_grouped(latent, ids[0], weights, w.w13, w.w13_scale, w.w2, w.w2_scale, aligns[0], act,
                                   pair_out, used)
+        args = [kernel_args(latent, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, al, act, pair_out) for al in aligns]
         h = torch.empty(P, w.w13.shape[1], dtype=torch.bfloat16, device=dev)
         act_bf = torch.empty(P, w.w2.shape[2] * 2, dtype=torch.bfloat16, device=dev)
         out_t = torch.empty(P, L, device=dev)
 
         variants = {
-            "grouped w13": (lambda i: launch(f13, _words(latent), _words(w.w13), w.w13_scale, *aligns[i], act),
-                            2 * used * (L // 2 + L // 32)),
-            "grouped w2": (lambda i: launch(f2, _words(act), weights, _words(w.w2), w.w2_scale, *aligns[i], pair_out),
-                           L * (used // 2 + used // 32)),
+            "grouped w13": (lambda i: launch(f13, *args[i][0]), 2 * used * (L // 2 + L // 32)),
+            "grouped w2": (lambda i: launch(f2, *args[i][1]), L * (used // 2 + used // 32)),
             "grouped (both + sum)": (lambda i: moe_mxfp4_grouped(latent, ids[i], weights, w.w13, w.w13_scale, w.w2,
                                                                  w.w2_scale, used, aligns[i], act=act,
                                                                  pair_out=pair_out), per_expert),

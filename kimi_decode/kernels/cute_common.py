@@ -3,14 +3,17 @@
 Kernels are compiled once per shape key against fake tensors (so the same code path compiles for `sm_90a` on a
 machine without a GPU), cached in-process, and launched on the current torch stream so CUDA graphs capture them.
 
-Programmatic dependent launch (PDL): with `pdl_enabled()` (`KIMI_DECODE_PDL=1`; off by default, because on the
-H200 it gained 1.5% on the TP16 batch-1 KDA layer and lost 7% on TP8, see benchmarks/NOTES.md), every kernel is launched with programmatic stream serialisation and starts with `pdl_entry()`: it lets
-the next kernel launch at once, may prefetch its own weights into L2 (they do not depend on the previous kernel),
-and then waits for the previous kernel's results. Consecutive CuTe kernels thus overlap one's launch and weight
-fetch with the other's tail; after a kernel that does not take part (Triton, cuBLAS) the wait returns at once.
+Programmatic dependent launch (PDL): with `pdl_enabled()` (`KIMI_DECODE_PDL=1`; off by default, because on the H200
+it gained 1.5% on the TP16 batch-1 KDA layer and lost 7% on TP8, see benchmarks/NOTES.md), every kernel is launched
+with programmatic stream serialisation and starts with `pdl_entry()`: it lets the next kernel launch at once, may
+prefetch its own weights into L2 (they do not depend on the previous kernel), and then waits for the previous
+kernel's results. Consecutive CuTe kernels thus overlap one's launch and weight fetch with the other's tail; after a
+kernel that does not take part (Triton, cuBLAS) the wait returns at once.
+
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -36,6 +39,23 @@ if HAVE_CUTE:
                       torch.float16: cutlass.Float16, torch.int32: cutlass.Int32, torch.uint8: cutlass.Uint8}
 
 _cache: dict[tuple, Callable] = {}
+DEFAULT_SMS = 132  # H100 / H200: the SM count kernels are planned for when compiled without a GPU
+
+
+def sm_count(device: torch.device | None = None) -> int:
+    """SMs of the CUDA `device` (None: the current one), or DEFAULT_SMS without one (a CPU tensor, no GPU)."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return DEFAULT_SMS
+        return _sm_count(torch.cuda.current_device())
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def pdl_enabled() -> bool:
@@ -106,6 +126,13 @@ if HAVE_CUTE:
         F = cutlass.Float32
         gate = F(4.0) * cute.math.tanh(g * F(0.25)) / (F(1.0) + cute.math.exp(F(0.0) - g))
         return gate * (F(25.0) * cute.math.tanh(u * F(0.04)))
+
+    def mma_lanes(tidx):
+        """Thread `tidx`'s warp and lane and its place in an `mma.sync` fragment: (warp, lane, g, t) with g = lane // 4
+        (rows g and g + 8 of A, column g of B) and t = lane % 4 (its k-slots)."""
+        warp = tidx // 32
+        lane = tidx % 32
+        return warp, lane, lane // 4, lane % 4
 
     @cute.jit
     def load4(tile: cute.Tensor):

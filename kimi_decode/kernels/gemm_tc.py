@@ -13,11 +13,12 @@ loads words t of a 32-wide K chunk for rows g and g + 8, i.e. weights 8t..8t+7, 
 g. The mma k-slots are assigned so that those pair up (the dot product does not care about the order of k), as in
 the MXFP4 expert kernels. Up to 16 tokens ("direct") a warp reads x from global memory (the CTA's other warps hit
 L1) and keeps PIPE chunks of loads in flight in register slots; above, the CTA first stages its K slice of all
-tokens' x in shared memory (rows padded so the 16-byte reads of one quarter-warp fall in distinct banks). Each CTA writes its partial sums to an fp32 workspace [splits, N, 8 * tiles]; the CTA of a row
-group that finishes last (`cute_common.last_cta`, a completion counter per row group that resets itself) adds the
-splits in a fixed order, so the result does not depend on which CTA finishes first, and runs the epilogue of
-`gemv.py`: store y (bf16 or fp32), or add into an fp32 y with an optional bf16 addend, optionally scaling row m by
-an RMSNorm's 1/rms from partial sums of squares.
+tokens' x in shared memory (rows padded so the 16-byte reads of one quarter-warp fall in distinct banks). Each CTA
+writes its partial sums to an fp32 workspace [splits, N, 8 * tiles]; the CTA of a row group that finishes last
+(`cute_common.last_cta`, a completion counter per row group that resets itself) adds the splits in a fixed order, so
+the result does not depend on which CTA finishes first, and runs the epilogue of `gemv.py`: store y (bf16 or fp32),
+or add into an fp32 y with an optional bf16 addend, optionally scaling row m by an RMSNorm's 1/rms from partial sums
+of squares.
 
 On the H200 (benchmarks/NOTES.md, v10) it streams 2.6-2.8 TB/s on the 46-51 MB projections at 4-8 rows, 5-20% behind
 cuBLAS's pipelined split-K GEMM, and falls further behind from 16 rows; `latency_specialized` therefore runs it
@@ -29,13 +30,13 @@ import functools
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import (DEFAULT_SMS, HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature,
+                          sm_count)
 from .gemv import check_epilogue
 
 MIN_ROWS, MAX_ROWS = 2, 64
 CHUNK = 32  # K per mma step pair (16 int32 words: 4 lanes x 16 bytes per row)
 SMEM_LIMIT = 200 * 1024  # bytes of staged activations per CTA
-DEFAULT_SMS = 132  # H100 / H200; the plan for a GPU in use takes its own count
 # per SM (sm_90): shared memory (with the 1 KB each CTA reserves), registers, threads
 SM_SMEM, SM_REGS, SM_THREADS = 228 * 1024, 65536, 2048
 WARPS_ENOUGH = 16  # resident warps per SM past which more do not stream faster (each keeps ~4 KB of loads in flight)
@@ -49,7 +50,7 @@ if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from .cute_common import last_cta, load4
+    from .cute_common import last_cta, load4, mma_lanes
     from .gemv import store_output
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c):
@@ -85,10 +86,7 @@ if HAVE_CUTE:
             p = self.p
             tidx, _, _ = cute.arch.thread_idx()
             bx, bs, _ = cute.arch.block_idx()
-            warp = tidx // 32
-            lane = tidx % 32
-            g = lane // 4
-            t = lane % 4
+            warp, lane, g, t = mma_lanes(tidx)
             smem = cutlass.utils.SmemAllocator()
             rs = smem.allocate_tensor(Float32, cute.make_layout(p.cols), 16)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
@@ -301,17 +299,6 @@ def plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> Plan:
     return min((p for p in cands if warps_of[id(p)] >= 0.9 * most), key=lambda p: (p.partial_bytes, p.splits, p.warps))
 
 
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
     M, K = x.shape
     N = w.shape[0]
@@ -336,7 +323,7 @@ def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
 
 def compile_projection(w, x, y, ws, counters, accumulate: bool = False, addend=None, row_scale=None,
                        plan: Plan | None = None):
-    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], _sms(w.device))
+    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
     extra = addend if addend is not None else y
     ssq = row_scale[0] if row_scale is not None else y
     eps = float(row_scale[1]) if row_scale is not None else 0.0
@@ -359,7 +346,7 @@ def project(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: torch.T
     `gemv.gemv`. `counters`: int32, at least `plan_for(...).groups` long, all 0 (they are left at 0), used by no
     kernel running at the same time. `plan`: another tiling than `plan_for`'s (benchmarks)."""
     _check(w, x, y, accumulate, addend, row_scale, counters)
-    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], _sms(w.device))
+    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
     if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
         raise ValueError(f"plan {plan.key()} is not for this shape")
     if counters.numel() < plan.groups:

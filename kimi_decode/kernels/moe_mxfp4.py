@@ -27,7 +27,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import load4, pdl_launch_dependents, pdl_wait, situ_glu
+    from .cute_common import load4, mma_lanes, pdl_launch_dependents, pdl_wait, situ_glu
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
 WARPS = 8  # K slices per CTA
@@ -88,6 +88,15 @@ def _operand_mma_asm() -> str:
 def _operands_asm(bf16_activations: bool) -> str:
     """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm`."""
     return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
+
+
+def quad_split(latent: int) -> tuple[int, int]:
+    """K = `latent` values in whole quads of MX groups over the most warps (up to WARPS) that take equal slices:
+    (warps, quads per warp); K3: 28 quads, 7 warps of 4. Equal slices keep every group free of a per-warp condition,
+    so the accumulators stay in registers."""
+    quads = latent // (GROUP * QUAD)
+    warps = next(n for n in range(WARPS, 0, -1) if quads % n == 0)
+    return warps, quads // warps
 
 
 def quad_transpose(v, t, select, bfly):
@@ -170,12 +179,10 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int):
-            """`w_scale` comes as int32 words (4 scale bytes each); K is split over the warps in equal slices of
-            whole quads (K3: 28 quads, 7 warps of 4), read with 16-byte loads (`quad_words`)."""
+            """`w_scale` comes as int32 words (4 scale bytes each); K is split over the warps in whole quads
+            (`quad_split`), read with 16-byte loads (`quad_words`)."""
             self.I, self.used, self.topk = inter, used, topk
-            quads = latent // (GROUP * QUAD)
-            self.warps = next(n for n in range(WARPS, 0, -1) if quads % n == 0)
-            self.per_warp = quads // self.warps
+            self.warps, self.per_warp = quad_split(latent)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -193,10 +200,7 @@ if HAVE_CUTE:
             bx, p, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
-            warp = tidx // 32
-            lane = tidx % 32
-            g = lane // 4
-            t = lane % 4
+            warp, _, g, t = mma_lanes(tidx)
             j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
@@ -256,10 +260,7 @@ if HAVE_CUTE:
             bx, b, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
-            warp = tidx // 32
-            lane = tidx % 32
-            g = lane // 4
-            t = lane % 4
+            warp, lane, g, t = mma_lanes(tidx)
             ra = bx * ROWS2 + g
             rb = ra + ROWS2 // 2
             acc_a = Float32(0.0)
@@ -341,9 +342,14 @@ def _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled):
     return (_words(act), ids, weights, _words(w2), w2_scale, out, ssq, norm_w, scaled_out)
 
 
+def _w13_args(latent, ids, w13, w13_scale, act):
+    """The w13 kernel's tensors, as compiled and launched: the codes and the scales as int32 words."""
+    return (_words(latent), ids, _words(w13), _words(w13_scale), act)
+
+
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
-    a13 = (_words(latent), ids, _words(w13), _words(w13_scale), act)
+    a13 = _w13_args(latent, ids, w13, w13_scale, act)
     f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
                          *(fake_like(t, align=16) for t in a13))
     a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
@@ -374,6 +380,6 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
                 or y.shape != (B, L) or y.dtype != torch.bfloat16 or not y.is_contiguous()):
             raise ValueError(f"MoE MXFP4: scaled output needs an fp32 [{L}] norm weight and a bf16 [{B}, {L}] tensor")
     f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled)
-    launch(f13, _words(latent), ids, _words(w13), _words(w13_scale), act)
+    launch(f13, *_w13_args(latent, ids, w13, w13_scale, act))
     launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
     return out

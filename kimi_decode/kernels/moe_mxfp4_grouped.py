@@ -28,7 +28,7 @@ import os
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
-from .moe_mxfp4 import GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets
+from .moe_mxfp4 import GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, quad_split
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
@@ -52,7 +52,7 @@ def _tiles(n: int, most: int) -> int:
 if HAVE_CUTE:
     from cutlass import Float32
 
-    from .cute_common import load4, situ_glu
+    from .cute_common import load4, mma_lanes, situ_glu
     from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_words
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int):
@@ -78,10 +78,7 @@ if HAVE_CUTE:
         def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4)."""
             self.I, self.used, self.topk = inter, used, topk
-            quads = latent // (GROUP * QUAD)
-            # K split over the CTA's warps in equal slices of whole quads (K3: 28 quads, 7 warps of 4)
-            self.warps = next(n for n in range(WARPS, 0, -1) if quads % n == 0)
-            self.per_warp = quads // self.warps
+            self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
 
         @cute.jit
@@ -99,10 +96,7 @@ if HAVE_CUTE:
                    seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, s, _ = cute.arch.block_idx()
-            warp = tidx // 32
-            lane = tidx % 32
-            g = lane // 4
-            t = lane % 4
+            warp, _, g, t = mma_lanes(tidx)
             j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, self.warps, self.tiles)), 16)
@@ -184,10 +178,7 @@ if HAVE_CUTE:
                    seg_expert: cute.Tensor, out: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, s, _ = cute.arch.block_idx()
-            warp = tidx // 32
-            lane = tidx % 32
-            g = lane // 4
-            t = lane % 4
+            warp, _, g, t = mma_lanes(tidx)
             r0 = (bx * WARPS + warp) * 16 * self.tiles + g  # this warp's rows: tiles of 16 from here
             length = seg_len[s]
             if length > 0:
@@ -250,16 +241,22 @@ def _w2_scales(w2_scale: torch.Tensor) -> torch.Tensor:
     return _words(w2_scale) if w2_scale.shape[-1] % 4 == 0 else w2_scale
 
 
+def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out):
+    """The two kernels' tensors, as compiled and launched: codes, activations and (where rows allow) scales as int32
+    words."""
+    a13 = (_words(latent), _words(w13), _words(w13_scale), *align, act)
+    a2 = (_words(act), weights, _words(w2), _w2_scales(w2_scale), *align, pair_out)
+    return a13, a2
+
+
 def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
-    a13 = (_words(latent), _words(w13), _words(w13_scale), *align, act)
+    a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     f13 = compile_kernel(("moe_w13_grouped", used, t13, *signature(*a13)), MoEW13Grouped(L, I, used, k, t13),
                          *(fake_like(t, align=16) for t in a13))
-    s2 = _w2_scales(w2_scale)
-    a2 = (_words(act), weights, _words(w2), s2, *align, pair_out)
     f2 = compile_kernel(("moe_w2_grouped", used, t2, *signature(*a2)),
-                        MoEW2Grouped(L, used, k, t2, s2.dtype == torch.int32), *(fake_like(t, align=16) for t in a2))
+                        MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32), *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
 
@@ -275,6 +272,7 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
     pair_out = pair_out if pair_out is not None else torch.empty(B * k, L, dtype=torch.float32, device=latent.device)
     _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out)
     f13, f2 = compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used)
-    launch(f13, _words(latent), _words(w13), _words(w13_scale), *align, act)
-    launch(f2, _words(act), weights, _words(w2), _w2_scales(w2_scale), *align, pair_out)
+    a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
+    launch(f13, *a13)
+    launch(f2, *a2)
     return pair_out.view(B, k, L).sum(1)

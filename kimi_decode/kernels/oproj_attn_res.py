@@ -13,12 +13,10 @@ until the last projection CTA is done, and then has to be launched and fetch its
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .attn_res import _align as _res_align
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
@@ -28,12 +26,6 @@ if HAVE_CUTE:
 
 VEC = 8  # bf16 per 16-byte load
 ROWS_AT_ONCE = 2  # output rows a warp streams together
-
-
-@functools.cache
-def _sm_count(device: int | None) -> int:
-    """SMs of the GPU `device` (132 for compiling without one: an H100 / H200)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device is not None else 132
 
 
 if HAVE_CUTE:
@@ -135,7 +127,7 @@ def compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm
     check_res(blocks, partial, a, query, key_norm, input_norm, out, n_blocks, False, delta_mode, True)
     if delta_mode not in (1, 2):
         raise ValueError("oproj_attn_res: the projection is the residual update: delta_mode 1 or 2")
-    ctas = ctas or _sm_count(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    ctas = ctas or sm_count()
     args = (w, x, a, blocks, partial, query, key_norm, input_norm, out, counter)
     key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, *signature(*args))
     op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps)
