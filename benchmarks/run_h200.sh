@@ -12,7 +12,8 @@
 # with KIMI_DECODE_FUSED_O_RES=0: output projection and AttnRes as two kernels), numerics-new
 # (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`), experts (benchmarks/expert_sweep.py),
 # experts-tiles (the grouped kernels at 4 and 1 row tiles per warp), ncu-experts (ncu sections of the grouped
-# expert kernels at TP16 batch 64).
+# expert kernels at TP16 batch 64), noentry (latency_specialized at batch 1 with KIMI_DECODE_MOE_ENTRY=0: router and
+# latent down-projection as two kernels), nogate (batch 1 and 8 with KIMI_DECODE_FUSED_GATE=0: the f_b GEMV on its own).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -98,6 +99,10 @@ for name in "$@"; do
         --tp 16 8 --batch 1 4 8 ;;
     tcplain)  # every plain projection on the tensor-core kernel (KIMI_DECODE_TC_PLAIN=1) at batch 8 and 16
       KIMI_DECODE_TC_PLAIN=1 bench tcplain 90 bench_tcplain.json --backend latency_specialized --tp 16 8 --batch 8 16 ;;
+    noentry)  # batch 1 with the router beside the latent down-projection (two kernels, two streams)
+      KIMI_DECODE_MOE_ENTRY=0 bench noentry 90 bench_noentry.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    nogate)  # batch 1 and 8 with the decay gate's f_b GEMV as its own kernel
+      KIMI_DECODE_FUSED_GATE=0 bench nogate 120 bench_nogate.json --backend latency_specialized --tp 16 8 --batch 1 8 ;;
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     experts)  # the routed-expert kernels alone, grouped CuTe against auto's Triton (benchmarks/expert_sweep.py)

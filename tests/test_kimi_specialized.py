@@ -78,6 +78,9 @@ def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
     fused = (args[0], torch.empty(d, s.model.kda_f_rank, dtype=bf), *args[2:])  # f_b applied inside the kernel
     assert compile_kda_decode(*fused, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0,
                               f_col=s.kda_in_proj_layout["f_a"][0]) is not None
+    cols = (args[0], torch.empty(s.model.kda_f_rank, d, dtype=bf).t(), *args[2:])  # the backend's column-major f_b
+    assert compile_kda_decode(*cols, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0,
+                              f_col=s.kda_in_proj_layout["f_a"][0]) is not None
 
 
 @needs_cute
@@ -476,13 +479,13 @@ def test_prefetch_compiles_for_sm90a(sm90a):
 
 
 @pytest.mark.parametrize("env, overlap, prefetch, fused_gate", [
-    ({}, True, 0, False),  # the defaults: what measured fastest on the H200 (benchmarks/NOTES.md, v5-v7)
-    ({"KIMI_DECODE_OVERLAP": "0"}, False, 0, False),
-    ({"KIMI_DECODE_PREFETCH_MB": "24", "KIMI_DECODE_FUSED_GATE": "1"}, True, 24 << 20, True),
+    ({}, True, 0, True),  # the defaults (benchmarks/NOTES.md, v5-v7, v12)
+    ({"KIMI_DECODE_OVERLAP": "0"}, False, 0, True),
+    ({"KIMI_DECODE_PREFETCH_MB": "24", "KIMI_DECODE_FUSED_GATE": "0"}, True, 24 << 20, False),
 ])
 def test_moe_block_fork_and_the_measured_off_switches(monkeypatch, env, overlap, prefetch, fused_gate):
-    """The MoE block forks by default; L2 prefetch and f_b inside the KDA kernel are off unless asked for; a dense
-    (non-MoE) layer never forks."""
+    """The MoE block forks by default; L2 prefetch is off unless asked for, f_b inside the KDA kernel on unless
+    switched off; a dense (non-MoE) layer never forks."""
     from types import SimpleNamespace
 
     from kimi_decode.backends import latency_specialized
@@ -504,6 +507,46 @@ def _router_args(rows, E=896, K=7168, k=16):
     return (torch.empty(E, K, dtype=torch.bfloat16), torch.empty(rows, K, dtype=torch.bfloat16),
             torch.empty(rows, E), torch.empty(E), torch.empty(rows, k, dtype=torch.int32), torch.empty(rows, k),
             torch.zeros(1, dtype=torch.int32))
+
+
+@needs_cute
+def test_moe_entry_compiles_for_sm90a(sm90a):
+    from kimi_decode.kernels.moe_entry import compile_moe_entry
+
+    for E, K, k, L in ((896, 7168, 16, 3584), (200, 512, 8, 384)):
+        bf = torch.bfloat16
+        latent = (torch.empty(L, K, dtype=bf), torch.empty(1, L, dtype=bf))
+        assert compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5) is not None
+
+
+def test_moe_entry_refuses_a_down_projection_that_does_not_chain():
+    from kimi_decode.kernels.moe_entry import _check
+
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match="down-projection"):
+        _check(*_router_args(1), torch.empty(3584, 4096, dtype=bf), torch.empty(1, 3584, dtype=bf))
+    with pytest.raises(ValueError, match="down-projection"):
+        _check(*_router_args(1), torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584))
+
+
+def test_f_b_column_copy_is_made_once_outside_captures_and_dropped_with_its_weight(monkeypatch):
+    """The KDA kernel's column-major f_b: one copy per weight, holding f_b's values; none is made inside a CUDA-graph
+    capture (the f_b GEMV then runs); the cache entry goes when the weight does."""
+    import gc
+
+    backend = get_backend("latency_specialized")
+    f_b = torch.randn(768, 128).bfloat16()
+    cols = backend._f_b_columns(f_b)
+    assert cols.shape == f_b.shape and cols.t().is_contiguous() and torch.equal(cols, f_b)
+    assert backend._f_b_columns(f_b) is cols
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    other = torch.randn(768, 128).bfloat16()
+    assert backend._f_b_columns(other) is None
+    assert backend._f_b_columns(f_b) is cols  # made before the capture: used in it
+    del f_b, cols
+    gc.collect()
+    assert backend._f_b_cols == {}
 
 
 @needs_cute

@@ -44,14 +44,14 @@ def test_projection_matches_float64(tp, kernel, rows):
 
 @pytest.mark.parametrize("tp", [16, 8, 1])
 @pytest.mark.parametrize("batch", [1, 3, 8, 64])
-@pytest.mark.parametrize("fused_gate", [False, True])
+@pytest.mark.parametrize("fused_gate", [False, "rows", "cols"])
 def test_kda_decode_matches_float64(tp, batch, fused_gate):
     """The fused KDA kernel against float64; `fused_gate`: it also applies f_b to the input projection's f_a columns
-    (f_col) instead of taking the gate input f."""
+    (f_col) instead of taking the gate input f, f_b as stored ("rows") or as the backend's column-major copy."""
     from kimi_decode.kernels.kda_decode import kda_decode
 
     s = shard("k3", tp=tp)
-    seed = 7 * tp + batch + 100 * fused_gate
+    seed = 7 * tp + batch + 100 * bool(fused_gate) + 200 * (fused_gate == "cols")
     lw = init_layer(s, 1, seed=seed, device="cuda")
     state = init_kda_state(s, batch, 1, seed=seed, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -63,7 +63,8 @@ def test_kda_decode_matches_float64(tp, batch, fused_gate):
     st = state.clone()
     out = torch.full((batch, s.kda_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
     m = s.model
-    kda_decode(y, lw.attn.f_b if fused_gate else f, st.conv, lw.attn.conv, lw.attn.A_log, lw.attn.dt_bias,
+    f_b = lw.attn.f_b.t().contiguous().t() if fused_gate == "cols" else lw.attn.f_b
+    kda_decode(y, f_b if fused_gate else f, st.conv, lw.attn.conv, lw.attn.A_log, lw.attn.dt_bias,
                st.recurrent, lw.attn.o_norm, out, b_col=s.kda_in_proj_layout["b"][0], eps=m.rms_eps,
                lower_bound=m.kda_gate_lower_bound, f_col=a if fused_gate else None)
     torch.cuda.synchronize()
@@ -407,6 +408,70 @@ def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypa
     monkeypatch.setenv("KIMI_DECODE_FUSED_ROUTER", "0")
     s = shard("k3", tp=16)
     lw, res, state = layer_case(s, 1, 1, seed=4321, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("E, K, L, k", [(896, 7168, 3584, 16), (200, 512, 384, 8)])
+def test_moe_entry_matches_float64(E, K, L, k):
+    """The router and the latent down-projection in one kernel against float64: the routes as the one-kernel
+    router's test checks them, the latent within bf16 rounding; eagerly and replayed in a CUDA graph (the router's
+    counter back at 0), outputs poisoned before each run."""
+    from kimi_decode.kernels.moe_entry import moe_entry
+    from kimi_decode.testing import check_routing
+
+    g = torch.Generator(device="cuda").manual_seed(E + K)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    w = (torch.randn(E, K, device="cuda", generator=g) * 0.02).bfloat16()
+    w_down = torch.randn(L, K, device="cuda", generator=g).bfloat16()
+    x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(E, device="cuda", generator=g) * 0.1
+    logits = torch.empty(1, E, device="cuda")
+    ids = torch.empty(1, k, dtype=torch.int32, device="cuda")
+    weights = torch.empty(1, k, device="cuda")
+    latent = torch.empty(1, L, dtype=torch.bfloat16, device="cuda")
+    want_logits = x.double() @ w.double().T
+    scores = torch.sigmoid(want_logits)
+    selection = scores + bias.double()
+
+    def run():
+        moe_entry(w, x, logits, bias, ids, weights, counter, w_down, latent, scaling=2.5)
+
+    def poison():
+        for t in (logits, weights, latent):
+            t.fill_(float("nan"))
+        ids.fill_(-1)
+
+    def check():
+        torch.cuda.synchronize()
+        assert rel_err(latent, x.double() @ w_down.double().T) < 1e-2
+        assert rel_err(logits, want_logits) < 1e-4
+        check_routing(selection, ids.long())
+        s = scores.gather(-1, ids.long())
+        assert rel_err(weights, s / s.sum(-1, keepdim=True) * 2.5) < 1e-4
+        assert counter.item() == 0
+
+    for _ in range(2):
+        poison()
+        run()
+        check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        poison()
+        graph.replay()
+        check()
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("env", [{"KIMI_DECODE_MOE_ENTRY": "0"}, {"KIMI_DECODE_FUSED_GATE": "0"}])
+def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
+    """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
+    own kernel (the A/B switches)."""
+    for key, v in env.items():
+        monkeypatch.setenv(key, v)
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, 1, seed=4500 + tp + len(env), device="cuda")
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 

@@ -11,11 +11,15 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   switch-overs (A/B);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
   `kernels/kda_decode.py`; above batch 8 on the generic path's projections);
-  with `KIMI_DECODE_FUSED_GATE=1` also the decay gate's low-rank up-projection f_b (one GEMV kernel fewer, slower
-  as measured: off by default);
-- routing: at batch 1 one kernel, the router GEMV (split-K inside the CTA) whose last CTA takes the top-k and the
-  weights (`kernels/router_topk.py`; `KIMI_DECODE_FUSED_ROUTER=0`: two kernels); above batch 1 the GEMV, then the
-  generic path's top-k kernel;
+  up to batch 8 it also applies the decay gate's low-rank up-projection f_b, read from a column-major copy of f_b
+  that the backend makes once per weight outside any capture (`_f_b_columns`; one GEMV kernel fewer;
+  `KIMI_DECODE_FUSED_GATE=0`: the f_b GEMV as its own kernel, for A/B);
+- routing: at batch 1 the router GEMV (split-K inside the CTA) whose last CTA takes the top-k and the weights
+  (`kernels/router_topk.py`; `KIMI_DECODE_FUSED_ROUTER=0`: two kernels), and that inside one kernel with the latent
+  down-projection (`kernels/moe_entry.py`: the router's CTAs first in the grid, then the down-projection's; the
+  kernel launches under the `routed_experts` stage, where the down-projection belongs, so the `router` stage has no
+  kernel of its own there; `KIMI_DECODE_MOE_ENTRY=0`: the two side by side on two streams); above batch 1 the GEMV,
+  then the generic path's top-k kernel;
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
   registers (`kernels/moe_mxfp4.py`); above batch 8 the pairs are sorted by expert (the generic path's alignment
@@ -46,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 
 import torch
 
@@ -100,10 +105,15 @@ class LatencySpecializedBackend(AutoBackend):
         self._prefetch_bytes = int(float(os.environ.get("KIMI_DECODE_PREFETCH_MB", PREFETCH_MB)) * 2**20)
         self._lw = None
         self._shared_glu = os.environ.get("KIMI_DECODE_SHARED_GLU", "1") != "0"  # 0: GLU as its own kernel (A/B)
-        # f_b inside the KDA kernel: one kernel fewer, but 2.4-3.3 us slower at batch 1 on the H200 (NOTES, v7)
-        self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "0") == "1"
+        # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
+        self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "1") != "0"
+        self._f_b_cols: dict[int, tuple] = {}  # id(f_b) -> (weak reference to f_b, its column-major copy)
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
+        # 0: the router and the latent down-projection as two kernels on two streams (A/B)
+        self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
+        self._moe_entry = False  # this layer's router runs inside the latent down-projection's kernel
+        self._pending_route = None  # (x, w, logits, ids, weights) of that router, until routed_experts
         # 0: the output projection and the AttnRes after it as two kernels (A/B)
         self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
         self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
@@ -168,6 +178,9 @@ class LatencySpecializedBackend(AutoBackend):
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
                             and not reduced)
         self._pending_o = None
+        self._moe_entry = (self._experts_fast and self._mlp_fast and self._fused_router and self._moe_entry_on
+                           and batch <= ROUTER_FUSED_MAX_ROWS)
+        self._pending_route = None
         self._ssq = self._scaled = None
         self._overlap = device_ok and self._overlap_on and isinstance(lw.mlp, MoEWeights)
         self._lw = lw
@@ -217,7 +230,7 @@ class LatencySpecializedBackend(AutoBackend):
         """Runs the enclosed stage on a stream of its own that starts after everything launched so far on the current
         stream; under CUDA-graph capture this is a fork in the graph. `inputs` are the main stream's tensors it reads
         (kept from reuse until it is done)."""
-        if not self._overlap:
+        if not self._overlap or (name == "router" and self._moe_entry):  # the router: in the entry kernel
             yield
             return
         main = torch.cuda.current_stream(inputs[0].device)
@@ -285,8 +298,9 @@ class LatencySpecializedBackend(AutoBackend):
         if not self._attn_fast:
             return super().kda_in_proj(x, w, shard)
         y = self._gemv(x, w.in_proj)
-        if self._fused_gate:  # the decay gate's up-projection f_b runs inside the KDA kernel (kda_core gets f=None)
-            return y, None
+        if (self._fused_gate and x.shape[0] <= GEMV_MAX_ROWS and self._kda_fast
+                and self._f_b_columns(w.f_b) is not None):
+            return y, None  # the decay gate's up-projection f_b runs inside the KDA kernel (kda_core gets f=None)
         a, b = shard.kda_in_proj_layout["f_a"]
         return y, self._gemv(y[:, a:b], w.f_b)
 
@@ -300,10 +314,26 @@ class LatencySpecializedBackend(AutoBackend):
             self._prefetch(self._lw.mlp.down)  # latency-bound; the latent projection comes next
         out = self._empty(y.shape[0], shard.kda_dim, device=y.device)
         fused = f is None  # from our kda_in_proj: the kernel applies f_b to y's f_a columns
-        return kda_decode(y, w.f_b if fused else f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent,
+        return kda_decode(y, self._f_b_columns(w.f_b) if fused else f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent,
                           w.o_norm, out, b_col=shard.kda_in_proj_layout["b"][0], eps=m.rms_eps,
                           lower_bound=m.kda_gate_lower_bound,
                           f_col=shard.kda_in_proj_layout["f_a"][0] if fused else None)
+
+    def _f_b_columns(self, f_b: torch.Tensor) -> torch.Tensor | None:
+        """f_b [d, rank] as a column-major view of a contiguous [rank, d] copy (a warp's lanes then read consecutive
+        bytes), made on first use; None when that first use is inside a CUDA-graph capture, where a copy would become
+        a node of the graph (the f_b GEMV then runs as its own kernel, as said once)."""
+        hit = self._f_b_cols.get(id(f_b))
+        if hit is not None and hit[0]() is f_b:
+            return hit[1]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._fallback("the decay gate's f_b first seen inside a CUDA-graph capture: its column-major copy is "
+                           "made outside captures, so the f_b GEMV runs as its own kernel in this graph")
+            return None
+        cols = f_b.t().contiguous().t()
+        key = id(f_b)
+        self._f_b_cols[key] = (weakref.ref(f_b, lambda _: self._f_b_cols.pop(key, None)), cols)
+        return cols
 
     def attn_out_proj(self, o, w):
         if self._fuse_o_res:  # deferred: the next AttnRes call runs it in the same kernel (its residual update)
@@ -323,9 +353,12 @@ class LatencySpecializedBackend(AutoBackend):
         ids = self._empty(B, m.top_k, dtype=torch.int32, device=x.device)
         weights = self._empty(B, m.top_k, dtype=torch.float32, device=x.device)
         logits = self._empty(B, w.router.shape[0], dtype=torch.float32, device=x.device)
+        self.last_routes[layer] = ids
+        if self._moe_entry:  # deferred: routed_experts launches it with the latent down-projection
+            self._pending_route = (x, w, logits, ids, weights, m.routed_scaling)
+            return ids, weights
         router_topk(w.router, x, logits, w.router_bias, ids, weights, self._counter("router", x.device),
                     scaling=m.routed_scaling)
-        self.last_routes[layer] = ids
         return ids, weights
 
     def router_logits(self, x, w: MoEWeights):
@@ -351,7 +384,17 @@ class LatencySpecializedBackend(AutoBackend):
             return super().routed_experts(x, ids, weights, w, shard)
         from ..kernels.moe_mxfp4 import moe_mxfp4
 
-        latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
+        pending, self._pending_route = self._pending_route, None
+        if pending is not None:  # the router and the latent down-projection in one kernel
+            from ..kernels.moe_entry import moe_entry
+
+            rx, rw, logits, rids, rweights, scaling = pending
+            if rx is not x or rids is not ids or rweights is not weights:
+                raise RuntimeError("latency_specialized: a deferred router must route the routed experts' input")
+            latent = moe_entry(rw.router, x, logits, rw.router_bias, ids, weights, self._counter("router", x.device),
+                               w.down, self._empty(x.shape[0], w.down.shape[0], device=x.device), scaling=scaling)
+        else:
+            latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
         self.join("router", ids, weights)
         B, k = ids.shape
         used = shard.expert_inter_used

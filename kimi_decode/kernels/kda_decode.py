@@ -9,7 +9,10 @@ For each (head, sequence), one CTA of head_dim threads does:
   4. per-head RMSNorm of o times o_norm and the sigmoid output gate.
 The inputs come straight from the fused input projection's output (q, k, v, g, b at their column offsets). With
 `f_col` given, the kernel also does the decay gate's low-rank up-projection: `f` is then the weight f_b [heads *
-head_dim, rank] and thread v computes f[v] = f_b[v] . y[f_col : f_col + rank] itself (one GEMV kernel fewer).
+head_dim, rank] and thread v computes f[v] = f_b[v] . y[f_col : f_col + rank] itself (one GEMV kernel fewer). f_b
+may come column-major (a [heads * head_dim, rank] view of a contiguous [rank, heads * head_dim] copy, `f_b.t()
+.contiguous().t()`): then the 32 lanes of a warp read 64 consecutive bytes per r instead of 32 rows 2 * rank bytes
+apart, which is what made the row-major form slower than the separate f_b GEMV (benchmarks/NOTES.md, v7).
 """
 from __future__ import annotations
 
@@ -82,6 +85,13 @@ if HAVE_CUTE:
             red = smem.allocate_tensor(Float32, cute.make_layout(2 * (D // 32)), 16)
             ch = h * D + t
 
+            f_v = Float32(0.0)  # the decay gate's input; first, so its loads are in flight during the conv
+            if cutlass.const_expr(self.f_col >= 0):
+                for r in cutlass.range_constexpr(self.f_rank):
+                    f_v = f_v + f[ch, r].to(Float32) * y[b, self.f_col + r].to(Float32)
+            else:
+                f_v = f[b, ch].to(Float32)
+
             qkv = cute.make_rmem_tensor((3,), Float32)
             for part in cutlass.range_constexpr(3):
                 c = part * self.d + ch
@@ -101,12 +111,6 @@ if HAVE_CUTE:
             sum_q, sum_k = self._block_sum2(q * q, k * k, red)
             sQ[t] = q * _rsqrt(sum_q + Float32(1e-6)) * Float32(D ** -0.5)
             sK[t] = k * _rsqrt(sum_k + Float32(1e-6))
-            f_v = Float32(0.0)
-            if cutlass.const_expr(self.f_col >= 0):
-                for r in cutlass.range_constexpr(self.f_rank):
-                    f_v = f_v + f[ch, r].to(Float32) * y[b, self.f_col + r].to(Float32)
-            else:
-                f_v = f[b, ch].to(Float32)
             gate_in = _exp(A_log[h]) * (f_v + dt_bias[ch])
             sDecay[t] = _exp(Float32(self.lb) * sigmoid(gate_in))
             beta = sigmoid(y[b, self.b_col + h].to(Float32))
@@ -151,10 +155,12 @@ def kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_co
     if D % 32 or D > 1024 or not S.is_contiguous() or S.dtype != torch.float32:
         raise ValueError("KDA decode needs a contiguous fp32 state with head_dim a multiple of 32")
     if f_col is not None and (f.shape[0] != H * D or f_col < 0 or f_col + f.shape[1] > y.shape[1]
-                              or f.stride(1) != 1):
-        raise ValueError(f"KDA decode: f_b must be [{H * D}, rank] with row-contiguous rows and y's columns "
+                              or not (f.is_contiguous() or f.t().is_contiguous())):
+        raise ValueError(f"KDA decode: f_b must be [{H * D}, rank], row- or column-major, with y's columns "
                          f"f_col .. f_col + rank inside y")
-    if y.stride(1) != 1 or f.stride(1) != 1 or out.stride(1) != 1 or not conv_state.is_contiguous():
+    if f_col is None and f.stride(1) != 1:
+        raise ValueError("KDA decode needs row-contiguous inputs")
+    if y.stride(1) != 1 or out.stride(1) != 1 or not conv_state.is_contiguous():
         raise ValueError("KDA decode needs row-contiguous inputs")
     fn = compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, b_col=b_col, eps=eps,
                             lower_bound=lower_bound, f_col=-1 if f_col is None else f_col)
