@@ -13,7 +13,8 @@
 # (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`), experts (benchmarks/expert_sweep.py),
 # experts-tiles (the grouped kernels at 4 and 1 row tiles per warp), ncu-experts (ncu sections of the grouped
 # expert kernels at TP16 batch 64), noentry (latency_specialized at batch 1 with KIMI_DECODE_MOE_ENTRY=0: router and
-# latent down-projection as two kernels), nogate (batch 1 and 8 with KIMI_DECODE_FUSED_GATE=0: the f_b GEMV on its own).
+# latent down-projection as two kernels), nogate (batch 1 and 8 with KIMI_DECODE_FUSED_GATE=0: the f_b GEMV on its own),
+# oneexperts / oneshared / eight (the two-stage expert and shared-expert kernels, each and both).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -103,6 +104,15 @@ for name in "$@"; do
       KIMI_DECODE_MOE_ENTRY=0 bench noentry 90 bench_noentry.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     nogate)  # batch 1 and 8 with the decay gate's f_b GEMV as its own kernel
       KIMI_DECODE_FUSED_GATE=0 bench nogate 120 bench_nogate.json --backend latency_specialized --tp 16 8 --batch 1 8 ;;
+    oneexperts)  # batch 1 and 8 with the per-pair expert stages as one kernel (KIMI_DECODE_EXPERTS_ONE_KERNEL=1)
+      KIMI_DECODE_EXPERTS_ONE_KERNEL=1 bench oneexperts 90 bench_oneexperts.json --backend latency_specialized \
+        --tp 16 8 --batch 1 8 ;;
+    oneshared)  # batch 1 with the shared experts' two GEMVs as one kernel (KIMI_DECODE_SHARED_ONE_KERNEL=1)
+      KIMI_DECODE_SHARED_ONE_KERNEL=1 bench oneshared 60 bench_oneshared.json --backend latency_specialized \
+        --tp 16 8 --batch 1 ;;
+    eight)  # batch 1 with both (8 kernels per KDA layer)
+      KIMI_DECODE_EXPERTS_ONE_KERNEL=1 KIMI_DECODE_SHARED_ONE_KERNEL=1 bench eight 60 bench_eight.json \
+        --backend latency_specialized --tp 16 8 --batch 1 ;;
     pdl)
       KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     experts)  # the routed-expert kernels alone, grouped CuTe against auto's Triton (benchmarks/expert_sweep.py)

@@ -122,6 +122,41 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
                          torch.empty(batch, L // 16), s.expert_inter_used,
                          scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)))
     assert f2s is not None and f2s is not f2  # its own variant: the bf16 scaled output is written
+    if batch <= 8:  # both stages in one kernel (the backend's default up to batch 8)
+        one = compile_moe(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
+                          torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+                          torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+                          torch.empty(E, L, I // 32, dtype=u8),
+                          torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
+                          torch.empty(batch, L // 16), s.expert_inter_used,
+                          scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)),
+                          counters=torch.zeros(2 + batch, dtype=torch.int32))
+        assert one is not None
+
+
+@needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_shared_mlp_compiles_for_sm90a(sm90a, tp):
+    from kimi_decode.kernels.shared_mlp import compile_shared_mlp
+
+    bf = torch.bfloat16
+    inter = s_inter(tp)
+    assert compile_shared_mlp(torch.empty(2 * inter, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf),
+                              torch.empty(1, inter, dtype=bf), torch.empty(7168, inter, dtype=bf),
+                              torch.empty(1, 7168, dtype=bf), torch.zeros(3, dtype=torch.int32)) is not None
+
+
+def test_shared_mlp_refuses_bad_shapes():
+    from kimi_decode.kernels.shared_mlp import _check
+
+    bf = torch.bfloat16
+    ok = (torch.empty(768, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf), torch.empty(1, 384, dtype=bf),
+          torch.empty(7168, 384, dtype=bf), torch.empty(1, 7168, dtype=bf), torch.zeros(3, dtype=torch.int32))
+    _check(*ok)
+    for i, bad in ((1, torch.empty(2, 7168, dtype=bf)), (3, torch.empty(7168, 768, dtype=bf)),
+                   (4, torch.empty(1, 7168)), (5, torch.zeros(2, dtype=torch.int32))):
+        with pytest.raises(ValueError, match="shared_mlp"):
+            _check(*ok[:i], bad, *ok[i + 1:])
 
 
 @needs_cute

@@ -131,6 +131,97 @@ def test_forked_moe_block_replays_in_a_graph_like_eager(tp):
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch):
+    """Both expert stages in one kernel (the w2 CTAs wait for their token's w13 CTAs) against float64, outputs
+    poisoned, eagerly twice and replayed twice in a CUDA graph; the counters are back at 0 after every run."""
+    from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    m = s.model
+    seed = 41 * tp + batch + pad
+    w = init_layer(s, 1, seed=seed, device="cuda").mlp
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    latent = torch.randn(batch, m.moe_latent, device="cuda", generator=g).bfloat16()
+    ids = torch.topk(torch.rand(batch, m.num_experts, device="cuda", generator=g), m.top_k, dim=-1).indices.int()
+    weights = torch.softmax(torch.randn(batch, m.top_k, device="cuda", generator=g), dim=-1)
+    norm_w = 1 + 0.1 * torch.randn(m.moe_latent, device="cuda", generator=g)
+    out = torch.empty(batch, m.moe_latent, device="cuda")
+    act = torch.empty(batch * m.top_k, s.expert_inter_used, dtype=torch.float16, device="cuda")
+    ssq = torch.empty(batch, m.moe_latent // 16, device="cuda")
+    scaled = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(10, dtype=torch.int32, device="cuda")
+    want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
+
+    def run():
+        moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
+                  ssq=ssq, scaled=(norm_w, scaled), counters=counters)
+
+    def check():
+        torch.cuda.synchronize()
+        assert rel_err(out, want) < BF16_TOL
+        assert rel_err(scaled, want * norm_w.double()) < BF16_TOL
+        assert rel_err(ssq.sum(-1), out.double().pow(2).sum(-1)) < 1e-5
+        assert int(counters.abs().sum()) == 0
+
+    def poison():
+        for t in (out, act, ssq, scaled):
+            t.fill_(float("nan"))
+
+    for _ in range(2):
+        poison()
+        run()
+        check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        poison()
+        graph.replay()
+        check()
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_shared_mlp_matches_float64_and_replays(tp):
+    """The shared experts' two GEMVs as one two-stage kernel against float64 (SiTU-GLU between them), outputs
+    poisoned, eagerly and in a CUDA graph; the counters are back at 0."""
+    from kimi_decode.kernels.shared_mlp import shared_mlp
+
+    s = shard("k3", tp=tp)
+    w = init_layer(s, 1, seed=50 + tp, device="cuda").mlp
+    g = torch.Generator(device="cuda").manual_seed(60 + tp)
+    x = torch.randn(1, s.model.hidden, device="cuda", generator=g).bfloat16()
+    act = torch.empty(1, w.shared_down.shape[1], dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(1, s.model.hidden, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(3, dtype=torch.int32, device="cuda")
+    a = R.situ_glu(*(x.double() @ w.shared_gate_up.double().T).chunk(2, dim=-1))
+    want = a @ w.shared_down.double().T
+
+    def run():
+        shared_mlp(w.shared_gate_up, x, act, w.shared_down, out, counters)
+
+    def check():
+        torch.cuda.synchronize()
+        assert rel_err(act, a) < 1e-2
+        assert rel_err(out, want) < BF16_TOL
+        assert int(counters.abs().sum()) == 0
+
+    for _ in range(2):
+        act.fill_(float("nan"))
+        out.fill_(float("nan"))
+        run()
+        check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        act.fill_(float("nan"))
+        out.fill_(float("nan"))
+        graph.replay()
+        check()
+
+
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_moe_mxfp4_matches_float64(tp, pad, batch):
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
@@ -464,10 +555,11 @@ def test_moe_entry_matches_float64(E, K, L, k):
 
 
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("env", [{"KIMI_DECODE_MOE_ENTRY": "0"}, {"KIMI_DECODE_FUSED_GATE": "0"}])
+@pytest.mark.parametrize("env", [{"KIMI_DECODE_MOE_ENTRY": "0"}, {"KIMI_DECODE_FUSED_GATE": "0"},
+                                 {"KIMI_DECODE_EXPERTS_ONE_KERNEL": "1", "KIMI_DECODE_SHARED_ONE_KERNEL": "1"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
-    own kernel (the A/B switches)."""
+    own kernel, or with the expert and shared-expert GEMVs as two-stage kernels (8 kernels): the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

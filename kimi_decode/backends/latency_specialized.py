@@ -7,7 +7,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   the MoE tail up to 16 rows on the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over the tokens, split-K
   with the last CTA of each row group adding the splits and running the epilogue); the latent up-projection
   accumulates straight into the fp32 residual; at batch 1 the shared experts' SiTU-GLU in their gate/up GEMV's
-  epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel); `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the
+  epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel), and that GEMV and the shared down-projection as the two
+  stages of one kernel with `KIMI_DECODE_SHARED_ONE_KERNEL=1` (`kernels/shared_mlp.py`; off by default: slower,
+  see below); `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the
   switch-overs (A/B);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
   `kernels/kda_decode.py`; above batch 8 on the generic path's projections);
@@ -22,7 +24,11 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   then the generic path's top-k kernel;
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
-  registers (`kernels/moe_mxfp4.py`); above batch 8 the pairs are sorted by expert (the generic path's alignment
+  registers (`kernels/moe_mxfp4.py`; with `KIMI_DECODE_EXPERTS_ONE_KERNEL=1` both as the two stages of one kernel
+  whose w2 CTAs load their weights and then wait for their token's activations, `MoEExperts`. Off by default: with
+  it and the shared experts' one kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since
+  CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are
+  sorted by expert (the generic path's alignment
   kernel) and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`);
 - the MoE tail: up to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes
   beside the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the
@@ -113,6 +119,10 @@ class LatencySpecializedBackend(AutoBackend):
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
         self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
         self._moe_entry = False  # this layer's router runs inside the latent down-projection's kernel
+        # 1: the per-pair expert kernels as one two-stage kernel, and the shared experts at batch 1 too; off by
+        # default: 8 kernels per KDA layer at batch 1 that way, but 3 / 9 us slower at TP16 (NOTES, v12)
+        self._experts_one_on = os.environ.get("KIMI_DECODE_EXPERTS_ONE_KERNEL", "0") == "1"
+        self._shared_one_on = os.environ.get("KIMI_DECODE_SHARED_ONE_KERNEL", "0") == "1"
         self._pending_route = None  # (x, w, logits, ids, weights) of that router, until routed_experts
         # 0: the output projection and the AttnRes after it as two kernels (A/B)
         self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
@@ -132,6 +142,8 @@ class LatencySpecializedBackend(AutoBackend):
                 self._stream(name, device)
             for name in COUNTERS:
                 self._counter(name, device)
+            self._counter("experts", device, 2 + GEMV_MAX_ROWS)
+            self._counter("shared", device, 3)
             for name in ("main", *BRANCHES):
                 self._counter(f"tc.{name}", device, TC_COUNTERS)
 
@@ -371,8 +383,14 @@ class LatencySpecializedBackend(AutoBackend):
             return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down)
         from ..kernels.gemv import gemv
 
-        act = gemv(w.shared_gate_up, x, self._empty(x.shape[0], w.shared_gate_up.shape[0] // 2, device=x.device),
-                   glu=True)  # gate/up GEMV with SiTU-GLU in its epilogue
+        act = self._empty(x.shape[0], w.shared_gate_up.shape[0] // 2, device=x.device)
+        if self._shared_one_on and x.shape[0] == 1:  # both GEMVs as the two stages of one kernel
+            from ..kernels.shared_mlp import shared_mlp
+
+            return shared_mlp(w.shared_gate_up, x, act, w.shared_down,
+                              self._empty(1, w.shared_down.shape[0], device=x.device),
+                              self._counter("shared", x.device, 3))
+        gemv(w.shared_gate_up, x, act, glu=True)  # gate/up GEMV with SiTU-GLU in its epilogue
         return self._gemv(act, w.shared_down)
 
     def latent_down(self, x, w: MoEWeights):
@@ -413,8 +431,10 @@ class LatencySpecializedBackend(AutoBackend):
         self._ssq = self._empty(B, L // 16, dtype=torch.float32, device=x.device)
         # with the norm fused into the tail: the expert kernel also writes bf16(routed * norm weight) for it
         self._scaled = self._empty(B, L, device=x.device) if self._fused_norm else None
+        counters = self._counter("experts", x.device, 2 + GEMV_MAX_ROWS) if self._experts_one_on else None
         return moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, act=act, out=out,
-                         ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None)
+                         ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
+                         counters=counters)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if not (self._mlp_fast and self._cute_rows(routed.shape[0])):

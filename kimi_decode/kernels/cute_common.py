@@ -180,3 +180,44 @@ if HAVE_CUTE:
             cute.arch.fence_acq_rel_gpu()
         return is_last
 
+    _WAIT_ASM = ("{\n .reg .pred p;\n .reg .u32 v;\n WAIT:\n ld.acquire.gpu.global.u32 v, [$0];\n"
+                 " setp.ge.u32 p, v, $1;\n @p bra DONE;\n nanosleep.u32 32;\n bra WAIT;\n DONE:\n}")
+
+    def _wait_at_least(counter, index, target) -> None:
+        """Spin in this thread until counter[index] >= target (an acquire load per poll, a short sleep between)."""
+        ptr = counter.iterator if isinstance(index, int) and index == 0 else counter.iterator + index
+        _llvm.inline_asm(None, [ptr.toint().ir_value(), cutlass.Int32(target).ir_value()], _WAIT_ASM, "l,r",
+                         has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
+
+    # Two dependent stages in one kernel. Each CTA takes a ticket (the order CTAs start in) and the ticket, not the
+    # block index, says what it does: tickets below the first stage's CTA count run the first stage, the others the
+    # second. A second-stage CTA may wait for first-stage results (`wait_count`): every first-stage ticket was taken
+    # before it, by a CTA that is running and waits for nothing, so the wait always ends, whatever order the
+    # hardware starts CTAs in and however few fit at once. The counters live in one int32 tensor that is 0 at
+    # launch; the last second-stage CTA sets them back to 0 (`last_cta` on its own index), so the kernel replays in a
+    # CUDA graph as it is.
+    @cute.jit
+    def take_ticket(counter: cute.Tensor, slot: cute.Tensor, tidx):
+        """This CTA's ticket, from counter[0] (`slot`: one int32 of shared memory)."""
+        if tidx == 0:
+            slot[0] = _atomic_add_u32(counter, 1, 0)
+        cute.arch.barrier()
+        return slot[0]
+
+    @cute.jit
+    def count_done(counter: cute.Tensor, index, tidx):
+        """Called by every thread of a CTA once its results are stored: counter[index] += 1, ordered after them."""
+        cute.arch.barrier()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            _atomic_add_u32(counter, 1, index)
+
+    @cute.jit
+    def wait_count(counter: cute.Tensor, index, target, tidx):
+        """Every thread of the CTA waits until counter[index] >= target; what the counted CTAs stored before
+        `count_done` is then visible to it."""
+        if tidx == 0:
+            _wait_at_least(counter, index, target)
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+

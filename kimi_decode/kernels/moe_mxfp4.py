@@ -27,13 +27,17 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import load4, mma_lanes, pdl_launch_dependents, pdl_wait, situ_glu
+    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_wait, situ_glu,
+                              take_ticket, wait_count)
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
 WARPS = 8  # K slices per CTA
 ROWS13 = 8  # intermediate rows per w13 CTA (w1 rows in mma rows 0-7, the matching w3 rows in 8-15)
 ROWS2 = 16  # latent rows per w2 CTA
 QUAD = 4  # MX groups per 16-byte weight load (`quad_words`)
+# items whose weight words a w2 warp loads before its activations (in `MoEExperts`, before the wait for them): 14
+# is all of a TP16 warp's (16 experts x 6 groups over 7 warps) at 72 registers; all of TP8's 28 would need 252
+W2_EARLY_ITEMS = 14
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 
 # e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
@@ -200,6 +204,15 @@ if HAVE_CUTE:
             bx, p, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
+            self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx)
+
+        @cute.jit
+        def tile(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor,
+                 red: cute.Tensor, bx, p, tidx):
+            """Intermediate rows bx * ROWS13 .. of pair p: the whole kernel but for its shared memory `red`
+            [2 ROWS13, warps] fp32 (`MoEExperts` runs it as its first stage)."""
             warp, _, g, t = mma_lanes(tidx)
             j = bx * ROWS13 + g
             b = p // self.topk
@@ -217,8 +230,6 @@ if HAVE_CUTE:
                     d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
                     acc1 = acc1 + d1 * mx_scale(byte_of(sw1, i))
                     acc3 = acc3 + d3 * mx_scale(byte_of(sw3, i))
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
             if t == 0:
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3
@@ -234,14 +245,17 @@ if HAVE_CUTE:
     class MoEW2Sum:
         """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used]); with `scaled`, also
         scaled[b, r] = bf16(out[b, r] * norm_w[r]), the RMSNorm's input times its weight (the row's 1/rms is
-        applied by the consumer, from the partial sums of squares)."""
+        applied by the consumer, from the partial sums of squares). Each warp loads the weight words of all its
+        (expert, group) items before the first activation: in `MoEExperts` the wait for the activations goes in
+        between."""
 
-        def __init__(self, used: int, topk: int, scaled: bool = False):
+        def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS):
             self.topk = topk
             self.scaled = scaled
+            self.warps = warps
             self.groups = used // GROUP
             self.items = topk * self.groups
-            self.per_warp = -(-self.items // WARPS)
+            self.per_warp = -(-self.items // warps)
 
         @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -250,7 +264,7 @@ if HAVE_CUTE:
             B, L = out.shape
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
             self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled).launch(
-                grid=[L // ROWS2, B, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[L // ROWS2, B, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -260,25 +274,44 @@ if HAVE_CUTE:
             bx, b, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
+            self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bx, b, tidx, ssq, -1)
+
+        @cute.jit
+        def tile(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
+                 w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
+                 scaled: cute.Tensor, red: cute.Tensor, bx, b, tidx, counter: cute.Tensor, target: cutlass.Constexpr):
+            """Latent rows bx * ROWS2 .. of token b (`red`: [ROWS2, warps] fp32 of shared memory). With `target` >=
+            0 the CTA waits, after its weight loads, until counter[2 + b] reaches it (the token's act is written)."""
             warp, lane, g, t = mma_lanes(tidx)
             ra = bx * ROWS2 + g
             rb = ra + ROWS2 // 2
-            acc_a = Float32(0.0)
-            acc_b = Float32(0.0)
+            items = []  # per item: (its expert slot k, group G, whether it is one, row ra's word, row rb's word)
             for it in cutlass.range_constexpr(self.per_warp):
                 item = warp * self.per_warp + it
-                if item < self.items:
-                    k = item // self.groups
-                    G = item % self.groups
-                    e = ids[b, k]
-                    xs = load4(gA[(None, (b * self.topk + k, G * 4 + t))])
-                    da, db = _group_mma(w[e, ra, G * 4 + t], w[e, rb, G * 4 + t], [xs[0], xs[1], xs[2], xs[3]],
-                                        False)
-                    wt = weights[b, k]
-                    acc_a = acc_a + da * (wt * mx_scale(w_scale[e, ra, G]))
-                    acc_b = acc_b + db * (wt * mx_scale(w_scale[e, rb, G]))
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, WARPS)), 16)
+                valid = item < self.items  # the last warp's last items may lie past the end: weight 0
+                item = _select(valid, item, self.items - 1)
+                k = item // self.groups
+                G = item % self.groups
+                e = ids[b, k]
+                if cutlass.const_expr(it < W2_EARLY_ITEMS):
+                    items.append((k, G, valid, w[e, ra, G * 4 + t], w[e, rb, G * 4 + t]))
+                else:
+                    items.append((k, G, valid, None, None))
+            if cutlass.const_expr(target >= 0):
+                wait_count(counter, 2 + b, target, tidx)
+            acc_a = Float32(0.0)
+            acc_b = Float32(0.0)
+            for k, G, valid, wa, wb in items:
+                e = ids[b, k]
+                if cutlass.const_expr(wa is None):
+                    wa, wb = w[e, ra, G * 4 + t], w[e, rb, G * 4 + t]
+                xs = load4(gA[(None, (b * self.topk + k, G * 4 + t))])
+                da, db = _group_mma(wa, wb, [xs[0], xs[1], xs[2], xs[3]], False)
+                wt = Float32(cutlass.select_(valid, weights[b, k], Float32(0.0)))
+                acc_a = acc_a + da * (wt * mx_scale(w_scale[e, ra, G]))
+                acc_b = acc_b + db * (wt * mx_scale(w_scale[e, rb, G]))
             if t == 0:
                 red[g, warp] = acc_a
                 red[ROWS2 // 2 + g, warp] = acc_b
@@ -287,7 +320,7 @@ if HAVE_CUTE:
                 sa = Float32(0.0)
                 sb = Float32(0.0)
                 if t == 0:
-                    for i in cutlass.range_constexpr(WARPS):
+                    for i in cutlass.range_constexpr(self.warps):
                         sa = sa + red[g, i]
                         sb = sb + red[ROWS2 // 2 + g, i]
                     out[b, ra] = sa
@@ -299,6 +332,59 @@ if HAVE_CUTE:
                 q = cute.arch.warp_reduction(sa * sa + sb * sb, lambda x, y: x + y)
                 if lane == 0:
                     ssq[b, bx] = q
+
+    class MoEExperts:
+        """Both stages in one kernel (`moe_mxfp4` with `counters`): the w13 CTAs (tickets in pair order), then the
+        w2 CTAs (tickets in token order), which load their weights and then wait for their token's act
+        (`cute_common.take_ticket`): no kernel boundary between the two, and the w2 weight loads overlap the w13
+        stage. counter[2 + b] counts token b's finished w13 CTAs, counter[1] the finished w2 CTAs."""
+
+        def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool):
+            self.w13 = MoEW13Act(latent, inter, used, topk)
+            self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps)
+            self.B, self.topk = batch, topk
+            self.tiles13, self.tiles2 = used // ROWS13, latent // ROWS2
+            self.n13, self.n2 = self.tiles13 * batch * topk, self.tiles2 * batch
+
+        @cute.jit
+        def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, w13_scale: cute.Tensor,
+                     act: cute.Tensor, act_words: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor,
+                     w2_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
+                     scaled: cute.Tensor, counter: cute.Tensor, stream):
+            self.w13.pdl = self.w2.pdl = self.pdl
+            gX = cute.zipped_divide(x, (1, 4))
+            gW = cute.zipped_divide(w13, (1, 1, 4))
+            gA = cute.zipped_divide(act_words, (1, 4))  # act as the w2 stage reads it: int32 pairs of fp16
+            self.kernel(gX, ids, gW, w13_scale, act, gA, weights, w2, w2_scale, out, ssq, norm_w, scaled,
+                        counter).launch(grid=[self.n13 + self.n2, 1, 1], block=[32 * self.w13.warps, 1, 1],
+                                        stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w13_scale: cute.Tensor,
+                   act: cute.Tensor, gA: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor, w2_scale: cute.Tensor,
+                   out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor, scaled: cute.Tensor,
+                   counter: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            pdl_launch_dependents(self.pdl)
+            pdl_wait(self.pdl)
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.w13.warps)), 16)
+            slot = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            ticket = take_ticket(counter, slot, tidx)
+            if ticket < self.n13:
+                p = ticket // self.tiles13
+                self.w13.tile(gX, ids, gW, w13_scale, act, red, ticket % self.tiles13, p, tidx)
+                count_done(counter, 2 + p // self.topk, tidx)
+            else:
+                q = ticket - self.n13
+                self.w2.tile(gA, ids, weights, w2, w2_scale, out, ssq, norm_w, scaled, red, q % self.tiles2,
+                             q // self.tiles2, tidx, counter, self.tiles13 * self.topk)
+                if last_cta(counter, flag, tidx, self.n2, 1) != 0:
+                    if tidx == 0:
+                        counter[0] = Int32(0)
+                        for b in cutlass.range_constexpr(self.B):
+                            counter[2 + b] = Int32(0)
 
 
 INDEX_LIMIT = 2**31  # the kernels index with 32-bit integers
@@ -347,8 +433,20 @@ def _w13_args(latent, ids, w13, w13_scale, act):
     return (_words(latent), ids, _words(w13), _words(w13_scale), act)
 
 
-def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None):
+def _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters):
+    """`MoEExperts`' tensors: the w13 kernel's, then the w2 kernel's, then the counters."""
+    act_words, _, *rest = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
+    return (*_w13_args(latent, ids, w13, w13_scale, act), act_words, *rest, counters)
+
+
+def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
+                counters=None):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
+    if counters is not None:
+        args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
+        op = MoEExperts(L, I, used, k, ids.shape[0], scaled is not None)
+        return compile_kernel(("moe_experts", used, scaled is not None, *signature(*args)), op,
+                              *(fake_like(t, align=4 if t is counters else 16) for t in args))
     a13 = _w13_args(latent, ids, w13, w13_scale, act)
     f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
                          *(fake_like(t, align=16) for t in a13))
@@ -359,13 +457,15 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
 
 
 def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
-              scaled=None):
+              scaled=None, counters=None):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
     [B, L / 16] fp32 receives partial sums of squares of `out` (their row sum is sum(out**2), for a fused RMSNorm).
     `scaled=(norm_w, y)`, norm_w fp32 [L] and y bf16 [B, L]: also y = bf16(out * norm_w), the input of an
-    up-projection that applies the RMSNorm's 1/rms per row (`gemv(..., row_scale=(ssq, eps))`)."""
+    up-projection that applies the RMSNorm's 1/rms per row (`gemv(..., row_scale=(ssq, eps))`). With `counters`,
+    int32 [2 + B] at 0 (left at 0) that no other kernel uses at the same time: both stages in one kernel
+    (`MoEExperts`), else two."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -379,6 +479,14 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         if (norm_w.shape != (L,) or norm_w.dtype != torch.float32 or not norm_w.is_contiguous()
                 or y.shape != (B, L) or y.dtype != torch.bfloat16 or not y.is_contiguous()):
             raise ValueError(f"MoE MXFP4: scaled output needs an fp32 [{L}] norm weight and a bf16 [{B}, {L}] tensor")
+    if counters is not None:
+        if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < 2 + B:
+            raise ValueError(f"MoE MXFP4: the one-kernel experts need int32 counters [>= {2 + B}]")
+        counters = counters[:2 + B]
+        fn = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled, counters)
+        launch(fn, *_chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters),
+               align=lambda t: 4 if t is counters else 16)
+        return out
     f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled)
     launch(f13, *_w13_args(latent, ids, w13, w13_scale, act))
     launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
