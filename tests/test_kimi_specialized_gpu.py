@@ -13,6 +13,22 @@ from kimi_decode.weights import init_layer
 pytestmark = pytest.mark.gpu
 
 
+def eager_then_graphed(run, reset, check, times: int = 2) -> None:
+    """`run` eagerly `times` times, then captured in a CUDA graph and replayed `times` times, `reset` (poisoning the
+    outputs) before and `check` after each run: kernels whose last CTAs reset their counters must replay as they are."""
+    for _ in range(times):
+        reset()
+        run()
+        check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(times):
+        reset()
+        graph.replay()
+        check()
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("kernel, rows", [("gemv", 1), ("gemv", 3), ("gemv", 8), ("tc", 2), ("tc", 9), ("tc", 33),
                                           ("tc", 64)])
@@ -168,17 +184,7 @@ def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch):
         for t in (out, act, ssq, scaled):
             t.fill_(float("nan"))
 
-    for _ in range(2):
-        poison()
-        run()
-        check()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(2):
-        poison()
-        graph.replay()
-        check()
+    eager_then_graphed(run, poison, check)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -206,19 +212,11 @@ def test_shared_mlp_matches_float64_and_replays(tp):
         assert rel_err(out, want) < BF16_TOL
         assert int(counters.abs().sum()) == 0
 
-    for _ in range(2):
+    def poison():
         act.fill_(float("nan"))
         out.fill_(float("nan"))
-        run()
-        check()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(3):
-        act.fill_(float("nan"))
-        out.fill_(float("nan"))
-        graph.replay()
-        check()
+
+    eager_then_graphed(run, poison, check, times=3)
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
@@ -541,17 +539,7 @@ def test_moe_entry_matches_float64(E, K, L, k):
         assert rel_err(weights, s / s.sum(-1, keepdim=True) * 2.5) < 1e-4
         assert counter.item() == 0
 
-    for _ in range(2):
-        poison()
-        run()
-        check()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(2):
-        poison()
-        graph.replay()
-        check()
+    eager_then_graphed(run, poison, check)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -608,17 +596,7 @@ def test_oproj_attn_res_matches_float64(K, n_blocks, delta_mode):
         assert errs["a"] < 1e-2 and errs["partial"] < 1e-3 and errs["out"] < BF16_TOL, errs
         assert counter.item() == 0
 
-    for _ in range(2):
-        reset()
-        run()
-        check()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(2):
-        reset()
-        graph.replay()
-        check()
+    eager_then_graphed(run, reset, check)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
