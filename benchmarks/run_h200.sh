@@ -14,7 +14,8 @@
 # experts-tiles (the grouped kernels at 4 and 1 row tiles per warp), ncu-experts (ncu sections of the grouped
 # expert kernels at TP16 batch 64), noentry (latency_specialized at batch 1 with KIMI_DECODE_MOE_ENTRY=0: router and
 # latent down-projection as two kernels), nogate (batch 1 and 8 with KIMI_DECODE_FUSED_GATE=0: the f_b GEMV on its own),
-# oneexperts / oneshared / eight (the two-stage expert and shared-expert kernels, each and both).
+# oneexperts / oneshared / eight (the two-stage expert and shared-expert kernels, each and both), sharedown (batch 1
+# with the shared experts as kernels of their own, not CTAs in the expert kernels).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -109,6 +110,9 @@ for name in "$@"; do
         --tp 16 8 --batch 1 8 ;;
     oneshared)  # batch 1 with the shared experts' two GEMVs as one kernel (KIMI_DECODE_SHARED_ONE_KERNEL=1)
       KIMI_DECODE_SHARED_ONE_KERNEL=1 bench oneshared 60 bench_oneshared.json --backend latency_specialized \
+        --tp 16 8 --batch 1 ;;
+    sharedown)  # batch 1 with the shared experts as kernels of their own (KIMI_DECODE_SHARED_IN_EXPERTS=0)
+      KIMI_DECODE_SHARED_IN_EXPERTS=0 bench sharedown 60 bench_sharedown.json --backend latency_specialized \
         --tp 16 8 --batch 1 ;;
     eight)  # batch 1 with both (8 kernels per KDA layer)
       KIMI_DECODE_EXPERTS_ONE_KERNEL=1 KIMI_DECODE_SHARED_ONE_KERNEL=1 bench eight 60 bench_eight.json \

@@ -132,6 +132,45 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
                           scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)),
                           counters=torch.zeros(2 + batch, dtype=torch.int32))
         assert one is not None
+    if batch == 1:  # the shared experts' GEMVs in CTAs of their own in both kernels
+        S, H, bf = s_inter(tp), m.hidden, torch.bfloat16
+        f13s, f2s = compile_moe(torch.empty(1, L, dtype=bf), torch.empty(1, k, dtype=torch.int32),
+                                torch.empty(1, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+                                torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+                                torch.empty(E, L, I // 32, dtype=u8),
+                                torch.empty(k, s.expert_inter_used, dtype=torch.float16), torch.empty(1, L),
+                                torch.empty(1, L // 16), s.expert_inter_used,
+                                scaled=(torch.empty(L), torch.empty(1, L, dtype=bf)),
+                                shared=(torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf),
+                                        torch.empty(1, S, dtype=bf), torch.empty(H, S, dtype=bf),
+                                        torch.empty(1, H, dtype=bf)))
+        assert f13s is not None and f2s is not None
+        f13r, f2r = compile_moe(torch.empty(1, L, dtype=bf), torch.empty(1, k, dtype=torch.int32),
+                                torch.empty(1, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+                                torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+                                torch.empty(E, L, I // 32, dtype=u8),
+                                torch.empty(k, s.expert_inter_used, dtype=torch.float16), torch.empty(1, L),
+                                torch.empty(1, L // 16), s.expert_inter_used,
+                                scaled=(torch.empty(L), torch.empty(1, L, dtype=bf)),
+                                shared=(torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf),
+                                        torch.empty(1, S, dtype=bf), torch.empty(H, S, dtype=bf),
+                                        torch.empty(1, H, dtype=bf)), shared_act_ready=True)
+        assert f2r is f2s and f13r is not f13s  # the w2 kernel with the down-projection CTAs, the plain w13
+
+
+def test_moe_mxfp4_refuses_shared_experts_that_do_not_chain():
+    from kimi_decode.kernels.moe_mxfp4 import _check_shared
+
+    bf = torch.bfloat16
+    ok = (torch.empty(768, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf), torch.empty(1, 384, dtype=bf),
+          torch.empty(7168, 384, dtype=bf), torch.empty(1, 7168, dtype=bf))
+    _check_shared(ok, 1)
+    with pytest.raises(ValueError, match="batch 1"):
+        _check_shared(ok, 2)
+    with pytest.raises(ValueError, match="batch 1"):
+        _check_shared((ok[0], ok[1], ok[2], torch.empty(7168, 768, dtype=bf), ok[4]), 1)
+    with pytest.raises(ValueError, match="bf16"):
+        _check_shared((*ok[:4], torch.empty(1, 7168)), 1)
 
 
 @needs_cute
@@ -534,6 +573,13 @@ def test_moe_block_fork_and_the_measured_off_switches(monkeypatch, env, overlap,
                          mlp=_moe_on_meta(16))
     backend.begin_layer(lw, 1)
     assert (backend._overlap, backend._prefetch_bytes, backend._fused_gate) == (overlap, prefetch, fused_gate)
+    # batch 1: the router inside the latent down-projection's kernel, at TP16 the shared experts inside the expert
+    # kernels (at TP8, twice the shared rows, on their own stream)
+    assert backend._moe_entry and backend._shared_riders
+    backend.begin_layer(lw, 2)
+    assert not (backend._moe_entry or backend._shared_riders)
+    backend.begin_layer(SimpleNamespace(attn_res=lw.attn_res, attn_kind=KDA, mlp=_moe_on_meta(8)), 1)
+    assert backend._moe_entry and not backend._shared_riders
     backend.begin_layer(SimpleNamespace(attn_res=lw.attn_res, attn_kind=KDA, mlp=object()), 1)
     assert not backend._overlap
 
@@ -552,6 +598,9 @@ def test_moe_entry_compiles_for_sm90a(sm90a):
         bf = torch.bfloat16
         latent = (torch.empty(L, K, dtype=bf), torch.empty(1, L, dtype=bf))
         assert compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5) is not None
+        for S in (384, 768):  # with the shared experts' gate/up GEMV (TP16, TP8)
+            glu = (torch.empty(2 * S, K, dtype=bf), torch.empty(1, S, dtype=bf))
+            assert compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5, glu=glu) is not None
 
 
 def test_moe_entry_refuses_a_down_projection_that_does_not_chain():

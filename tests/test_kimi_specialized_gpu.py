@@ -187,6 +187,37 @@ def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch):
     eager_then_graphed(run, poison, check)
 
 
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+@pytest.mark.parametrize("act_ready", [False, True])
+def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_ready):
+    """Batch 1: the two expert kernels with the shared experts' gate/up (SiTU-GLU) and down GEMVs in CTAs of their
+    own, both outputs against float64, poisoned first; `act_ready`: the gate/up was done before (by the entry
+    kernel, here torch) and only the down-projection rides along."""
+    from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    m = s.model
+    w = init_layer(s, 1, seed=70 + tp + pad, device="cuda").mlp
+    g = torch.Generator(device="cuda").manual_seed(80 + tp + pad)
+    latent = torch.randn(1, m.moe_latent, device="cuda", generator=g).bfloat16()
+    x = torch.randn(1, m.hidden, device="cuda", generator=g).bfloat16()
+    ids = torch.topk(torch.rand(1, m.num_experts, device="cuda", generator=g), m.top_k, dim=-1).indices.int()
+    weights = torch.softmax(torch.randn(1, m.top_k, device="cuda", generator=g), dim=-1)
+    S = w.shared_down.shape[1]
+    out = torch.full((1, m.moe_latent), float("nan"), device="cuda")
+    s_act = torch.full((1, S), float("nan"), dtype=torch.bfloat16, device="cuda")
+    s_out = torch.full((1, m.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    a = R.situ_glu(*(x.double() @ w.shared_gate_up.double().T).chunk(2, dim=-1))
+    if act_ready:
+        s_act.copy_(a)
+    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, out=out,
+              shared=(w.shared_gate_up, x, s_act, w.shared_down, s_out), shared_act_ready=act_ready)
+    torch.cuda.synchronize()
+    assert rel_err(out, R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)) < BF16_TOL
+    assert rel_err(s_act, a) < 1e-2
+    assert rel_err(s_out, a @ w.shared_down.double().T) < BF16_TOL
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 def test_shared_mlp_matches_float64_and_replays(tp):
     """The shared experts' two GEMVs as one two-stage kernel against float64 (SiTU-GLU between them), outputs
@@ -500,11 +531,12 @@ def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypa
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 
-@pytest.mark.parametrize("E, K, L, k", [(896, 7168, 3584, 16), (200, 512, 384, 8)])
-def test_moe_entry_matches_float64(E, K, L, k):
+@pytest.mark.parametrize("E, K, L, k, S", [(896, 7168, 3584, 16, 0), (896, 7168, 3584, 16, 768),
+                                           (200, 512, 384, 8, 64)])
+def test_moe_entry_matches_float64(E, K, L, k, S):
     """The router and the latent down-projection in one kernel against float64: the routes as the one-kernel
-    router's test checks them, the latent within bf16 rounding; eagerly and replayed in a CUDA graph (the router's
-    counter back at 0), outputs poisoned before each run."""
+    router's test checks them, the latent within bf16 rounding, and with S the shared experts' gate/up activation;
+    eagerly and replayed in a CUDA graph (the router's counter back at 0), outputs poisoned before each run."""
     from kimi_decode.kernels.moe_entry import moe_entry
     from kimi_decode.testing import check_routing
 
@@ -518,21 +550,27 @@ def test_moe_entry_matches_float64(E, K, L, k):
     ids = torch.empty(1, k, dtype=torch.int32, device="cuda")
     weights = torch.empty(1, k, device="cuda")
     latent = torch.empty(1, L, dtype=torch.bfloat16, device="cuda")
+    gate_up = torch.randn(2 * max(S, 1), K, device="cuda", generator=g).bfloat16() * 0.05
+    act = torch.empty(1, max(S, 1), dtype=torch.bfloat16, device="cuda")
+    want_act = R.situ_glu(*(x.double() @ gate_up.double().T).chunk(2, dim=-1))
     want_logits = x.double() @ w.double().T
     scores = torch.sigmoid(want_logits)
     selection = scores + bias.double()
 
     def run():
-        moe_entry(w, x, logits, bias, ids, weights, counter, w_down, latent, scaling=2.5)
+        moe_entry(w, x, logits, bias, ids, weights, counter, w_down, latent, scaling=2.5,
+                  glu=(gate_up, act) if S else None)
 
     def poison():
-        for t in (logits, weights, latent):
+        for t in (logits, weights, latent, act):
             t.fill_(float("nan"))
         ids.fill_(-1)
 
     def check():
         torch.cuda.synchronize()
         assert rel_err(latent, x.double() @ w_down.double().T) < 1e-2
+        if S:
+            assert rel_err(act, want_act) < 1e-2
         assert rel_err(logits, want_logits) < 1e-4
         check_routing(selection, ids.long())
         s = scores.gather(-1, ids.long())
@@ -544,10 +582,13 @@ def test_moe_entry_matches_float64(E, K, L, k):
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("env", [{"KIMI_DECODE_MOE_ENTRY": "0"}, {"KIMI_DECODE_FUSED_GATE": "0"},
-                                 {"KIMI_DECODE_EXPERTS_ONE_KERNEL": "1", "KIMI_DECODE_SHARED_ONE_KERNEL": "1"}])
+                                 {"KIMI_DECODE_EXPERTS_ONE_KERNEL": "1", "KIMI_DECODE_SHARED_ONE_KERNEL": "1"},
+                                 {"KIMI_DECODE_SHARED_IN_EXPERTS": "0"}, {"KIMI_DECODE_SHARED_IN_EXPERTS": "1"},
+                                 {"KIMI_DECODE_SHARED_IN_EXPERTS": "1", "KIMI_DECODE_SHARED_GLU_IN": "w13"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
-    own kernel, or with the expert and shared-expert GEMVs as two-stage kernels (8 kernels): the A/B switches."""
+    own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
+    kernels of their own or always as CTAs in the expert kernels: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

@@ -6,11 +6,16 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   as `auto` (measured faster than ours there; `KIMI_DECODE_TC_PLAIN=1` runs them on the tensor-core kernel), and
   the MoE tail up to 16 rows on the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over the tokens, split-K
   with the last CTA of each row group adding the splits and running the epilogue); the latent up-projection
-  accumulates straight into the fp32 residual; at batch 1 the shared experts' SiTU-GLU in their gate/up GEMV's
-  epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own kernel), and that GEMV and the shared down-projection as the two
-  stages of one kernel with `KIMI_DECODE_SHARED_ONE_KERNEL=1` (`kernels/shared_mlp.py`; off by default: slower,
-  see below); `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the
-  switch-overs (A/B);
+  accumulates straight into the fp32 residual; `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the switch-overs (A/B);
+- the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
+  kernel). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels,
+  all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of
+  the entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
+  (`MoEW2SumShared`); `KIMI_DECODE_SHARED_GLU_IN=w13` puts the gate/up in CTAs of the w13 expert kernel instead
+  (`MoEW13ActShared`, measured slower). At TP8 (twice the shared rows) every placement inside measured slower than
+  their own kernels on their own stream, which it keeps (`KIMI_DECODE_SHARED_IN_EXPERTS=1` / `0`: always / never).
+  With `KIMI_DECODE_SHARED_ONE_KERNEL=1` the two GEMVs are the two stages of one kernel (`kernels/shared_mlp.py`;
+  off by default: slower, NOTES v12);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
   `kernels/kda_decode.py`; above batch 8 on the generic path's projections);
   up to batch 8 it also applies the decay gate's low-rank up-projection f_b, read from a column-major copy of f_b
@@ -28,16 +33,17 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   whose w2 CTAs load their weights and then wait for their token's activations, `MoEExperts`. Off by default: with
   it and the shared experts' one kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since
   CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are
-  sorted by expert (the generic path's alignment
-  kernel) and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`);
+  sorted by expert (the generic path's alignment kernel) and each selected expert is read once for up to 8 of its
+  pairs at a time (`kernels/moe_mxfp4_grouped.py`);
 - the MoE tail: up to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes
   beside the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the
   residual in its epilogue; at batches 9..16 (the grouped experts) or with a cross-rank all-reduce of the routed
   sum in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`) before the projection; above 16 rows
   the generic tail;
-- the MoE block's fork: the router and the shared experts read only the AttnRes output, so they run on streams of
-  their own beside the latent down-projection (a fork and join in the CUDA graph); the experts wait for the router
-  branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0` runs them in order on one stream (for A/B timing);
+- the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
+  inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
+  in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
+  runs them in order on one stream (for A/B timing);
 - L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
   `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
@@ -123,6 +129,15 @@ class LatencySpecializedBackend(AutoBackend):
         # default: 8 kernels per KDA layer at batch 1 that way, but 3 / 9 us slower at TP16 (NOTES, v12)
         self._experts_one_on = os.environ.get("KIMI_DECODE_EXPERTS_ONE_KERNEL", "0") == "1"
         self._shared_one_on = os.environ.get("KIMI_DECODE_SHARED_ONE_KERNEL", "0") == "1"
+        # at batch 1 the shared experts inside other kernels where their rows are few (TP16: 8 kernels per KDA layer
+        # and 0.8 us faster than on their own stream; at TP8 1.2-3.4 us slower, so not there: NOTES, v13);
+        # KIMI_DECODE_SHARED_IN_EXPERTS=1 / 0: always / never (A/B)
+        self._shared_riders_on = os.environ.get("KIMI_DECODE_SHARED_IN_EXPERTS", "auto")
+        self._shared_riders = False  # this layer's shared experts run inside the expert kernels
+        # where their gate/up GEMV goes then: "entry" (the router's and latent down-projection's kernel; TP16 batch 1
+        # 94.4 us on the H200) or "w13" (CTAs in the w13 expert kernel, 96.1 us); NOTES, v13
+        self._glu_in_entry = os.environ.get("KIMI_DECODE_SHARED_GLU_IN", "entry") != "w13"
+        self._pending_shared = None  # (gate_up, x, act, down, out) of those, until routed_experts
         self._pending_route = None  # (x, w, logits, ids, weights) of that router, until routed_experts
         # 0: the output projection and the AttnRes after it as two kernels (A/B)
         self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
@@ -193,9 +208,19 @@ class LatencySpecializedBackend(AutoBackend):
         self._moe_entry = (self._experts_fast and self._mlp_fast and self._fused_router and self._moe_entry_on
                            and batch <= ROUTER_FUSED_MAX_ROWS)
         self._pending_route = None
+        self._shared_riders = (self._experts_fast and self._mlp_fast and self._shared_glu and batch == 1
+                               and not self._experts_one_on and self._riders_wanted(lw.mlp))
+        self._pending_shared = None
         self._ssq = self._scaled = None
         self._overlap = device_ok and self._overlap_on and isinstance(lw.mlp, MoEWeights)
         self._lw = lw
+
+    def _riders_wanted(self, w: MoEWeights) -> bool:
+        if self._shared_riders_on in ("0", "1"):
+            return self._shared_riders_on == "1"
+        from ..kernels.moe_mxfp4 import few_shared_rows
+
+        return few_shared_rows(w.shared_down.shape[1])
 
     # ---- streams -----------------------------------------------------------------------------------------------------
     def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
@@ -242,7 +267,8 @@ class LatencySpecializedBackend(AutoBackend):
         """Runs the enclosed stage on a stream of its own that starts after everything launched so far on the current
         stream; under CUDA-graph capture this is a fork in the graph. `inputs` are the main stream's tensors it reads
         (kept from reuse until it is done)."""
-        if not self._overlap or (name == "router" and self._moe_entry):  # the router: in the entry kernel
+        if (not self._overlap or (name == "router" and self._moe_entry)  # the router: in the entry kernel
+                or (name == "shared" and self._shared_riders)):  # the shared experts: in the expert kernels
             yield
             return
         main = torch.cuda.current_stream(inputs[0].device)
@@ -326,8 +352,8 @@ class LatencySpecializedBackend(AutoBackend):
             self._prefetch(self._lw.mlp.down)  # latency-bound; the latent projection comes next
         out = self._empty(y.shape[0], shard.kda_dim, device=y.device)
         fused = f is None  # from our kda_in_proj: the kernel applies f_b to y's f_a columns
-        return kda_decode(y, self._f_b_columns(w.f_b) if fused else f, state.conv, w.conv, w.A_log, w.dt_bias, state.recurrent,
-                          w.o_norm, out, b_col=shard.kda_in_proj_layout["b"][0], eps=m.rms_eps,
+        return kda_decode(y, self._f_b_columns(w.f_b) if fused else f, state.conv, w.conv, w.A_log, w.dt_bias,
+                          state.recurrent, w.o_norm, out, b_col=shard.kda_in_proj_layout["b"][0], eps=m.rms_eps,
                           lower_bound=m.kda_gate_lower_bound,
                           f_col=shard.kda_in_proj_layout["f_a"][0] if fused else None)
 
@@ -384,6 +410,10 @@ class LatencySpecializedBackend(AutoBackend):
         from ..kernels.gemv import gemv
 
         act = self._empty(x.shape[0], w.shared_gate_up.shape[0] // 2, device=x.device)
+        if self._shared_riders:  # deferred: routed_experts launches them inside the expert kernels
+            out = self._empty(1, w.shared_down.shape[0], device=x.device)
+            self._pending_shared = (w.shared_gate_up, x, act, w.shared_down, out)
+            return out
         if self._shared_one_on and x.shape[0] == 1:  # both GEMVs as the two stages of one kernel
             from ..kernels.shared_mlp import shared_mlp
 
@@ -402,7 +432,12 @@ class LatencySpecializedBackend(AutoBackend):
             return super().routed_experts(x, ids, weights, w, shard)
         from ..kernels.moe_mxfp4 import moe_mxfp4
 
+        shared, self._pending_shared = self._pending_shared, None
+        if shared is not None and shared[1] is not x:
+            raise RuntimeError("latency_specialized: deferred shared experts must take the routed experts' input")
         pending, self._pending_route = self._pending_route, None
+        # the shared experts' gate/up in the entry kernel, or (with their down-projection) in the expert kernels
+        glu_in_entry = shared is not None and pending is not None and self._glu_in_entry
         if pending is not None:  # the router and the latent down-projection in one kernel
             from ..kernels.moe_entry import moe_entry
 
@@ -410,7 +445,8 @@ class LatencySpecializedBackend(AutoBackend):
             if rx is not x or rids is not ids or rweights is not weights:
                 raise RuntimeError("latency_specialized: a deferred router must route the routed experts' input")
             latent = moe_entry(rw.router, x, logits, rw.router_bias, ids, weights, self._counter("router", x.device),
-                               w.down, self._empty(x.shape[0], w.down.shape[0], device=x.device), scaling=scaling)
+                               w.down, self._empty(x.shape[0], w.down.shape[0], device=x.device), scaling=scaling,
+                               glu=(shared[0], shared[2]) if glu_in_entry else None)
         else:
             latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
         self.join("router", ids, weights)
@@ -434,7 +470,7 @@ class LatencySpecializedBackend(AutoBackend):
         counters = self._counter("experts", x.device, 2 + GEMV_MAX_ROWS) if self._experts_one_on else None
         return moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, act=act, out=out,
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
-                         counters=counters)
+                         counters=counters, shared=shared, shared_act_ready=glu_in_entry)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if not (self._mlp_fast and self._cute_rows(routed.shape[0])):

@@ -43,12 +43,17 @@ if HAVE_CUTE:
         the norm's weight)."""
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, parts: int = 0, eps: float = 0.0,
-                     scaled: bool = False, glu: bool = False):
+                     scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None):
+            """`warps` per CTA: WARPS for this kernel; a kernel that runs `project` in CTAs of its own size (the
+            expert kernels, with the shared experts' GEMV CTAs beside theirs) passes that, and may set the warps
+            per output row (`split`, a divisor of `warps`; else `split_for`'s)."""
             self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
             self.parts, self.eps, self.scaled = parts, eps, scaled
             self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
-            self.split = split_for(2 * N if glu else N, K)
-            self.rows = WARPS // self.split  # output rows per CTA
+            self.warps = warps
+            self.split = split if split is not None else split_for(2 * N if glu else N, K, warps)
+            assert warps % self.split == 0
+            self.rows = warps // self.split  # output rows per CTA
             self.iters = -(-(-(-K // (32 * VEC))) // self.split)  # iterations of one K slice
 
         @cute.jit
@@ -73,7 +78,7 @@ if HAVE_CUTE:
         @cute.jit
         def project(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
                     N: Int32, red: cute.Tensor, tidx: Int32, bidx: Int32):
-            """This CTA's output rows (the whole kernel but for its shared memory, `red` [WARPS, 2 M] fp32, which
+            """This CTA's output rows (the whole kernel but for its shared memory, `red` [warps, 2 M] fp32, which
             the caller allocates: kernels that do more after the GEMV own one allocator)."""
             lane = tidx % 32
             warp = tidx // 32
@@ -157,10 +162,11 @@ if HAVE_CUTE:
                     store_output(mY, mAdd, m, n, acc[m], self.accumulate, self.addend)
 
 
-def split_for(N: int, K: int) -> int:
-    """Warps per output row: split K while the grid has few warps (under 4096) and each slice keeps >= 1024 of K."""
+def split_for(N: int, K: int, warps: int = WARPS) -> int:
+    """Warps per output row: split K while the grid has few warps (under 4096) and each slice keeps >= 1024 of K
+    (the split divides the CTA's `warps`)."""
     split = 1
-    while split < WARPS and N * split * 2 <= 4096 and K // (split * 2) >= 1024:
+    while warps % (split * 2) == 0 and N * split * 2 <= 4096 and K // (split * 2) >= 1024:
         split *= 2
     return split
 

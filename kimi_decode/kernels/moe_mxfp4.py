@@ -22,13 +22,16 @@ needs are read: padded intermediate rows (TP16 stores 256, uses 192) are skipped
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_wait, situ_glu,
                               take_ticket, wait_count)
+    from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
 WARPS = 8  # K slices per CTA
@@ -333,6 +336,87 @@ if HAVE_CUTE:
                 if lane == 0:
                     ssq[b, bx] = q
 
+    class MoEW13ActShared(MoEW13Act):
+        """`MoEW13Act` with the shared experts' gate/up GEMV (SiTU-GLU epilogue, `gemv.SmallBatchGemv`, one row
+        pair per warp) in CTAs of its own at the front of the grid: at batch 1 the shared experts then need no
+        kernel (and no stream) of their own; their weight stream fills the bandwidth the latency-bound expert CTAs
+        leave."""
+
+        def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
+                     split: int = 1):
+            super().__init__(latent, inter, used, topk)
+            self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
+                                         warps=self.warps, split=split)
+            self.tiles = used // ROWS13
+            self.n_shared = -(-shared_inter // self.shared.rows)
+            self.S = shared_inter
+
+        @cute.jit
+        def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
+                     act: cute.Tensor, gate_up: cute.Tensor, hx: cute.Tensor, s_act: cute.Tensor, stream):
+            self.shared.pdl = self.pdl
+            P = act.shape[0]
+            gX = cute.zipped_divide(x, (1, 4))
+            gW = cute.zipped_divide(w, (1, 1, 4))
+            gGU = cute.zipped_divide(gate_up, (1, 8))
+            gH = cute.zipped_divide(hx, (1, 8))
+            self.kernel(gX, ids, gW, w_scale, act, gGU, gH, s_act).launch(
+                grid=[self.n_shared + self.tiles * P, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
+                use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
+                   act: cute.Tensor, gGU: cute.Tensor, gH: cute.Tensor, s_act: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
+            if bidx < self.n_shared:
+                self.shared.project(gGU, gH, s_act, s_act, s_act, Int32(self.S), red, tidx, bidx)
+            else:
+                pdl_launch_dependents(self.pdl)
+                pdl_wait(self.pdl)
+                q = bidx - self.n_shared
+                self.tile(gX, ids, gW, w_scale, act, red, q % self.tiles, q // self.tiles, tidx)
+
+    class MoEW2SumShared(MoEW2Sum):
+        """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, one row per warp) in CTAs of
+        its own after the expert CTAs (batch 1)."""
+
+        def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int):
+            super().__init__(used, topk, scaled)
+            self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps)
+            self.tiles = latent // ROWS2
+            self.H = hidden
+
+        @cute.jit
+        def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
+                     w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
+                     scaled: cute.Tensor, down: cute.Tensor, s_act: cute.Tensor, s_out: cute.Tensor, stream):
+            self.shared.pdl = self.pdl
+            gA = cute.zipped_divide(act, (1, 4))
+            gD = cute.zipped_divide(down, (1, 8))
+            gS = cute.zipped_divide(s_act, (1, 8))
+            n_shared = -(-self.H // self.shared.rows)
+            self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, gD, gS, s_out).launch(
+                grid=[self.tiles + n_shared, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
+                use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
+                   w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
+                   scaled: cute.Tensor, gD: cute.Tensor, gS: cute.Tensor, s_out: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
+            if bidx < self.tiles:
+                pdl_launch_dependents(self.pdl)
+                pdl_wait(self.pdl)
+                self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx, 0, tidx, ssq, -1)
+            else:
+                self.shared.project(gD, gS, s_out, s_out, s_out, Int32(self.H), red, tidx, bidx - self.tiles)
+
     class MoEExperts:
         """Both stages in one kernel (`moe_mxfp4` with `counters`): the w13 CTAs (tickets in pair order), then the
         w2 CTAs (tickets in token order), which load their weights and then wait for their token's act
@@ -440,8 +524,24 @@ def _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, 
 
 
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
-                counters=None):
+                counters=None, shared=None, shared_act_ready: bool = False):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
+    if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
+        gate_up, hx, s_act, down, s_out = shared
+        H, S = hx.shape[1], s_act.shape[1]
+        if shared_act_ready:
+            a13 = _w13_args(latent, ids, w13, w13_scale, act)
+            f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
+                                 *(fake_like(t, align=16) for t in a13))
+        else:
+            a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
+            split = rider_split(S, quad_split(L)[0])
+            f13 = compile_kernel(("moe_w13_act_shared", used, split, *signature(*a13)),
+                                 MoEW13ActShared(L, I, used, k, H, S, split), *(fake_like(t, align=16) for t in a13))
+        a2 = (*_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, *signature(*a2)),
+                            MoEW2SumShared(used, k, scaled is not None, L, H, S), *(fake_like(t, align=16) for t in a2))
+        return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
         op = MoEExperts(L, I, used, k, ids.shape[0], scaled is not None)
@@ -456,8 +556,34 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     return f13, f2
 
 
+def few_shared_rows(shared_inter: int) -> bool:
+    """Whether one warp per shared-expert (gate, up) row pair leaves under 4 such warps per SM (TP16's 384 pairs;
+    TP8 has 768)."""
+    return shared_inter < 4 * sm_count()
+
+
+def rider_split(shared_inter: int, warps: int) -> int:
+    """Warps per (gate, up) row pair for the shared experts' CTAs in the w13 kernel: all of a CTA's warps (split-K)
+    with few row pairs (`few_shared_rows`), else one (`KIMI_DECODE_SHARED_RIDER_SPLIT` sets it, a divisor of the
+    CTA's warps, for A/B). On the H200 at TP16 batch 1, 7 against 1: 96.3 against 100.0 us per KDA layer."""
+    env = os.environ.get("KIMI_DECODE_SHARED_RIDER_SPLIT")
+    if env:
+        return int(env)
+    return warps if few_shared_rows(shared_inter) else 1
+
+
+def _check_shared(shared, B: int) -> None:
+    gate_up, hx, s_act, down, s_out = shared
+    H, S = hx.shape[1], s_act.shape[1]
+    if B != 1 or hx.shape[0] != 1 or gate_up.shape != (2 * S, H) or down.shape != (H, S) or s_out.shape != (1, H):
+        raise ValueError("MoE MXFP4: the shared experts ride along at batch 1 only, with gate/up [2S, H], down "
+                         "[H, S], x [1, H], act [1, S] and out [1, H]")
+    if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in shared) or H % 8 or S % 8:
+        raise ValueError("MoE MXFP4: the shared experts' tensors must be contiguous bf16, widths a multiple of 8")
+
+
 def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
-              scaled=None, counters=None):
+              scaled=None, counters=None, shared=None, shared_act_ready: bool = False):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
@@ -465,7 +591,10 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     `scaled=(norm_w, y)`, norm_w fp32 [L] and y bf16 [B, L]: also y = bf16(out * norm_w), the input of an
     up-projection that applies the RMSNorm's 1/rms per row (`gemv(..., row_scale=(ssq, eps))`). With `counters`,
     int32 [2 + B] at 0 (left at 0) that no other kernel uses at the same time: both stages in one kernel
-    (`MoEExperts`), else two."""
+    (`MoEExperts`), else two. `shared=(gate_up, x, act, down, out)` at batch 1 (bf16: x [1, H], act [1, S], out
+    [1, H]): the shared experts as well, out = down @ SiTU-GLU(x @ gate_up.T), their GEMVs in CTAs of their own in
+    the two expert kernels (not with `counters`); with `shared_act_ready` their act is already computed (by
+    `moe_entry`) and only the down-projection rides along, in the w2 kernel."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -479,6 +608,16 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         if (norm_w.shape != (L,) or norm_w.dtype != torch.float32 or not norm_w.is_contiguous()
                 or y.shape != (B, L) or y.dtype != torch.bfloat16 or not y.is_contiguous()):
             raise ValueError(f"MoE MXFP4: scaled output needs an fp32 [{L}] norm weight and a bf16 [{B}, {L}] tensor")
+    if shared is not None:
+        if counters is not None:
+            raise ValueError("MoE MXFP4: the shared experts ride along in the two-kernel form only")
+        _check_shared(shared, B)
+        f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
+                              shared=shared, shared_act_ready=shared_act_ready)
+        gate_up, hx, s_act, down, s_out = shared
+        launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(() if shared_act_ready else (gate_up, hx, s_act)))
+        launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
+        return out
     if counters is not None:
         if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < 2 + B:
             raise ValueError(f"MoE MXFP4: the one-kernel experts need int32 counters [>= {2 + B}]")
