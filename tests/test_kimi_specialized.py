@@ -106,56 +106,31 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
     s = shard("k3", tp=tp, pad_experts=pad)
     m = s.model
     E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
-    u8 = torch.uint8
-    f13, f2 = compile_moe(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
-                          torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
-                          torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
-                          torch.empty(E, L, I // 32, dtype=u8),
-                          torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
-                          torch.empty(batch, L // 16), s.expert_inter_used)
+    u8, bf = torch.uint8, torch.bfloat16
+
+    def compile_for(**kw):
+        return compile_moe(torch.empty(batch, L, dtype=bf), torch.empty(batch, k, dtype=torch.int32),
+                           torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+                           torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+                           torch.empty(E, L, I // 32, dtype=u8),
+                           torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
+                           torch.empty(batch, L // 16), s.expert_inter_used, **kw)
+
+    f13, f2 = compile_for()
     assert f13 is not None and f2 is not None
-    _, f2s = compile_moe(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
-                         torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
-                         torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
-                         torch.empty(E, L, I // 32, dtype=u8),
-                         torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
-                         torch.empty(batch, L // 16), s.expert_inter_used,
-                         scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)))
+    scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))
+    _, f2s = compile_for(scaled=scaled)
     assert f2s is not None and f2s is not f2  # its own variant: the bf16 scaled output is written
-    if batch <= 8:  # both stages in one kernel (the backend's default up to batch 8)
-        one = compile_moe(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
-                          torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
-                          torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
-                          torch.empty(E, L, I // 32, dtype=u8),
-                          torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
-                          torch.empty(batch, L // 16), s.expert_inter_used,
-                          scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)),
-                          counters=torch.zeros(2 + batch, dtype=torch.int32))
-        assert one is not None
-    if batch == 1:  # the shared experts' GEMVs in CTAs of their own in both kernels
-        S, H, bf = s_inter(tp), m.hidden, torch.bfloat16
-        f13s, f2s = compile_moe(torch.empty(1, L, dtype=bf), torch.empty(1, k, dtype=torch.int32),
-                                torch.empty(1, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
-                                torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
-                                torch.empty(E, L, I // 32, dtype=u8),
-                                torch.empty(k, s.expert_inter_used, dtype=torch.float16), torch.empty(1, L),
-                                torch.empty(1, L // 16), s.expert_inter_used,
-                                scaled=(torch.empty(L), torch.empty(1, L, dtype=bf)),
-                                shared=(torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf),
-                                        torch.empty(1, S, dtype=bf), torch.empty(H, S, dtype=bf),
-                                        torch.empty(1, H, dtype=bf)))
-        assert f13s is not None and f2s is not None
-        f13r, f2r = compile_moe(torch.empty(1, L, dtype=bf), torch.empty(1, k, dtype=torch.int32),
-                                torch.empty(1, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
-                                torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
-                                torch.empty(E, L, I // 32, dtype=u8),
-                                torch.empty(k, s.expert_inter_used, dtype=torch.float16), torch.empty(1, L),
-                                torch.empty(1, L // 16), s.expert_inter_used,
-                                scaled=(torch.empty(L), torch.empty(1, L, dtype=bf)),
-                                shared=(torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf),
-                                        torch.empty(1, S, dtype=bf), torch.empty(H, S, dtype=bf),
-                                        torch.empty(1, H, dtype=bf)), shared_act_ready=True)
-        assert f2r is f2s and f13r is not f13s  # the w2 kernel with the down-projection CTAs, the plain w13
+    if batch <= 8:  # both stages in one kernel (KIMI_DECODE_EXPERTS_ONE_KERNEL=1)
+        assert compile_for(scaled=scaled, counters=torch.zeros(2 + batch, dtype=torch.int32)) is not None
+    if batch == 1:  # the shared experts' GEMVs in CTAs of their own in both kernels, or the down-projection only
+        S, H = s_inter(tp), m.hidden
+        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        f13s, f2h = compile_for(scaled=scaled, shared=shared)
+        assert f13s is not None and f2h is not None
+        f13r, f2r = compile_for(scaled=scaled, shared=shared, shared_act_ready=True)
+        assert f2r is f2h and f13r is not f13s  # the w2 kernel with the down-projection CTAs, the plain w13
 
 
 def test_moe_mxfp4_refuses_shared_experts_that_do_not_chain():
