@@ -69,6 +69,7 @@ import torch
 from ..config import KDA, ShardConfig
 from ..instrument import rng
 from ..kernels import cute_common
+from ..kernels.shared_mlp import COUNTERS as SHARED_COUNTERS
 from ..state import KDAState, ResidualState
 from ..weights import KDAWeights, MoEWeights
 from .auto import BF16, AutoBackend
@@ -99,6 +100,8 @@ BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stre
 COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
 # the tensor-core projection's counters (one per row group), one set per stream it may run on at the same time
 TC_COUNTERS = 1024
+# the two-stage expert kernel's counters: ticket, finished w2 CTAs, finished w13 CTAs per token
+EXPERT_COUNTERS = 2 + GEMV_MAX_ROWS
 
 
 class LatencySpecializedBackend(AutoBackend):
@@ -138,7 +141,7 @@ class LatencySpecializedBackend(AutoBackend):
         # 94.4 us on the H200) or "w13" (CTAs in the w13 expert kernel, 96.1 us); NOTES, v13
         self._glu_in_entry = os.environ.get("KIMI_DECODE_SHARED_GLU_IN", "entry") != "w13"
         self._pending_shared = None  # (gate_up, x, act, down, out) of those, until routed_experts
-        self._pending_route = None  # (x, w, logits, ids, weights) of that router, until routed_experts
+        self._pending_route = None  # (x, logits, ids, weights) of that router, until routed_experts
         # 0: the output projection and the AttnRes after it as two kernels (A/B)
         self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
         self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
@@ -157,8 +160,8 @@ class LatencySpecializedBackend(AutoBackend):
                 self._stream(name, device)
             for name in COUNTERS:
                 self._counter(name, device)
-            self._counter("experts", device, 2 + GEMV_MAX_ROWS)
-            self._counter("shared", device, 3)
+            self._counter("experts", device, EXPERT_COUNTERS)
+            self._counter("shared", device, SHARED_COUNTERS)
             for name in ("main", *BRANCHES):
                 self._counter(f"tc.{name}", device, TC_COUNTERS)
 
@@ -393,7 +396,7 @@ class LatencySpecializedBackend(AutoBackend):
         logits = self._empty(B, w.router.shape[0], dtype=torch.float32, device=x.device)
         self.last_routes[layer] = ids
         if self._moe_entry:  # deferred: routed_experts launches it with the latent down-projection
-            self._pending_route = (x, w, logits, ids, weights, m.routed_scaling)
+            self._pending_route = (x, logits, ids, weights)
             return ids, weights
         router_topk(w.router, x, logits, w.router_bias, ids, weights, self._counter("router", x.device),
                     scaling=m.routed_scaling)
@@ -419,7 +422,7 @@ class LatencySpecializedBackend(AutoBackend):
 
             return shared_mlp(w.shared_gate_up, x, act, w.shared_down,
                               self._empty(1, w.shared_down.shape[0], device=x.device),
-                              self._counter("shared", x.device, 3))
+                              self._counter("shared", x.device, SHARED_COUNTERS))
         gemv(w.shared_gate_up, x, act, glu=True)  # gate/up GEMV with SiTU-GLU in its epilogue
         return self._gemv(act, w.shared_down)
 
@@ -441,11 +444,12 @@ class LatencySpecializedBackend(AutoBackend):
         if pending is not None:  # the router and the latent down-projection in one kernel
             from ..kernels.moe_entry import moe_entry
 
-            rx, rw, logits, rids, rweights, scaling = pending
+            rx, logits, rids, rweights = pending
             if rx is not x or rids is not ids or rweights is not weights:
                 raise RuntimeError("latency_specialized: a deferred router must route the routed experts' input")
-            latent = moe_entry(rw.router, x, logits, rw.router_bias, ids, weights, self._counter("router", x.device),
-                               w.down, self._empty(x.shape[0], w.down.shape[0], device=x.device), scaling=scaling,
+            latent = moe_entry(w.router, x, logits, w.router_bias, ids, weights, self._counter("router", x.device),
+                               w.down, self._empty(x.shape[0], w.down.shape[0], device=x.device),
+                               scaling=shard.model.routed_scaling,
                                glu=(shared[0], shared[2]) if glu_in_entry else None)
         else:
             latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
@@ -467,7 +471,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._ssq = self._empty(B, L // 16, dtype=torch.float32, device=x.device)
         # with the norm fused into the tail: the expert kernel also writes bf16(routed * norm weight) for it
         self._scaled = self._empty(B, L, device=x.device) if self._fused_norm else None
-        counters = self._counter("experts", x.device, 2 + GEMV_MAX_ROWS) if self._experts_one_on else None
+        counters = self._counter("experts", x.device, EXPERT_COUNTERS) if self._experts_one_on else None
         return moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, act=act, out=out,
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
                          counters=counters, shared=shared, shared_act_ready=glu_in_entry)

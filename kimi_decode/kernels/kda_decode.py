@@ -158,9 +158,8 @@ def kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_co
                               or not (f.is_contiguous() or f.t().is_contiguous())):
         raise ValueError(f"KDA decode: f_b must be [{H * D}, rank], row- or column-major, with y's columns "
                          f"f_col .. f_col + rank inside y")
-    if f_col is None and f.stride(1) != 1:
-        raise ValueError("KDA decode needs row-contiguous inputs")
-    if y.stride(1) != 1 or out.stride(1) != 1 or not conv_state.is_contiguous():
+    if (y.stride(1) != 1 or out.stride(1) != 1 or not conv_state.is_contiguous()
+            or (f_col is None and f.stride(1) != 1)):
         raise ValueError("KDA decode needs row-contiguous inputs")
     fn = compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, b_col=b_col, eps=eps,
                             lower_bound=lower_bound, f_col=-1 if f_col is None else f_col)

@@ -388,6 +388,7 @@ if HAVE_CUTE:
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps)
             self.tiles = latent // ROWS2
             self.H = hidden
+            self.n_shared = -(-hidden // self.shared.rows)
 
         @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -397,9 +398,8 @@ if HAVE_CUTE:
             gA = cute.zipped_divide(act, (1, 4))
             gD = cute.zipped_divide(down, (1, 8))
             gS = cute.zipped_divide(s_act, (1, 8))
-            n_shared = -(-self.H // self.shared.rows)
             self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, gD, gS, s_out).launch(
-                grid=[self.tiles + n_shared, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
+                grid=[self.tiles + self.n_shared, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
         @cute.kernel
