@@ -7,7 +7,7 @@
 # $OUT), sweep (benchmarks/projection_sweep.py), captures-batch (both backends, TP16, at each of CAPTURE_BATCHES, default 8 64), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
 # with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), noprefetch / prefetch12 / prefetch40 (latency_specialized with
 # KIMI_DECODE_PREFETCH_MB=0 / 12 / 40), glu (the shared experts' gate/up GEMV with and without
-# its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), pdl (latency_specialized with KIMI_DECODE_PDL=1, batch 1), tcplain (latency_specialized with KIMI_DECODE_TC_PLAIN=1, batch 8 and 16), router
+# its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), tcplain (latency_specialized with KIMI_DECODE_TC_PLAIN=1, batch 8 and 16), router
 # (latency_specialized at batch 1 with KIMI_DECODE_FUSED_ROUTER=0: router GEMV and top-k as two kernels), ores (the same
 # with KIMI_DECODE_FUSED_O_RES=0: output projection and AttnRes as two kernels), numerics-new
 # (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`), experts (benchmarks/expert_sweep.py),
@@ -15,7 +15,9 @@
 # expert kernels at TP16 batch 64), noentry (latency_specialized at batch 1 with KIMI_DECODE_MOE_ENTRY=0: router and
 # latent down-projection as two kernels), nogate (batch 1 and 8 with KIMI_DECODE_FUSED_GATE=0: the f_b GEMV on its own),
 # oneexperts / oneshared / eight (the two-stage expert and shared-expert kernels, each and both), sharedown (batch 1
-# with the shared experts as kernels of their own, not CTAs in the expert kernels).
+# with the shared experts as kernels of their own, not CTAs in the expert kernels), pdl / pdlstart / pdleight (PDL with
+# the trigger after each kernel's wait, at its start, and with the shared experts inside at both shards), statelate
+# (the KDA kernel's state loaded after the conv), captures-pdl (the batch-1 captures with PDL).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -117,8 +119,23 @@ for name in "$@"; do
     eight)  # batch 1 with both (8 kernels per KDA layer)
       KIMI_DECODE_EXPERTS_ONE_KERNEL=1 KIMI_DECODE_SHARED_ONE_KERNEL=1 bench eight 60 bench_eight.json \
         --backend latency_specialized --tp 16 8 --batch 1 ;;
-    pdl)
-      KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    pdl)  # PDL, each kernel letting the next launch after its own wait (KIMI_DECODE_PDL_TRIGGER=wait)
+      KIMI_DECODE_PDL=1 bench pdl 90 bench_pdl.json --backend latency_specialized --tp 16 8 --batch ${BENCH_BATCHES:-1 8} ;;
+    pdlstart)  # PDL, each kernel letting the next launch at its start (the first form measured)
+      KIMI_DECODE_PDL=1 KIMI_DECODE_PDL_TRIGGER=start bench pdlstart 90 bench_pdlstart.json --backend latency_specialized \
+        --tp 16 8 --batch 1 ;;
+    pdleight)  # PDL with the shared experts inside the expert kernels at both shards (8 kernels at TP8 too)
+      KIMI_DECODE_PDL=1 KIMI_DECODE_SHARED_IN_EXPERTS=1 bench pdleight 60 bench_pdleight.json \
+        --backend latency_specialized --tp 16 8 --batch 1 ;;
+    statelate)  # the KDA kernel with its state loaded after the conv (KIMI_DECODE_KDA_STATE_FIRST=0)
+      KIMI_DECODE_KDA_STATE_FIRST=0 bench statelate 90 bench_statelate.json --backend latency_specialized --tp 16 8 \
+        --batch 1 8 ;;
+    captures-pdl)  # latency_specialized TP16 / TP8 batch 1 with PDL, for the per-kernel view
+      for tp in 16 8; do
+        KIMI_DECODE_PDL=1 step "capture pdl tp$tp" 60 python3 -m profiler.cli capture --backend latency_specialized \
+          --tp "$tp" --batch 1 --layers 4 --context 8192 --steps 50 --profiler cupti \
+          -o "$OUT/latency_specialized_pdl_tp${tp}_b1.kprof"
+      done ;;
     experts)  # the routed-expert kernels alone, grouped CuTe against auto's Triton (benchmarks/expert_sweep.py)
       mkdir -p "$OUT/cubin"  # the compiled kernels, for cuobjdump (registers, local memory)
       CUTE_DSL_KEEP_CUBIN=1 CUTE_DSL_DUMP_DIR="$OUT/cubin" \

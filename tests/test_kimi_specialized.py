@@ -84,6 +84,37 @@ def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
 
 
 @needs_cute
+@pytest.mark.parametrize("trigger", ["wait", "start"])
+def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):
+    """With PDL (KIMI_DECODE_PDL=1) the KDA kernel and the expert kernels compile, each trigger placement its own
+    variant, apart from the kernels without PDL."""
+    from kimi_decode.kernels.kda_decode import compile_kda_decode
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
+
+    s = shard("k3", tp=16)
+    m = s.model
+    h, D, d, bf, u8 = s.kda_heads, m.kda_head_dim, s.kda_dim, torch.bfloat16, torch.uint8
+    kda = ((torch.empty(1, s.kda_in_proj_rows, dtype=bf), torch.empty(m.kda_f_rank, d, dtype=bf).t(),
+            torch.empty(1, 3 * d, 3, dtype=bf), torch.empty(3 * d, 4), torch.empty(h), torch.empty(d),
+            torch.empty(1, h, D, D), torch.empty(D), torch.empty(1, d, dtype=bf)),
+           dict(b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0, f_col=s.kda_in_proj_layout["f_a"][0]))
+    E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
+    moe = (torch.empty(1, L, dtype=bf), torch.empty(1, k, dtype=torch.int32), torch.empty(1, k),
+           torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
+           torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
+           torch.empty(k, s.expert_inter_used, dtype=torch.float16), torch.empty(1, L), torch.empty(1, L // 16),
+           s.expert_inter_used)
+    plain = (compile_kda_decode(*kda[0], **kda[1]), *compile_moe(*moe))
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    monkeypatch.setenv("KIMI_DECODE_PDL_TRIGGER", trigger)
+    with_pdl = (compile_kda_decode(*kda[0], **kda[1]), *compile_moe(*moe))
+    assert all(f is not None and f is not g for f, g in zip(with_pdl, plain))
+    monkeypatch.setenv("KIMI_DECODE_PDL_TRIGGER", "early")
+    with pytest.raises(ValueError, match="KIMI_DECODE_PDL_TRIGGER must be one of wait, start"):
+        compile_kda_decode(*kda[0], **kda[1])
+
+
+@needs_cute
 def test_gemv_refuses_bad_shapes():
     from kimi_decode.kernels.gemv import gemv
 

@@ -64,6 +64,17 @@ def test_projection_matches_float64(tp, kernel, rows):
 def test_kda_decode_matches_float64(tp, batch, fused_gate):
     """The fused KDA kernel against float64; `fused_gate`: it also applies f_b to the input projection's f_a columns
     (f_col) instead of taking the gate input f, f_b as stored ("rows") or as the backend's column-major copy."""
+    _check_kda_decode(tp, batch, fused_gate)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 8)])
+def test_kda_decode_with_the_state_loaded_after_the_conv_matches_float64(monkeypatch, tp, batch):
+    """The A/B form of the KDA kernel (KIMI_DECODE_KDA_STATE_FIRST=0): the state column loaded after the conv."""
+    monkeypatch.setenv("KIMI_DECODE_KDA_STATE_FIRST", "0")
+    _check_kda_decode(tp, batch, "cols")
+
+
+def _check_kda_decode(tp, batch, fused_gate):
     from kimi_decode.kernels.kda_decode import kda_decode
 
     s = shard("k3", tp=tp)
@@ -134,6 +145,29 @@ def test_specialized_layer_with_other_prefetch_sizes_matches_reference(monkeypat
 def test_forked_moe_block_replays_in_a_graph_like_eager(tp):
     """The forked MoE block captured in a CUDA graph (fork and join across three streams) gives the eager step's
     result, step after step."""
+    _check_graph_replays_like_eager(tp)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch, trigger", [(1, "wait"), (8, "wait"), (1, "start")])
+def test_specialized_layer_with_pdl_matches_reference(monkeypatch, tp, batch, trigger):
+    """Programmatic dependent launch on (KIMI_DECODE_PDL=1), each kernel letting the next launch after its own wait
+    (the w2 expert kernel and the KDA kernel then load weights and state before theirs) or at its start."""
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    monkeypatch.setenv("KIMI_DECODE_PDL_TRIGGER", trigger)
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=5000 + tp + batch + len(trigger), device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_pdl_steps_replay_in_a_graph_like_eager(monkeypatch, tp):
+    """With PDL the graph's kernels overlap their neighbours: replays still give the eager steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    _check_graph_replays_like_eager(tp)
+
+
+def _check_graph_replays_like_eager(tp):
     from kimi_decode.slice import DecodeSlice
 
     eager = DecodeSlice(backend="latency_specialized", tp=tp, batch=1, first_layer=1, num_layers=2, context=256)

@@ -3,12 +3,15 @@
 Kernels are compiled once per shape key against fake tensors (so the same code path compiles for `sm_90a` on a
 machine without a GPU), cached in-process, and launched on the current torch stream so CUDA graphs capture them.
 
-Programmatic dependent launch (PDL): with `pdl_enabled()` (`KIMI_DECODE_PDL=1`; off by default, because on the H200
-it gained 1.5% on the TP16 batch-1 KDA layer and lost 7% on TP8, see benchmarks/NOTES.md), every kernel is launched
-with programmatic stream serialisation and starts with `pdl_entry()`: it lets the next kernel launch at once, may
-prefetch its own weights into L2 (they do not depend on the previous kernel), and then waits for the previous
-kernel's results. Consecutive CuTe kernels thus overlap one's launch and weight fetch with the other's tail; after a
-kernel that does not take part (Triton, cuBLAS) the wait returns at once.
+Programmatic dependent launch (PDL): with `pdl_enabled()` (`KIMI_DECODE_PDL=1`; off by default until it measures
+faster, see benchmarks/NOTES.md), every kernel is launched with programmatic stream serialisation. It may prefetch its
+own weights into L2 (they do not depend on the previous kernel), waits for the previous kernel's results
+(`pdl_wait`), and then lets the next kernel launch (`pdl_trigger()` "wait", the default). So at most one kernel runs
+ahead of the one that is working, and whatever was written two or more kernels back may be read before the wait
+(`pdl_reads_ahead()`). `KIMI_DECODE_PDL_TRIGGER=start` lets the next kernel launch at each kernel's very start instead
+(`pdl_launch_dependents`), the first form measured: a chain of small kernels can then launch many kernels ahead, each
+holding SM slots and asking L2 for its weights. After a kernel that does not take part (Triton, cuBLAS) the wait
+returns at once.
 
 """
 from __future__ import annotations
@@ -62,6 +65,24 @@ def pdl_enabled() -> bool:
     return os.environ.get("KIMI_DECODE_PDL", "0") == "1"
 
 
+PDL_TRIGGERS = ("wait", "start")
+_pdl_mode = {"trigger": "wait"}  # the trigger of the kernel being compiled (read while its code is traced)
+
+
+def pdl_trigger() -> str:
+    """Where a kernel lets the next one launch under PDL: "wait" (after its own wait) or "start"."""
+    mode = os.environ.get("KIMI_DECODE_PDL_TRIGGER", "wait")
+    if mode not in PDL_TRIGGERS:
+        raise ValueError(f"KIMI_DECODE_PDL_TRIGGER must be one of {', '.join(PDL_TRIGGERS)}, not {mode!r}")
+    return mode
+
+
+def pdl_reads_ahead() -> bool:
+    """Whether the kernel being compiled may read, before its PDL wait, what kernels two or more back wrote: true when
+    every kernel lets the next launch only after its own wait (so the one before the previous has finished)."""
+    return _pdl_mode["trigger"] == "wait"
+
+
 def cute_dtype(dtype: torch.dtype):
     return _TORCH_TO_CUTE[dtype]
 
@@ -81,14 +102,20 @@ def target_arch() -> str | None:
 
 
 def compile_kernel(key: tuple, op, *fake_args):
-    """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` is set from `pdl_enabled()`."""
+    """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` is set from `pdl_enabled()`, the
+    trigger's place from `pdl_trigger()`."""
     op.pdl = pdl_enabled()
-    key = (*key, op.pdl)
+    trigger = pdl_trigger() if op.pdl else None
+    key = (*key, op.pdl, trigger)
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()
         opts = {"options": f"--gpu-arch {arch}"} if arch else {}
-        fn = _cache[key] = cute.compile(op, *fake_args, make_fake_stream(), **opts)
+        _pdl_mode["trigger"] = trigger
+        try:
+            fn = _cache[key] = cute.compile(op, *fake_args, make_fake_stream(), **opts)
+        finally:
+            _pdl_mode["trigger"] = "wait"
     return fn
 
 
@@ -142,12 +169,16 @@ if HAVE_CUTE:
         return r
 
     def pdl_launch_dependents(pdl: bool) -> None:
-        if pdl:
+        """A kernel's start: with the "start" trigger, let the next kernel launch now."""
+        if pdl and _pdl_mode["trigger"] == "start":
             cute.arch.griddepcontrol_launch_dependents()
 
     def pdl_wait(pdl: bool) -> None:
+        """Wait for the previous kernel's results; with the "wait" trigger, then let the next kernel launch."""
         if pdl:
             cute.arch.griddepcontrol_wait()
+            if _pdl_mode["trigger"] == "wait":
+                cute.arch.griddepcontrol_launch_dependents()
 
     def _atomic_add_u32(counter, value: int, index=0):
         """atom.global.add.u32 on `counter`'s element `index`; returns the old value."""

@@ -13,8 +13,13 @@ head_dim, rank] and thread v computes f[v] = f_b[v] . y[f_col : f_col + rank] it
 may come column-major (a [heads * head_dim, rank] view of a contiguous [rank, heads * head_dim] copy, `f_b.t()
 .contiguous().t()`): then the 32 lanes of a warp read 64 consecutive bytes per r instead of 32 rows 2 * rank bytes
 apart, which is what made the row-major form slower than the separate f_b GEMV (benchmarks/NOTES.md, v7).
+Each thread loads its state column first (it was written by the last step, not by the kernel before), so those loads
+are in flight during the conv and the gate, and under PDL before the wait for the input projection
+(`KIMI_DECODE_KDA_STATE_FIRST=0`: after the conv, as measured before v14).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -36,11 +41,12 @@ if HAVE_CUTE:
 
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
-                     f_col: int = -1, f_rank: int = 0):
+                     f_col: int = -1, f_rank: int = 0, state_first: bool = True):
             self.H, self.D, self.W = heads, head_dim, width
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
             self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
+            self.state_first = state_first  # the state column's loads first (before the PDL wait), not after the conv
 
         @cute.jit
         def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -75,9 +81,13 @@ if HAVE_CUTE:
                    out: cute.Tensor):
             t, _, _ = cute.arch.thread_idx()
             h, b, _ = cute.arch.block_idx()
-            pdl_launch_dependents(self.pdl)
-            pdl_wait(self.pdl)
             D = self.D
+            pdl_launch_dependents(self.pdl)
+            col = cute.make_rmem_tensor((D,), Float32)  # thread t's column of the state
+            if cutlass.const_expr(self.state_first):  # written by the last step, not by the previous kernel
+                for kk in cutlass.range_constexpr(D):
+                    col[kk] = S[b, h, kk, t]
+            pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             sQ = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
             sK = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
@@ -116,10 +126,12 @@ if HAVE_CUTE:
             beta = sigmoid(y[b, self.b_col + h].to(Float32))
             cute.arch.barrier()
 
-            col = cute.make_rmem_tensor((D,), Float32)
             k_s = Float32(0.0)
             for kk in cutlass.range_constexpr(D):
-                s = S[b, h, kk, t] * sDecay[kk]
+                if cutlass.const_expr(self.state_first):
+                    s = col[kk] * sDecay[kk]
+                else:
+                    s = S[b, h, kk, t] * sDecay[kk]
                 col[kk] = s
                 k_s = k_s + sK[kk] * s
             delta = beta * (v - k_s)
@@ -138,9 +150,11 @@ if HAVE_CUTE:
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
                        f_col: int = -1):
     B, H, D, _ = S.shape
-    key = ("kda_decode", b_col, eps, lower_bound, f_col,
+    state_first = os.environ.get("KIMI_DECODE_KDA_STATE_FIRST", "1") == "1"
+    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
-    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, f.shape[1] if f_col >= 0 else 0)
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, f.shape[1] if f_col >= 0 else 0,
+                   state_first)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
                                                                       o_norm, out)))
 
