@@ -15,8 +15,10 @@
 # expert kernels at TP16 batch 64), noentry (latency_specialized at batch 1 with KIMI_DECODE_MOE_ENTRY=0: router and
 # latent down-projection as two kernels), nogate (batch 1 and 8 with KIMI_DECODE_FUSED_GATE=0: the f_b GEMV on its own),
 # oneexperts / oneshared / eight (the two-stage expert and shared-expert kernels, each and both), sharedown (batch 1
-# with the shared experts as kernels of their own, not CTAs in the expert kernels), pdl / pdlstart / pdleight (PDL with
-# the trigger after each kernel's wait, at its start, and with the shared experts inside at both shards), statelate
+# with the shared experts as kernels of their own, not CTAs in the expert kernels), pdl / pdlstart / pdleight (PDL at
+# every batch with the trigger after each kernel's wait, at its start, and with the shared experts inside at both
+# shards), nopdl / pdlskip13 / pdliters (batch 1 without PDL, with the w13 kernel launched without it, with the GEMVs'
+# L2 requests before the wait at 0 and 8 iterations), statelate
 # (the KDA kernel's state loaded after the conv), captures-pdl (the batch-1 captures with PDL).
 set -u
 OUT="${OUT:-runs/h200}"
@@ -127,6 +129,16 @@ for name in "$@"; do
     pdleight)  # PDL with the shared experts inside the expert kernels at both shards (8 kernels at TP8 too)
       KIMI_DECODE_PDL=1 KIMI_DECODE_SHARED_IN_EXPERTS=1 bench pdleight 60 bench_pdleight.json \
         --backend latency_specialized --tp 16 8 --batch 1 ;;
+    nopdl)  # batch 1 without PDL (KIMI_DECODE_PDL=0): at TP8 the shared experts then fork again
+      KIMI_DECODE_PDL=0 bench nopdl 60 bench_nopdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    pdlskip13)  # batch 1 with the w13 expert kernel launched without PDL (it still lets w2 launch early)
+      KIMI_DECODE_PDL_SKIP=moe_w13_act,moe_w13_act_shared bench pdlskip13 60 bench_pdlskip13.json \
+        --backend latency_specialized --tp 16 8 --batch 1 ;;
+    pdliters)  # batch 1 with the GEMVs asking L2 for 0 and 8 iterations of their rows before the PDL wait (4 default)
+      for n in 0 8; do
+        KIMI_DECODE_PDL_PREFETCH_ITERS=$n bench "pdliters$n" 60 "bench_pdliters$n.json" --backend latency_specialized \
+          --tp 16 8 --batch 1
+      done ;;
     statelate)  # the KDA kernel with its state loaded after the conv (KIMI_DECODE_KDA_STATE_FIRST=0)
       KIMI_DECODE_KDA_STATE_FIRST=0 bench statelate 90 bench_statelate.json --backend latency_specialized --tp 16 8 \
         --batch 1 8 ;;

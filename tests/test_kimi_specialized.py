@@ -83,6 +83,49 @@ def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
                               f_col=s.kda_in_proj_layout["f_a"][0]) is not None
 
 
+def test_pdl_follows_the_layer_under_auto_and_the_setting_otherwise(monkeypatch):
+    """KIMI_DECODE_PDL=auto (the default): what the backend asked for the layer it runs, until the layer ends; "0" /
+    "1": never / always; anything else is refused by name."""
+    backend = get_backend("latency_specialized")
+    monkeypatch.delenv("KIMI_DECODE_PDL", raising=False)
+    try:
+        cute_common.set_layer_pdl(True)
+        assert cute_common.pdl_enabled()
+        monkeypatch.setenv("KIMI_DECODE_PDL", "0")
+        assert not cute_common.pdl_enabled()
+        monkeypatch.setenv("KIMI_DECODE_PDL", "auto")
+        backend.end_layer()
+        assert not cute_common.pdl_enabled()
+        monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+        assert cute_common.pdl_enabled()
+        monkeypatch.setenv("KIMI_DECODE_PDL", "yes")
+        with pytest.raises(ValueError, match="KIMI_DECODE_PDL must be one of auto, 0, 1, not 'yes'"):
+            cute_common.pdl_enabled()
+    finally:
+        cute_common.set_layer_pdl(False)
+
+
+def test_decode_layer_ends_the_layer_when_it_raises():
+    from kimi_decode.backends.auto import AutoBackend
+    from kimi_decode.model import decode_layer
+
+    class Failing(AutoBackend):
+        ended = 0
+
+        def attn_res(self, *args, **kwargs):
+            raise RuntimeError("boom")
+
+        def end_layer(self):
+            self.ended += 1
+
+    s = shard("tiny")
+    backend = Failing()
+    with pytest.raises(RuntimeError, match="boom"):
+        decode_layer(backend, init_layer(s, 1, seed=1), init_residual(s, 1, 1, seed=1), init_kda_state(s, 1, 1, seed=1),
+                     s)
+    assert backend.ended == 1
+
+
 @needs_cute
 @pytest.mark.parametrize("trigger", ["wait", "start"])
 def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):

@@ -618,11 +618,15 @@ def test_moe_entry_matches_float64(E, K, L, k, S):
 @pytest.mark.parametrize("env", [{"KIMI_DECODE_MOE_ENTRY": "0"}, {"KIMI_DECODE_FUSED_GATE": "0"},
                                  {"KIMI_DECODE_EXPERTS_ONE_KERNEL": "1", "KIMI_DECODE_SHARED_ONE_KERNEL": "1"},
                                  {"KIMI_DECODE_SHARED_IN_EXPERTS": "0"}, {"KIMI_DECODE_SHARED_IN_EXPERTS": "1"},
-                                 {"KIMI_DECODE_SHARED_IN_EXPERTS": "1", "KIMI_DECODE_SHARED_GLU_IN": "w13"}])
+                                 {"KIMI_DECODE_SHARED_IN_EXPERTS": "1", "KIMI_DECODE_SHARED_GLU_IN": "w13"},
+                                 {"KIMI_DECODE_PDL": "0"},
+                                 {"KIMI_DECODE_PDL_SKIP": "moe_w13_act,moe_w13_act_shared"},
+                                 {"KIMI_DECODE_PDL_PREFETCH_ITERS": "0"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
-    kernels of their own or always as CTAs in the expert kernels: the A/B switches."""
+    kernels of their own or always as CTAs in the expert kernels, or without PDL, or with the w13 kernel launched
+    without it, or with no L2 requests before the wait: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

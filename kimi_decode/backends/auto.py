@@ -53,6 +53,9 @@ class AutoBackend:
         """Called before each layer; a specialized backend picks its kernels (or falls back) here. `reduced`: the
         layer's partial results are all-reduced across ranks between stages (tensor parallel over several GPUs)."""
 
+    def end_layer(self) -> None:
+        """Called after each layer, also when it raised."""
+
     def branch(self, name: str, *inputs: torch.Tensor):
         """Context for a stage that may run beside the main stream (a fork of the MoE block). The generic path runs
         every stage in order on the current stream."""

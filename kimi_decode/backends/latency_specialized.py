@@ -12,8 +12,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of
   the entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
   (`MoEW2SumShared`); `KIMI_DECODE_SHARED_GLU_IN=w13` puts the gate/up in CTAs of the w13 expert kernel instead
-  (`MoEW13ActShared`, measured slower). At TP8 (twice the shared rows) every placement inside measured slower than
-  their own kernels on their own stream, which it keeps (`KIMI_DECODE_SHARED_IN_EXPERTS=1` / `0`: always / never).
+  (`MoEW13ActShared`, measured slower). At TP8 (twice the shared rows) without PDL every placement inside measured
+  slower than their own kernels on their own stream, which it keeps then; under PDL (below) they run inside at both
+  shards, which keeps the layer on one stream (`KIMI_DECODE_SHARED_IN_EXPERTS=1` / `0`: always / never).
   With `KIMI_DECODE_SHARED_ONE_KERNEL=1` the two GEMVs are the two stages of one kernel (`kernels/shared_mlp.py`;
   off by default: slower, NOTES v12);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
@@ -54,6 +55,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
+- programmatic dependent launch at batch 1 (`PDL_MAX_ROWS`; `kernels/cute_common.py`, `KIMI_DECODE_PDL=0` / `1`:
+  never / at every batch): each CuTe kernel launches while the one before it finishes, asks L2 for its first weights,
+  waits for that one's results and then lets the next launch; the KDA kernel loads its state and the w2 expert
+  kernel its weight words before the wait.
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), everything but AttnRes at
 batches over 64, no CUDA device or no cutlass-dsl.
 """
@@ -93,6 +98,10 @@ PREFETCH_MB = 0
 GLU_MAX_ROWS = 1
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~2 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
+# programmatic dependent launch (cute_common, KIMI_DECODE_PDL=auto) up to here: at batch 1 on the H200 it let the TP8
+# layer run on one stream in 8 kernels at 118.4 us (120.9 forked without it); at batch 8 it measured slower (TP8
+# 274.1 against 238.4 us; NOTES, v14)
+PDL_MAX_ROWS = 1
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
@@ -133,8 +142,9 @@ class LatencySpecializedBackend(AutoBackend):
         self._experts_one_on = os.environ.get("KIMI_DECODE_EXPERTS_ONE_KERNEL", "0") == "1"
         self._shared_one_on = os.environ.get("KIMI_DECODE_SHARED_ONE_KERNEL", "0") == "1"
         # at batch 1 the shared experts inside other kernels where their rows are few (TP16: 8 kernels per KDA layer
-        # and 0.8 us faster than on their own stream; at TP8 1.2-3.4 us slower, so not there: NOTES, v13);
-        # KIMI_DECODE_SHARED_IN_EXPERTS=1 / 0: always / never (A/B)
+        # and 0.8 us faster than on their own stream; at TP8 without PDL 1.2-3.4 us slower: NOTES, v13), and with
+        # PDL (TP8: 118.4 us against 120.9 forked without it, NOTES v14); KIMI_DECODE_SHARED_IN_EXPERTS=1 / 0:
+        # always / never (A/B)
         self._shared_riders_on = os.environ.get("KIMI_DECODE_SHARED_IN_EXPERTS", "auto")
         self._shared_riders = False  # this layer's shared experts run inside the expert kernels
         # where their gate/up GEMV goes then: "entry" (the router's and latent down-projection's kernel; TP16 batch 1
@@ -211,6 +221,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._moe_entry = (self._experts_fast and self._mlp_fast and self._fused_router and self._moe_entry_on
                            and batch <= ROUTER_FUSED_MAX_ROWS)
         self._pending_route = None
+        cute_common.set_layer_pdl(device_ok and batch <= PDL_MAX_ROWS)
         self._shared_riders = (self._experts_fast and self._mlp_fast and self._shared_glu and batch == 1
                                and not self._experts_one_on and self._riders_wanted(lw.mlp))
         self._pending_shared = None
@@ -218,12 +229,17 @@ class LatencySpecializedBackend(AutoBackend):
         self._overlap = device_ok and self._overlap_on and isinstance(lw.mlp, MoEWeights)
         self._lw = lw
 
+    def end_layer(self) -> None:
+        cute_common.set_layer_pdl(False)
+
     def _riders_wanted(self, w: MoEWeights) -> bool:
+        """Whether the shared experts run inside the expert kernels at batch 1: where their rows are few, and under PDL
+        (which needs the layer on one stream: a fork and join is a plain dependency in the graph)."""
         if self._shared_riders_on in ("0", "1"):
             return self._shared_riders_on == "1"
         from ..kernels.moe_mxfp4 import few_shared_rows
 
-        return few_shared_rows(w.shared_down.shape[1])
+        return few_shared_rows(w.shared_down.shape[1]) or cute_common.pdl_enabled()
 
     # ---- streams -----------------------------------------------------------------------------------------------------
     def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:

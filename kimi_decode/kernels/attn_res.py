@@ -114,7 +114,7 @@ if HAVE_CUTE:
                      key_norm: cute.Tensor, input_norm: cute.Tensor, out: cute.Tensor, stream):
             gB, gP, gD, gQ, gK, gN, gO = self.tiles(blocks, partial, delta, query, key_norm, input_norm, out)
             self.kernel(gB, gP, gD, gQ, gK, gN, gO).launch(grid=[partial.shape[0], 1, 1], block=[self.T, 1, 1],
-                                                           stream=stream, use_pdl=self.pdl)
+                                                           stream=stream, use_pdl=self.pdl_launch)
 
         @staticmethod
         def tiles(blocks, partial, delta, query, key_norm, input_norm, out) -> tuple:

@@ -3,15 +3,16 @@
 Kernels are compiled once per shape key against fake tensors (so the same code path compiles for `sm_90a` on a
 machine without a GPU), cached in-process, and launched on the current torch stream so CUDA graphs capture them.
 
-Programmatic dependent launch (PDL): with `pdl_enabled()` (`KIMI_DECODE_PDL=1`; off by default until it measures
-faster, see benchmarks/NOTES.md), every kernel is launched with programmatic stream serialisation. It may prefetch its
-own weights into L2 (they do not depend on the previous kernel), waits for the previous kernel's results
-(`pdl_wait`), and then lets the next kernel launch (`pdl_trigger()` "wait", the default). So at most one kernel runs
-ahead of the one that is working, and whatever was written two or more kernels back may be read before the wait
-(`pdl_reads_ahead()`). `KIMI_DECODE_PDL_TRIGGER=start` lets the next kernel launch at each kernel's very start instead
-(`pdl_launch_dependents`), the first form measured: a chain of small kernels can then launch many kernels ahead, each
-holding SM slots and asking L2 for its weights. After a kernel that does not take part (Triton, cuBLAS) the wait
-returns at once.
+Programmatic dependent launch (PDL): a kernel compiled with `pdl_enabled()` (KIMI_DECODE_PDL: "auto", the default,
+where the backend asks for it with `set_layer_pdl`; "1" everywhere; "0" nowhere) is launched with programmatic stream
+serialisation. It may prefetch its own weights into L2 (they do not depend on the previous kernel), waits for the
+previous kernel's results (`pdl_wait`), and then lets the next kernel launch (`pdl_trigger()` "wait", the default). So
+at most one kernel runs ahead of the one that is working, and whatever was written two or more kernels back may be
+read before the wait (`pdl_reads_ahead()`). `KIMI_DECODE_PDL_TRIGGER=start` lets the next kernel launch at each
+kernel's very start instead (`pdl_launch_dependents`), the first form measured: a chain of small kernels can then
+launch many kernels ahead, each holding SM slots and asking L2 for its weights. After a kernel that does not take part
+(Triton, cuBLAS, NCCL) the wait returns at once. For A/B runs, `KIMI_DECODE_PDL_SKIP` names kernels launched without
+PDL and `KIMI_DECODE_PDL_PREFETCH_ITERS` sets how much of its rows a GEMV asks of L2 before the wait.
 
 """
 from __future__ import annotations
@@ -61,26 +62,61 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def pdl_enabled() -> bool:
-    return os.environ.get("KIMI_DECODE_PDL", "0") == "1"
-
-
+PDL_SETTINGS = ("auto", "0", "1")
 PDL_TRIGGERS = ("wait", "start")
-_pdl_mode = {"trigger": "wait"}  # the trigger of the kernel being compiled (read while its code is traced)
+PDL_PREFETCH_ITERS = 4  # GEMV loop iterations of weights asked of L2 before the wait (`SmallBatchGemv.project`)
+# the PDL choices of the kernel being compiled (read while its code is traced), and the layer's wish (`set_layer_pdl`)
+_pdl_mode = {"trigger": "wait", "prefetch": PDL_PREFETCH_ITERS, "layer": False}
+
+
+def _setting(name: str, default: str, allowed: tuple) -> str:
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    return value
+
+
+def pdl_setting() -> str:
+    """KIMI_DECODE_PDL: "1" every kernel under PDL, "0" none, "auto" (default) where the backend asks for it for the
+    layer it runs (`set_layer_pdl`)."""
+    return _setting("KIMI_DECODE_PDL", "auto", PDL_SETTINGS)
+
+
+def set_layer_pdl(on: bool) -> None:
+    """The backend's choice for the kernels of the layer it is about to run (under KIMI_DECODE_PDL=auto)."""
+    _pdl_mode["layer"] = bool(on)
+
+
+def pdl_enabled() -> bool:
+    setting = pdl_setting()
+    return setting == "1" or (setting == "auto" and _pdl_mode["layer"])
 
 
 def pdl_trigger() -> str:
     """Where a kernel lets the next one launch under PDL: "wait" (after its own wait) or "start"."""
-    mode = os.environ.get("KIMI_DECODE_PDL_TRIGGER", "wait")
-    if mode not in PDL_TRIGGERS:
-        raise ValueError(f"KIMI_DECODE_PDL_TRIGGER must be one of {', '.join(PDL_TRIGGERS)}, not {mode!r}")
-    return mode
+    return _setting("KIMI_DECODE_PDL_TRIGGER", "wait", PDL_TRIGGERS)
+
+
+def pdl_skipped() -> frozenset:
+    """Kernels (by compile-key name, KIMI_DECODE_PDL_SKIP, comma-separated) launched without PDL: they start after
+    the kernel before them has finished, and still let the next one launch early."""
+    return frozenset(n for n in os.environ.get("KIMI_DECODE_PDL_SKIP", "").split(",") if n)
+
+
+def pdl_prefetch_iters() -> int:
+    """GEMV weight iterations asked of L2 before the PDL wait (KIMI_DECODE_PDL_PREFETCH_ITERS, default 4)."""
+    return int(os.environ.get("KIMI_DECODE_PDL_PREFETCH_ITERS", PDL_PREFETCH_ITERS))
 
 
 def pdl_reads_ahead() -> bool:
     """Whether the kernel being compiled may read, before its PDL wait, what kernels two or more back wrote: true when
     every kernel lets the next launch only after its own wait (so the one before the previous has finished)."""
     return _pdl_mode["trigger"] == "wait"
+
+
+def gemv_prefetch_iters() -> int:
+    """`PDL_PREFETCH_ITERS` as set for the kernel being compiled."""
+    return _pdl_mode["prefetch"]
 
 
 def cute_dtype(dtype: torch.dtype):
@@ -102,20 +138,22 @@ def target_arch() -> str | None:
 
 
 def compile_kernel(key: tuple, op, *fake_args):
-    """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` is set from `pdl_enabled()`, the
-    trigger's place from `pdl_trigger()`."""
+    """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
+    from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
+    trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`."""
     op.pdl = pdl_enabled()
-    trigger = pdl_trigger() if op.pdl else None
-    key = (*key, op.pdl, trigger)
+    op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
+    mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
+    key = (*key, op.pdl, op.pdl_launch, mode)
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()
         opts = {"options": f"--gpu-arch {arch}"} if arch else {}
-        _pdl_mode["trigger"] = trigger
+        _pdl_mode["trigger"], _pdl_mode["prefetch"] = mode
         try:
             fn = _cache[key] = cute.compile(op, *fake_args, make_fake_stream(), **opts)
         finally:
-            _pdl_mode["trigger"] = "wait"
+            _pdl_mode["trigger"], _pdl_mode["prefetch"] = "wait", PDL_PREFETCH_ITERS
     return fn
 
 

@@ -16,12 +16,11 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_wait, prefetch_l2, situ_glu
+    from .cute_common import gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2, situ_glu
 
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
 MAX_ROWS = 8
-PREFETCH_ITERS = 4  # loop iterations of weights asked of L2 while waiting for the previous kernel (PDL)
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
@@ -64,7 +63,7 @@ if HAVE_CUTE:
             N = mY.shape[1]
             self.kernel(gW, gX, mY, mAdd, mSsq, N).launch(grid=[cute.ceil_div(N, self.rows), 1, 1],
                                                               block=[32 * WARPS, 1, 1], stream=stream,
-                                                              use_pdl=self.pdl)
+                                                              use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
@@ -87,7 +86,7 @@ if HAVE_CUTE:
             pdl_launch_dependents(self.pdl)
             if cutlass.const_expr(self.pdl):  # the weights do not depend on the previous kernel: start them
                 if n < N:
-                    for it in cutlass.range_constexpr(PREFETCH_ITERS):
+                    for it in cutlass.range_constexpr(gemv_prefetch_iters()):
                         kk = (part * self.iters + it) * 32 + lane
                         if kk * VEC < self.K:
                             prefetch_l2(gW[(None, (n, kk))])

@@ -54,7 +54,7 @@ if HAVE_CUTE:
                      out: cute.Tensor, stream):
             B = y.shape[0]
             self.kernel(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out).launch(
-                grid=[self.H, B, 1], block=[self.D, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[self.H, B, 1], block=[self.D, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.jit
         def _block_sum2(self, a: Float32, b: Float32, red: cute.Tensor):

@@ -48,7 +48,7 @@ if HAVE_CUTE:
             gWgu = cute.zipped_divide(mWgu, (1, VEC))
             self.kernel(gWr, gX, mL, mBias, mIds, mWts, mCnt, gWd, mLat, gWgu, mAct).launch(
                 grid=[self.n_router + self.n_down + self.n_glu, 1, 1], block=[THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gWr: cute.Tensor, gX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,

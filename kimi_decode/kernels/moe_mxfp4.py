@@ -199,7 +199,7 @@ if HAVE_CUTE:
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, ids, gW, w_scale, act).launch(
-                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
@@ -268,7 +268,7 @@ if HAVE_CUTE:
             B, L = out.shape
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
             self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled).launch(
-                grid=[L // ROWS2, B, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[L // ROWS2, B, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -369,7 +369,7 @@ if HAVE_CUTE:
             gH = cute.zipped_divide(hx, (1, 8))
             self.kernel(gX, ids, gW, w_scale, act, gGU, gH, s_act).launch(
                 grid=[self.n_shared + self.tiles * P, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
@@ -407,7 +407,7 @@ if HAVE_CUTE:
             gS = cute.zipped_divide(s_act, (1, 8))
             self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, gD, gS, s_out).launch(
                 grid=[self.tiles + self.n_shared, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -451,7 +451,7 @@ if HAVE_CUTE:
             gA = cute.zipped_divide(act_words, (1, 4))  # act as the w2 stage reads it: int32 pairs of fp16
             self.kernel(gX, ids, gW, w13_scale, act, gA, weights, w2, w2_scale, out, ssq, norm_w, scaled,
                         counter).launch(grid=[self.n13 + self.n2, 1, 1], block=[32 * self.w13.warps, 1, 1],
-                                        stream=stream, use_pdl=self.pdl)
+                                        stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w13_scale: cute.Tensor,

@@ -47,7 +47,7 @@ if HAVE_CUTE:
             gX = cute.zipped_divide(mX, (1, VEC))
             gB, gP, gD, gQ, gK, gN, gO = self.res.tiles(blocks, partial, mA, query, key_norm, input_norm, out)
             self.kernel(gW, gX, mA, gB, gP, gD, gQ, gK, gN, gO, mCnt).launch(
-                grid=[self.ctas, 1, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[self.ctas, 1, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mA: cute.Tensor, gB: cute.Tensor, gP: cute.Tensor,

@@ -25,7 +25,7 @@ if HAVE_CUTE:
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream):
             self.kernel(x, w, out).launch(grid=[x.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream,
-                                          use_pdl=self.pdl)
+                                          use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor):

@@ -53,7 +53,7 @@ if HAVE_CUTE:
             gX = cute.zipped_divide(mX, (1, VEC))
             N = mL.shape[1]
             self.kernel(gW, gX, mL, mBias, mIds, mWts, mCnt, N).launch(
-                grid=[cute.ceil_div(N, self.rows), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[cute.ceil_div(N, self.rows), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,

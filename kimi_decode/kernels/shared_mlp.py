@@ -37,7 +37,7 @@ if HAVE_CUTE:
             gWd = cute.zipped_divide(mWd, (1, VEC))
             gAct = cute.zipped_divide(mAct, (1, VEC))
             self.kernel(gWgu, gX, mAct, gWd, gAct, mOut, mCnt).launch(
-                grid=[self.n1 + self.n2, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[self.n1 + self.n2, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gWgu: cute.Tensor, gX: cute.Tensor, mAct: cute.Tensor, gWd: cute.Tensor,
