@@ -18,7 +18,8 @@
 # with the shared experts as kernels of their own, not CTAs in the expert kernels), pdl / pdlstart / pdleight (PDL at
 # every batch with the trigger after each kernel's wait, at its start, and with the shared experts inside at both
 # shards), nopdl / pdlskip13 / pdliters (batch 1 without PDL, with the w13 kernel launched without it, with the GEMVs'
-# L2 requests before the wait at 0 and 8 iterations), statelate
+# L2 requests before the wait at 0 and 8 iterations), special (latency_specialized alone), pdlcombo (the w13 kernel
+# without PDL and no L2 requests before the wait), pdl8iters0 (batch 8 under PDL without them), statelate
 # (the KDA kernel's state loaded after the conv), captures-pdl (the batch-1 captures with PDL).
 set -u
 OUT="${OUT:-runs/h200}"
@@ -129,6 +130,14 @@ for name in "$@"; do
     pdleight)  # PDL with the shared experts inside the expert kernels at both shards (8 kernels at TP8 too)
       KIMI_DECODE_PDL=1 KIMI_DECODE_SHARED_IN_EXPERTS=1 bench pdleight 60 bench_pdleight.json \
         --backend latency_specialized --tp 16 8 --batch 1 ;;
+    special)  # latency_specialized alone at BENCH_BATCHES (default 1 8), the defaults
+      bench special 90 bench_special.json --backend latency_specialized --tp 16 8 --batch ${BENCH_BATCHES:-1 8} ;;
+    pdlcombo)  # batch 1 with the w13 kernel launched without PDL and no L2 requests before the wait
+      KIMI_DECODE_PDL_SKIP=moe_w13_act,moe_w13_act_shared KIMI_DECODE_PDL_PREFETCH_ITERS=0 bench pdlcombo 60 \
+        bench_pdlcombo.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    pdl8iters0)  # batch 8 under PDL without L2 requests before the wait
+      KIMI_DECODE_PDL=1 KIMI_DECODE_PDL_PREFETCH_ITERS=0 bench pdl8iters0 60 bench_pdl8iters0.json \
+        --backend latency_specialized --tp 16 8 --batch 8 ;;
     nopdl)  # batch 1 without PDL (KIMI_DECODE_PDL=0): at TP8 the shared experts then fork again
       KIMI_DECODE_PDL=0 bench nopdl 60 bench_nopdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     pdlskip13)  # batch 1 with the w13 expert kernel launched without PDL (it still lets w2 launch early)

@@ -620,15 +620,22 @@ def test_moe_block_fork_and_the_measured_off_switches(monkeypatch, env, overlap,
     backend = get_backend("latency_specialized")
     lw = SimpleNamespace(attn_res=SimpleNamespace(query=SimpleNamespace(is_cuda=True)), attn_kind=KDA,
                          mlp=_moe_on_meta(16))
+    monkeypatch.setitem(latency_specialized.cute_common._pdl_mode, "layer", False)
     backend.begin_layer(lw, 1)
     assert (backend._overlap, backend._prefetch_bytes, backend._fused_gate) == (overlap, prefetch, fused_gate)
-    # batch 1: the router inside the latent down-projection's kernel, at TP16 the shared experts inside the expert
-    # kernels (at TP8, twice the shared rows, on their own stream)
-    assert backend._moe_entry and backend._shared_riders
+    # batch 1: PDL, the router inside the latent down-projection's kernel, the shared experts inside the expert kernels
+    assert backend._moe_entry and backend._shared_riders and latency_specialized.cute_common.pdl_enabled()
     backend.begin_layer(lw, 2)
-    assert not (backend._moe_entry or backend._shared_riders)
-    backend.begin_layer(SimpleNamespace(attn_res=lw.attn_res, attn_kind=KDA, mlp=_moe_on_meta(8)), 1)
+    assert not (backend._moe_entry or backend._shared_riders or latency_specialized.cute_common.pdl_enabled())
+    tp8 = SimpleNamespace(attn_res=lw.attn_res, attn_kind=KDA, mlp=_moe_on_meta(8))
+    backend.begin_layer(tp8, 1)  # under PDL the TP8 layer stays on one stream too
+    assert backend._moe_entry and backend._shared_riders
+    monkeypatch.setenv("KIMI_DECODE_PDL", "0")  # without it TP8's shared experts (twice the rows) fork
+    backend.begin_layer(tp8, 1)
     assert backend._moe_entry and not backend._shared_riders
+    monkeypatch.delenv("KIMI_DECODE_PDL")
+    backend.end_layer()
+    assert not latency_specialized.cute_common.pdl_enabled()
     backend.begin_layer(SimpleNamespace(attn_res=lw.attn_res, attn_kind=KDA, mlp=object()), 1)
     assert not backend._overlap
 
