@@ -17,10 +17,11 @@
 # oneexperts / oneshared / eight (the two-stage expert and shared-expert kernels, each and both), sharedown (batch 1
 # with the shared experts as kernels of their own, not CTAs in the expert kernels), pdl / pdlstart / pdleight (PDL at
 # every batch with the trigger after each kernel's wait, at its start, and with the shared experts inside at both
-# shards), nopdl / pdlskip13 / pdliters (batch 1 without PDL, with the w13 kernel launched without it, with the GEMVs'
-# L2 requests before the wait at 0 and 8 iterations), special (latency_specialized alone), pdlcombo (the w13 kernel
-# without PDL and no L2 requests before the wait), pdl8iters0 (batch 8 under PDL without them), statelate
-# (the KDA kernel's state loaded after the conv), captures-pdl (the batch-1 captures with PDL).
+# shards), nopdl / pdlskip13 / pdliters / pdlall (batch 1 without PDL, with the w13 kernel launched without it and 4
+# iterations of L2 requests before the wait, with w13 under PDL and 0 / 8 iterations, with w13 under PDL), special
+# (latency_specialized alone), pdlcombo (the w13 kernel without PDL and no L2 requests before the wait: the
+# defaults), pdl8iters0 (batch 8 under PDL without them), statelate (the KDA kernel's state loaded after the conv),
+# captures-pdl (the batch-1 captures with PDL).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -140,14 +141,17 @@ for name in "$@"; do
         --backend latency_specialized --tp 16 8 --batch 8 ;;
     nopdl)  # batch 1 without PDL (KIMI_DECODE_PDL=0): at TP8 the shared experts then fork again
       KIMI_DECODE_PDL=0 bench nopdl 60 bench_nopdl.json --backend latency_specialized --tp 16 8 --batch 1 ;;
-    pdlskip13)  # batch 1 with the w13 expert kernel launched without PDL (it still lets w2 launch early)
-      KIMI_DECODE_PDL_SKIP=moe_w13_act,moe_w13_act_shared bench pdlskip13 60 bench_pdlskip13.json \
+    pdlskip13)  # batch 1 with the w13 expert kernel launched without PDL (it still lets w2 launch early), 4 iterations
+      KIMI_DECODE_PDL_SKIP=moe_w13_act,moe_w13_act_shared KIMI_DECODE_PDL_PREFETCH_ITERS=4 bench pdlskip13 60 \
+        bench_pdlskip13.json \
         --backend latency_specialized --tp 16 8 --batch 1 ;;
-    pdliters)  # batch 1 with the GEMVs asking L2 for 0 and 8 iterations of their rows before the PDL wait (4 default)
+    pdliters)  # batch 1, w13 under PDL, the GEMVs asking L2 for 0 and 8 iterations of their rows before the wait
       for n in 0 8; do
-        KIMI_DECODE_PDL_PREFETCH_ITERS=$n bench "pdliters$n" 60 "bench_pdliters$n.json" --backend latency_specialized \
-          --tp 16 8 --batch 1
+        KIMI_DECODE_PDL_SKIP= KIMI_DECODE_PDL_PREFETCH_ITERS=$n bench "pdliters$n" 60 "bench_pdliters$n.json" \
+          --backend latency_specialized --tp 16 8 --batch 1
       done ;;
+    pdlall)  # batch 1 with every kernel under PDL, the w13 kernel too (KIMI_DECODE_PDL_SKIP empty)
+      KIMI_DECODE_PDL_SKIP= bench pdlall 60 bench_pdlall.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     statelate)  # the KDA kernel with its state loaded after the conv (KIMI_DECODE_KDA_STATE_FIRST=0)
       KIMI_DECODE_KDA_STATE_FIRST=0 bench statelate 90 bench_statelate.json --backend latency_specialized --tp 16 8 \
         --batch 1 8 ;;

@@ -620,13 +620,13 @@ def test_moe_entry_matches_float64(E, K, L, k, S):
                                  {"KIMI_DECODE_SHARED_IN_EXPERTS": "0"}, {"KIMI_DECODE_SHARED_IN_EXPERTS": "1"},
                                  {"KIMI_DECODE_SHARED_IN_EXPERTS": "1", "KIMI_DECODE_SHARED_GLU_IN": "w13"},
                                  {"KIMI_DECODE_PDL": "0"},
-                                 {"KIMI_DECODE_PDL_SKIP": "moe_w13_act,moe_w13_act_shared"},
-                                 {"KIMI_DECODE_PDL_PREFETCH_ITERS": "0"}])
+                                 {"KIMI_DECODE_PDL_SKIP": ""},
+                                 {"KIMI_DECODE_PDL_PREFETCH_ITERS": "4"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
-    kernels of their own or always as CTAs in the expert kernels, or without PDL, or with the w13 kernel launched
-    without it, or with no L2 requests before the wait: the A/B switches."""
+    kernels of their own or always as CTAs in the expert kernels, or without PDL, or with the w13 kernel under it
+    too, or with the GEMVs' L2 requests before the wait: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

@@ -56,7 +56,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
 - programmatic dependent launch at batch 1 (`PDL_MAX_ROWS`; `kernels/cute_common.py`, `KIMI_DECODE_PDL=0` / `1`:
-  never / at every batch): each CuTe kernel launches while the one before it finishes, asks L2 for its first weights,
+  never / at every batch): each CuTe kernel but the w13 expert kernel launches while the one before it finishes,
   waits for that one's results and then lets the next launch; the KDA kernel loads its state and the w2 expert
   kernel its weight words before the wait.
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), everything but AttnRes at
@@ -98,9 +98,9 @@ PREFETCH_MB = 0
 GLU_MAX_ROWS = 1
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~2 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
-# programmatic dependent launch (cute_common, KIMI_DECODE_PDL=auto) up to here: at batch 1 on the H200 it let the TP8
-# layer run on one stream in 8 kernels at 118.4 us (120.9 forked without it); at batch 8 it measured slower (TP8
-# 274.1 against 238.4 us; NOTES, v14)
+# programmatic dependent launch (cute_common, KIMI_DECODE_PDL=auto) up to here: at batch 1 on the H200 the TP16
+# layer 94.0 -> 91.4 us, and the TP8 one on one stream in 8 kernels at 118.8 us (120.5 forked without it); at batch 8
+# it measured slower (TP8 274.1 against 238.4 us; NOTES, v14)
 PDL_MAX_ROWS = 1
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes

@@ -5,14 +5,15 @@ machine without a GPU), cached in-process, and launched on the current torch str
 
 Programmatic dependent launch (PDL): a kernel compiled with `pdl_enabled()` (KIMI_DECODE_PDL: "auto", the default,
 where the backend asks for it with `set_layer_pdl`; "1" everywhere; "0" nowhere) is launched with programmatic stream
-serialisation. It may prefetch its own weights into L2 (they do not depend on the previous kernel), waits for the
+serialisation. It may load or prefetch what does not depend on the previous kernel (weights, state), waits for the
 previous kernel's results (`pdl_wait`), and then lets the next kernel launch (`pdl_trigger()` "wait", the default). So
 at most one kernel runs ahead of the one that is working, and whatever was written two or more kernels back may be
 read before the wait (`pdl_reads_ahead()`). `KIMI_DECODE_PDL_TRIGGER=start` lets the next kernel launch at each
 kernel's very start instead (`pdl_launch_dependents`), the first form measured: a chain of small kernels can then
 launch many kernels ahead, each holding SM slots and asking L2 for its weights. After a kernel that does not take part
 (Triton, cuBLAS, NCCL) the wait returns at once. For A/B runs, `KIMI_DECODE_PDL_SKIP` names kernels launched without
-PDL and `KIMI_DECODE_PDL_PREFETCH_ITERS` sets how much of its rows a GEMV asks of L2 before the wait.
+PDL (default: the w13 expert kernel) and `KIMI_DECODE_PDL_PREFETCH_ITERS` how much of its rows a GEMV asks of L2
+before the wait (default none).
 
 """
 from __future__ import annotations
@@ -64,7 +65,12 @@ def _sm_count(index: int) -> int:
 
 PDL_SETTINGS = ("auto", "0", "1")
 PDL_TRIGGERS = ("wait", "start")
-PDL_PREFETCH_ITERS = 4  # GEMV loop iterations of weights asked of L2 before the wait (`SmallBatchGemv.project`)
+# GEMV loop iterations of weights asked of L2 before the wait (`SmallBatchGemv.project`): none by default, since on the
+# H200 at TP16 batch 1 4 / 8 iterations made the layer 1.4 / 5.5 us slower (TP8: within 0.7 us; NOTES, v14)
+PDL_PREFETCH_ITERS = 0
+# kernels launched without PDL by default: the w13 expert kernel, whose CTAs, launched early, took 2.6 us longer after
+# the entry kernel at TP16 batch 1 (NOTES, v14)
+PDL_SKIP = "moe_w13_act,moe_w13_act_shared"
 # the PDL choices of the kernel being compiled (read while its code is traced), and the layer's wish (`set_layer_pdl`)
 _pdl_mode = {"trigger": "wait", "prefetch": PDL_PREFETCH_ITERS, "layer": False}
 
@@ -98,13 +104,15 @@ def pdl_trigger() -> str:
 
 
 def pdl_skipped() -> frozenset:
-    """Kernels (by compile-key name, KIMI_DECODE_PDL_SKIP, comma-separated) launched without PDL: they start after
-    the kernel before them has finished, and still let the next one launch early."""
-    return frozenset(n for n in os.environ.get("KIMI_DECODE_PDL_SKIP", "").split(",") if n)
+    """Kernels (by compile-key name, KIMI_DECODE_PDL_SKIP, comma-separated; default PDL_SKIP, empty for none)
+    launched without PDL: they start after the kernel before them has finished, and still let the next one launch
+    early."""
+    return frozenset(n for n in os.environ.get("KIMI_DECODE_PDL_SKIP", PDL_SKIP).split(",") if n)
 
 
 def pdl_prefetch_iters() -> int:
-    """GEMV weight iterations asked of L2 before the PDL wait (KIMI_DECODE_PDL_PREFETCH_ITERS, default 4)."""
+    """GEMV weight iterations asked of L2 before the PDL wait (KIMI_DECODE_PDL_PREFETCH_ITERS, default
+    PDL_PREFETCH_ITERS)."""
     return int(os.environ.get("KIMI_DECODE_PDL_PREFETCH_ITERS", PDL_PREFETCH_ITERS))
 
 
