@@ -5,8 +5,10 @@ layers of a kind (``kda``, ``mla``, ``dense``) and the stages inside them. Every
 from each side's ``kprof.analyze/1`` document (:func:`analyzers.layers.analyze`), so the diff and the report show
 exactly what ``kprof analyze`` prints for each side.
 
-Per layer kind the headline is the mean over the layers of that kind of the chosen time metric (``busy_us`` by
-default: the union of the layer's kernel intervals, in the median step) and of ``kernels_per_step``. The speed-up is
+Per layer kind the headline is the mean over the layers of that kind of the chosen time metric (``own_us`` by
+default: the layer's busy time, in the median step, less what overlaps kernels that started earlier, so that a
+kernel launched early under programmatic dependent launch, waiting while the previous layer finishes, does not count
+that wait twice; see :mod:`analyzers.layers`) and of ``kernels_per_step``. The speed-up is
 BASE time / NEW time (above 1: NEW is faster). See ``docs/diff.md`` for the ``kprof.diff/1`` document.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pandas as pd
 from analyzers.prefetch import consumer_change
 
 SCHEMA = "kprof.diff/1"
-METRICS = ("busy_us", "span_us", "kernel_us")
+METRICS = ("own_us", "busy_us", "span_us", "kernel_us")
 STAGE_ORDER = ("attn_res", "qkv_proj", "kda_core", "mla_core", "o_proj", "allreduce", "router", "shared_experts",
                "routed_experts", "moe_tail", "dense_mlp", "prefetch")
 # Within this relative difference two times count as equal (verdict "as fast", kernel "same").
@@ -36,10 +38,11 @@ def _ratio(base, new):
 
 def layer_table(doc: dict, metric: str) -> pd.DataFrame:
     """One row per layer of an analyze document: ``layer``, ``layer_kind``, ``kernels``, ``us`` (the metric),
-    ``kernel_us``, ``busy_us``, ``span_us``."""
+    ``kernel_us``, ``busy_us``, ``span_us``, ``own_us``."""
+    times = ("kernel_us", "busy_us", "span_us", "own_us")
     rows = [{"layer": l["layer"], "layer_kind": l["kind"] or "", "kernels": l["kernels_per_step"], "us": l[metric],
-             "kernel_us": l["kernel_us"], "busy_us": l["busy_us"], "span_us": l["span_us"]} for l in doc["layers"]]
-    return pd.DataFrame(rows, columns=["layer", "layer_kind", "kernels", "us", "kernel_us", "busy_us", "span_us"])
+             **{t: l[t] for t in times}} for l in doc["layers"]]
+    return pd.DataFrame(rows, columns=["layer", "layer_kind", "kernels", "us", *times])
 
 
 def stage_table(doc: dict, metric: str) -> pd.DataFrame:
@@ -130,7 +133,7 @@ def rank_table(base: dict[int, dict], new: dict[int, dict], metric: str) -> list
     return out
 
 
-def diff(base: dict, new: dict, base_kernels: pd.DataFrame, new_kernels: pd.DataFrame, *, metric: str = "busy_us",
+def diff(base: dict, new: dict, base_kernels: pd.DataFrame, new_kernels: pd.DataFrame, *, metric: str = "own_us",
          gate: float | None = None, labels: tuple[str, str] = ("BASE", "NEW"), pairs: list[dict] | None = None,
          consumer_stages: list[str] | None = None, ncu: list[dict] | None = None, paths: tuple[str, str] = ("", ""),
          ranks: tuple[dict[int, dict], dict[int, dict]] | None = None) -> dict:

@@ -7,7 +7,13 @@ it (see :mod:`analyzers.attribution`):
 ``kernels``    number of kernel rows (memcpy/memset rows are not counted);
 ``kernel_ns``  sum of kernel durations;
 ``busy_ns``    length of the union of the kernel intervals, across every stream and device;
-``span_ns``    last kernel end minus first kernel start.
+``span_ns``    last kernel end minus first kernel start;
+``own_ns``     the part of the busy time in which no kernel of the step that started earlier was running: each
+               moment of the step's busy time belongs to the earliest-started kernel running then, so the layers'
+               (and the stages') own times add up to the step's busy time. Under programmatic dependent launch a
+               kernel starts while the one before it finishes and waits for it; ``busy_ns`` then counts that
+               overlap in both layers (or stages), ``own_ns`` in the earlier one only. Without overlap across
+               layers a layer's ``own_ns`` is its ``busy_ns``.
 
 The reported value is the median over the steps in which the layer (or stage) ran at least one kernel. The step of a
 kernel is the ``decode_step`` range around its launch call (for a CUDA-graph replay, around ``cudaGraphLaunch``);
@@ -31,7 +37,7 @@ from analyzers.trace import KINDS
 SCHEMA = "kprof.analyze/1"
 STEP_RANGE = "decode_step"
 DEFAULT_LAYER_REGEX = r"^layer\[(?P<index>\d+)\]:(?P<kind>\w+)$"
-METRICS = ("kernels", "kernel_ns", "busy_ns", "span_ns")
+METRICS = ("kernels", "kernel_ns", "busy_ns", "span_ns", "own_ns")
 
 
 def compile_layer_regex(pattern: str) -> re.Pattern:
@@ -131,12 +137,35 @@ def activity_layers(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: s
     return activities
 
 
+def owned_ns(kernels: pd.DataFrame) -> np.ndarray:
+    """Per kernel row (aligned with ``kernels``): the nanoseconds of its interval in which no kernel of the same
+    ``step`` that started earlier (ties: the earlier row) was running. Within a step these add up to the length of
+    the union of its kernel intervals. Only the rows given take part."""
+    if kernels.empty:
+        return np.zeros(0, dtype=np.int64)
+    step = kernels["step"].to_numpy()
+    start = kernels["start_ns"].to_numpy(dtype=np.int64)
+    end = np.maximum(kernels["end_ns"].to_numpy(dtype=np.int64), start)
+    order = np.lexsort((np.arange(len(start)), start, step))
+    s, e, g = start[order], end[order], step[order]
+    # the latest end among the step's earlier-started kernels: after s it covers [s, that end) without a gap
+    ends = pd.Series(e).groupby(g).cummax().to_numpy()
+    before = np.empty_like(ends)
+    before[0] = np.iinfo(np.int64).min
+    before[1:] = ends[:-1]
+    before[np.r_[True, g[1:] != g[:-1]]] = np.iinfo(np.int64).min  # a step's first kernel: nothing before it
+    owned = np.empty(len(start), dtype=np.int64)
+    owned[order] = np.clip(e - np.maximum(s, before), 0, None)
+    return owned
+
+
 def _per_step(kernels: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     grouped = kernels.groupby(keys, sort=True)
     codes = grouped.ngroup().to_numpy()
     per_step = grouped.agg(kernels=("start_ns", "size"), first_ns=("start_ns", "min"), last_ns=("end_ns", "max"))
     duration = kernels["end_ns"] - kernels["start_ns"]
     per_step["kernel_ns"] = duration.groupby([kernels[k] for k in keys], sort=True).sum().to_numpy()
+    per_step["own_ns"] = kernels["own_ns"].groupby([kernels[k] for k in keys], sort=True).sum().to_numpy()
     per_step["busy_ns"] = union_length_by_group(codes, kernels["start_ns"], kernels["end_ns"], len(per_step))
     per_step["span_ns"] = per_step["last_ns"] - per_step["first_ns"]
     return per_step.reset_index()
@@ -145,9 +174,10 @@ def _per_step(kernels: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 def step_metrics(kernels: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-step metrics of labelled kernels (from :func:`kernel_layers`): one frame keyed by (``step``, ``layer``,
     ``layer_kind``) and one by (``step``, ``layer``, ``layer_kind``, ``stage``), each with ``kernels``,
-    ``kernel_ns``, ``busy_ns``, ``span_ns`` and ``first_ns`` (first kernel start). Unattributed kernels are left
-    out, and so are kernels outside any stage from the stage frame."""
-    attributed = kernels[(kernels["step"] >= 0) & (kernels["layer"] >= 0)]
+    ``kernel_ns``, ``busy_ns``, ``span_ns``, ``own_ns`` and ``first_ns`` (first kernel start). Unattributed kernels
+    are left out (also of the own times), and so are kernels outside any stage from the stage frame."""
+    attributed = kernels[(kernels["step"] >= 0) & (kernels["layer"] >= 0)].copy()
+    attributed["own_ns"] = owned_ns(attributed)
     layers = _per_step(attributed, ["step", "layer", "layer_kind"])
     staged = attributed[attributed["stage"] != ""]
     stages = _per_step(staged, ["step", "layer", "layer_kind", "stage"])
@@ -170,9 +200,9 @@ def analyze(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STE
 
         {"schema": "kprof.analyze/1", "capture": {...}, "steps": int, "unattributed_kernels": int,
          "layers": [{"layer": int, "kind": str|None, "kernels_per_step": float, "kernel_us": float,
-                     "busy_us": float, "span_us": float,
+                     "busy_us": float, "span_us": float, "own_us": float,
                      "stages": [{"name": str, "kernels_per_step": float, "kernel_us": float, "busy_us": float,
-                                 "span_us": float}]}],
+                                 "span_us": float, "own_us": float}]}],
          "overlap": {"comm_us": float, "compute_us": float, "overlap_us": float, "comm_hidden_pct": float|None,
                      "layers": [{"layer", "kind", "comm_us", "compute_us", "overlap_us", "comm_hidden_pct"}],
                      "comm_kernels": [{"name", "count", "kernel_us", "overlap_us", "overlap_pct"}]},
@@ -196,7 +226,7 @@ def analyze(trace, layer_regex: str = DEFAULT_LAYER_REGEX, step_range: str = STE
 
     def metrics(row) -> dict:
         return {"kernels_per_step": float(row.kernels), "kernel_us": _us(row.kernel_ns),
-                "busy_us": _us(row.busy_ns), "span_us": _us(row.span_ns)}
+                "busy_us": _us(row.busy_ns), "span_us": _us(row.span_ns), "own_us": _us(row.own_ns)}
 
     overlap, layer_overlap = comm_compute(activities)
     prefetch, layer_prefetch = prefetch_effect(activities)

@@ -6,9 +6,9 @@ rank comes from its metadata (``rank``, as ``kimi_decode.dist_bench`` and ``kpro
 
 The merged document is what one decode step of the whole run costs. The ranks run each layer in lockstep (its
 all-reduces wait for every rank), so a layer or stage takes as long as its slowest rank: per layer and stage the
-times (``kernel_us``, ``busy_us``, ``span_us``) are the maximum over ranks. Kernel counts, overlap and prefetch
-figures are means over ranks (microseconds per rank and step), with the percentages recomputed from those means,
-so a merged ``comm_hidden_pct`` is the share of all ranks' communication hidden under compute.
+times (``kernel_us``, ``busy_us``, ``span_us``, ``own_us``) are the maximum over ranks. Kernel counts, overlap and
+prefetch figures are means over ranks (microseconds per rank and step), with the percentages recomputed from those
+means, so a merged ``comm_hidden_pct`` is the share of all ranks' communication hidden under compute.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from analyzers.trace import TraceError
 
-TIMES = ("kernel_us", "busy_us", "span_us")
+TIMES = ("kernel_us", "busy_us", "span_us", "own_us")
 _RANK_IN_NAME = re.compile(r"\.rank(\d+)\.")
 
 

@@ -169,7 +169,7 @@ def analyze(
                 stream.write(text.encode())
 
 
-_METRICS = ("kernels_per_step", "kernel_us", "busy_us", "span_us")
+_METRICS = ("kernels_per_step", "kernel_us", "busy_us", "span_us", "own_us")
 
 
 def _as_json(result: dict) -> str:
@@ -199,7 +199,7 @@ def _as_table(result: dict, color: bool = False) -> str:
                           f"{result['unattributed_kernels']} kernel(s) unattributed to a layer")
     table.add_column("layer")
     table.add_column("stage")
-    for header in ("kernels", "kernel µs", "busy µs", "span µs"):
+    for header in ("kernels", "kernel µs", "busy µs", "span µs", "own µs"):
         table.add_column(header, justify="right")
     for layer in result["layers"]:
         name = f"{layer['layer']}" + (f" {layer['kind']}" if layer["kind"] else "")
@@ -212,7 +212,7 @@ def _as_table(result: dict, color: bool = False) -> str:
 
 
 def _cells(row: dict) -> list[str]:
-    return [f"{row['kernels_per_step']:g}", f"{row['kernel_us']:.1f}", f"{row['busy_us']:.1f}", f"{row['span_us']:.1f}"]
+    return [f"{row['kernels_per_step']:g}", *(f"{row[m]:.1f}" for m in _METRICS[1:])]
 
 
 class DiffFormat(str, Enum):
@@ -222,6 +222,7 @@ class DiffFormat(str, Enum):
 
 
 class DiffMetric(str, Enum):
+    own_us = "own_us"
     busy_us = "busy_us"
     span_us = "span_us"
     kernel_us = "kernel_us"
@@ -286,8 +287,9 @@ def diff(
     gate: Annotated[Optional[float], typer.Option(
         "--gate", help="Exit with code 1 when NEW takes more than RATIO times BASE's time per layer, for any "
                        "layer kind or over all layers (e.g. 1.05 allows 5% slower).", metavar="RATIO")] = None,
-    metric: Annotated[DiffMetric, typer.Option("--metric", help="Time per layer compared: busy (union of kernel "
-                                               "intervals), span or summed kernel time.")] = DiffMetric.busy_us,
+    metric: Annotated[DiffMetric, typer.Option("--metric", help="Time per layer compared: own (busy time not "
+                                               "overlapping earlier-started kernels), busy (union of kernel "
+                                               "intervals), span or summed kernel time.")] = DiffMetric.own_us,
     classes: Annotated[Optional[Path], typer.Option("--classes", help="JSON kernel class table (see "
                                                     "docs/diff.md).")] = None,
     pair: Annotated[Optional[list[str]], typer.Option(

@@ -20,6 +20,9 @@ STAGE_COLORS = dict(zip(STAGE_ORDER + ("-",), [
     "#ff9da7", "#17becf", "#bab0ac"]))
 EXTRA_COLORS = ["#7f7f7f", "#bcbd22", "#8c564b", "#e377c2", "#aec7e8", "#ffbb78"]
 METRIC_TEXT = {
+    "own_us": "own time: the layer's busy time less what overlaps kernels that started earlier (a kernel launched "
+              "early by programmatic dependent launch waits while the previous layer finishes; that wait counts "
+              "once, for the earlier layer), so the layers' own times add up to the step's busy time",
     "busy_us": "busy time: the length of the union of the layer's kernel intervals on all streams (gaps and "
                "overlapping kernels are not double-counted)",
     "span_us": "span: first kernel start to last kernel end of the layer, gaps included",

@@ -32,9 +32,9 @@ def test_analyze_json_follows_the_schema():
     assert doc["capture"]["gpu"] == "NVIDIA H200"
     assert (doc["steps"], doc["unattributed_kernels"]) == (3, 4)
     layer = doc["layers"][0]
-    assert list(layer) == ["layer", "kind", "kernels_per_step", "kernel_us", "busy_us", "span_us", "stages"]
-    assert list(layer["stages"][0]) == ["name", "kernels_per_step", "kernel_us", "busy_us", "span_us"]
-    assert all(isinstance(layer[k], float) for k in ("kernels_per_step", "kernel_us", "busy_us", "span_us"))
+    assert list(layer) == ["layer", "kind", "kernels_per_step", "kernel_us", "busy_us", "span_us", "own_us", "stages"]
+    assert list(layer["stages"][0]) == ["name", "kernels_per_step", "kernel_us", "busy_us", "span_us", "own_us"]
+    assert all(isinstance(layer[k], float) for k in ("kernels_per_step", "kernel_us", "busy_us", "span_us", "own_us"))
 
 
 @pytest.mark.parametrize("fixture", ["nsys_graph.sqlite", "cupti_graph.kprof"])

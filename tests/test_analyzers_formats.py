@@ -63,12 +63,17 @@ EAGER_EXPECTED = {
     "unattributed_kernels": 4,
     "layers": [
         {"layer": 0, "kind": "kda", "kernels_per_step": 5.0, "kernel_us": 21.0, "busy_us": 18.0, "span_us": 20.0,
+         "own_us": 18.0,
          "stages": [
-             {"name": "attn_res", "kernels_per_step": 2.0, "kernel_us": 7.0, "busy_us": 7.0, "span_us": 16.0},
-             {"name": "qkv_proj", "kernels_per_step": 3.0, "kernel_us": 14.0, "busy_us": 11.0, "span_us": 14.0}]},
+             {"name": "attn_res", "kernels_per_step": 2.0, "kernel_us": 7.0, "busy_us": 7.0, "span_us": 16.0,
+              "own_us": 7.0},
+             {"name": "qkv_proj", "kernels_per_step": 3.0, "kernel_us": 14.0, "busy_us": 11.0, "span_us": 14.0,
+              "own_us": 11.0}]},
         {"layer": 1, "kind": "mla", "kernels_per_step": 2.0, "kernel_us": 11.0, "busy_us": 11.0, "span_us": 12.0,
+         "own_us": 11.0,
          "stages": [
-             {"name": "o_proj", "kernels_per_step": 1.0, "kernel_us": 10.0, "busy_us": 10.0, "span_us": 10.0}]},
+             {"name": "o_proj", "kernels_per_step": 1.0, "kernel_us": 10.0, "busy_us": 10.0, "span_us": 10.0,
+              "own_us": 10.0}]},
     ],
 }
 
@@ -97,12 +102,17 @@ GRAPH_EXPECTED = {
     "unattributed_kernels": 0,
     "layers": [
         {"layer": 0, "kind": "kda", "kernels_per_step": 3.0, "kernel_us": 12.0, "busy_us": 10.0, "span_us": 10.0,
+         "own_us": 10.0,
          "stages": [
-             {"name": "qkv_proj", "kernels_per_step": 2.0, "kernel_us": 8.0, "busy_us": 8.0, "span_us": 8.0},
-             {"name": "o_proj", "kernels_per_step": 1.0, "kernel_us": 4.0, "busy_us": 4.0, "span_us": 4.0}]},
+             {"name": "qkv_proj", "kernels_per_step": 2.0, "kernel_us": 8.0, "busy_us": 8.0, "span_us": 8.0,
+              "own_us": 8.0},
+             {"name": "o_proj", "kernels_per_step": 1.0, "kernel_us": 4.0, "busy_us": 4.0, "span_us": 4.0,
+              "own_us": 2.0}]},
         {"layer": 1, "kind": "mla", "kernels_per_step": 1.0, "kernel_us": 9.0, "busy_us": 9.0, "span_us": 9.0,
+         "own_us": 9.0,
          "stages": [
-             {"name": "mla_core", "kernels_per_step": 1.0, "kernel_us": 9.0, "busy_us": 9.0, "span_us": 9.0}]},
+             {"name": "mla_core", "kernels_per_step": 1.0, "kernel_us": 9.0, "busy_us": 9.0, "span_us": 9.0,
+              "own_us": 9.0}]},
     ],
 }
 

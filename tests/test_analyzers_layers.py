@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from analyzers.layers import analyze, kernel_layers
+from analyzers.intervals import union_length_by_group
+from analyzers.layers import analyze, kernel_layers, owned_ns, step_metrics
 from analyzers.trace import Trace
 from profiler.readers import kineto_json, read_trace
 
@@ -32,9 +34,33 @@ def test_without_decode_step_ranges_the_whole_trace_is_one_step():
     assert (result["steps"], result["unattributed_kernels"]) == (1, 0)
     [layer] = result["layers"]
     assert (layer["layer"], layer["kind"], layer["kernels_per_step"]) == (3, "dense", 3.0)
-    assert (layer["kernel_us"], layer["busy_us"], layer["span_us"]) == (0.045, 0.04, 0.11)
+    assert (layer["kernel_us"], layer["busy_us"], layer["span_us"], layer["own_us"]) == (0.045, 0.04, 0.11, 0.04)
     assert layer["stages"] == [{"name": "router", "kernels_per_step": 1.0, "kernel_us": 0.01, "busy_us": 0.01,
-                                "span_us": 0.01}]
+                                "span_us": 0.01, "own_us": 0.01}]
+
+
+def test_a_kernel_launched_early_counts_its_overlap_once_in_own_time():
+    """Programmatic dependent launch: layer 2's first kernel starts 20 ns before layer 1's last one ends and waits.
+    Busy time counts those 20 ns in both layers; own time only in layer 1, so the layers' own times add up to the
+    step's busy time (1000..1160)."""
+    trace = _trace([("decode_step", 0, 500), ("layer[1]:kda", 10, 100), ("qkv_proj", 20, 30),
+                    ("layer[2]:kda", 100, 200), ("attn_res", 110, 120)],
+                   [(1, 21, 22), (2, 111, 112), (3, 115, 116)],
+                   [(1, 7, 1000, 1100), (2, 7, 1080, 1150), (3, 7, 1150, 1160)])
+    first, second = analyze(trace)["layers"]
+    assert (first["busy_us"], first["own_us"]) == (0.1, 0.1)
+    assert (second["busy_us"], second["own_us"], second["span_us"]) == (0.08, 0.06, 0.08)
+    assert (second["stages"][0]["busy_us"], second["stages"][0]["own_us"]) == (0.08, 0.06)
+    assert round(first["own_us"] + second["own_us"], 3) == 0.16
+
+
+def test_owned_time_goes_to_the_earliest_started_kernel_of_each_step():
+    kernels = pd.DataFrame({"step": [0, 0, 0, 0, 1, 1, 1],
+                            "start_ns": [5, 0, 20, 8, 0, 0, 3],
+                            "end_ns": [30, 10, 25, 9, 4, 6, 3]})
+    # step 0: [0, 10) to the second row, [10, 30) to the first, the rest inside those; step 1: ties by row order
+    assert owned_ns(kernels).tolist() == [20, 10, 0, 0, 4, 2, 0]
+    assert owned_ns(kernels.iloc[:0]).tolist() == []
 
 
 def test_a_prefetch_range_inside_another_stage_is_its_own_stage():
@@ -102,3 +128,22 @@ def test_kineto_reader_accepts_the_array_format_and_a_byte_order_mark(tmp_path, 
     path = tmp_path / "t.json"
     path.write_bytes((b"\xef\xbb\xbf" if layout == "bom" else b"") + text.encode())
     assert read_trace(path).kernels["stream"].tolist() == [7]
+
+
+def test_own_times_of_the_committed_pdl_capture_add_up_to_each_step():
+    """The committed batch-1 latency_specialized capture runs under programmatic dependent launch: a layer's first
+    kernel starts before the layer before it ends. Per step the layers' own times add up to the step's busy time,
+    while their busy times count the overlaps twice."""
+    trace = read_trace(Path(__file__).parents[1] / "examples/captures/latency_specialized_tp16_b1.kprof")
+    kernels = kernel_layers(trace)
+    layers, stages = step_metrics(kernels)
+    attributed = kernels[(kernels["step"] >= 0) & (kernels["layer"] >= 0)]
+    steps = attributed["step"].astype("category")
+    busy = union_length_by_group(steps.cat.codes.to_numpy(), attributed["start_ns"], attributed["end_ns"],
+                                 len(steps.cat.categories))
+    own = layers.groupby("step", sort=True)["own_ns"].sum().to_numpy()
+    assert (own == busy).all()
+    assert (layers["own_ns"] <= layers["busy_ns"]).all() and (layers["own_ns"] < layers["busy_ns"]).any()
+    assert layers.groupby("step")["busy_ns"].sum().gt(pd.Series(busy, index=steps.cat.categories)).any()
+    per_layer = stages.groupby(["step", "layer"])["own_ns"].sum()  # the stages split their layer's own time
+    assert (per_layer <= layers.set_index(["step", "layer"])["own_ns"].loc[per_layer.index]).all()

@@ -86,15 +86,15 @@ def test_diff_json_schema_and_numbers_equal_analyze(pair):
     doc = json.loads(result.stdout)
     assert list(doc) == ["schema", "metric", "base", "new", "headline", "verdict", "kinds", "all_layers", "layers",
                          "stages", "kernels", "overlap", "prefetch", "gate", "ranks"]
-    assert (doc["schema"], doc["metric"], doc["gate"], doc["ranks"]) == ("kprof.diff/1", "busy_us", None, None)
+    assert (doc["schema"], doc["metric"], doc["gate"], doc["ranks"]) == ("kprof.diff/1", "own_us", None, None)
     assert (doc["base"]["label"], doc["new"]["label"]) == ("auto", "fused")
     base_doc = json.loads(run("analyze", base, "--format", "json").stdout)
     new_doc = json.loads(run("analyze", new, "--format", "json").stdout)
     kda = [l for l in base_doc["layers"] if l["kind"] == "kda"]
     assert doc["headline"]["kind"] == "kda"
-    assert doc["headline"]["base_us_per_layer"] == round(sum(l["busy_us"] for l in kda) / len(kda), 3)
+    assert doc["headline"]["base_us_per_layer"] == round(sum(l["own_us"] for l in kda) / len(kda), 3)
     assert doc["headline"]["base_kernels_per_layer"] == 24.0 and doc["headline"]["new_kernels_per_layer"] == 13.0
-    assert [l["new_us"] for l in doc["layers"]] == [l["busy_us"] for l in new_doc["layers"]]
+    assert [l["new_us"] for l in doc["layers"]] == [l["own_us"] for l in new_doc["layers"]]
     assert doc["overlap"]["base"] == base_doc["overlap"] and doc["overlap"]["new"] == new_doc["overlap"]
     assert doc["prefetch"]["base"] == base_doc["prefetch"] and doc["prefetch"]["toggled"] is True
     assert doc["overlap"]["pairs"][0]["a"] == "stage:shared_experts"  # both sides have the two stages
@@ -109,7 +109,7 @@ def test_gate_exit_codes(pair, tmp_path):
     assert json.loads((tmp_path / "ok.json").read_text())["gate"]["passed"] is True
     slower = run("diff", new, base, "--gate", "1.05", "-o", tmp_path / "slow.json")
     assert slower.exit_code == 1
-    assert "kprof: gate failed: auto takes 1.7" in slower.stderr and "allowed 1.05x" in slower.stderr
+    assert "kprof: gate failed: auto takes 1.83x fused's own_us" in slower.stderr and "allowed 1.05x" in slower.stderr
     doc = json.loads((tmp_path / "slow.json").read_text())  # the report is still written, for CI to keep
     assert doc["gate"]["passed"] is False and len(doc["gate"]["failures"]) == 3
     assert run("diff", new, base, "--gate", "2.0", "--format", "json").exit_code == 0

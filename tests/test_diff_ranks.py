@@ -54,13 +54,13 @@ def test_merged_layer_and_stage_times_are_the_slowest_ranks(runs):
     merged = merge_ranks(docs, [0, 1])
     assert merged["capture"]["ranks"] == [0, 1] and "rank" not in merged["capture"]
     for i, layer in enumerate(merged["layers"]):
-        for metric in ("kernel_us", "busy_us", "span_us"):
+        for metric in ("kernel_us", "busy_us", "span_us", "own_us"):
             assert layer[metric] == max(d["layers"][i][metric] for d in docs)
         assert layer[metric] > min(d["layers"][i][metric] for d in docs)  # the ranks really differ
         assert layer["kernels_per_step"] == docs[0]["layers"][i]["kernels_per_step"]
         for j, stage in enumerate(layer["stages"]):
             assert stage["name"] == docs[0]["layers"][i]["stages"][j]["name"]
-            assert stage["busy_us"] == max(d["layers"][i]["stages"][j]["busy_us"] for d in docs)
+            assert stage["own_us"] == max(d["layers"][i]["stages"][j]["own_us"] for d in docs)
 
 
 def test_merged_overlap_and_prefetch_are_means_with_recomputed_shares(runs):
@@ -100,13 +100,13 @@ def test_folder_and_glob_give_the_same_diff_with_a_per_rank_table(runs):
     base_docs, new_docs = docs_of(runs / "auto"), docs_of(runs / "fused")
     for rank in (0, 1):
         kda = next(k for k in per_rank[rank]["kinds"] if k["kind"] == "kda")
-        base_kda = [l["busy_us"] for l in base_docs[rank]["layers"] if l["kind"] == "kda"]
-        new_kda = [l["busy_us"] for l in new_docs[rank]["layers"] if l["kind"] == "kda"]
+        base_kda = [l["own_us"] for l in base_docs[rank]["layers"] if l["kind"] == "kda"]
+        new_kda = [l["own_us"] for l in new_docs[rank]["layers"] if l["kind"] == "kda"]
         assert kda["base_us_per_layer"] == round(sum(base_kda) / len(base_kda), 3)
         assert kda["new_us_per_layer"] == round(sum(new_kda) / len(new_kda), 3)
     # the headline is the merged run: the slowest rank's layers on each side
     merged = merge_ranks(base_docs, [0, 1])
-    kda = [l["busy_us"] for l in merged["layers"] if l["kind"] == "kda"]
+    kda = [l["own_us"] for l in merged["layers"] if l["kind"] == "kda"]
     assert doc["headline"]["base_us_per_layer"] == round(sum(kda) / len(kda), 3)
 
 

@@ -56,7 +56,7 @@ def test_headline_numbers_equal_analyze_json(report):
     html, diff_doc, base, new = report
     for doc, side in ((base, "base"), (new, "new")):
         kda = [l for l in doc["layers"] if l["kind"] == "kda"]
-        us = round(sum(l["busy_us"] for l in kda) / len(kda), 3)
+        us = round(sum(l["own_us"] for l in kda) / len(kda), 3)
         kernels = sum(l["kernels_per_step"] for l in kda) / len(kda)
         assert diff_doc["headline"][f"{side}_us_per_layer"] == us
         assert diff_doc["headline"][f"{side}_kernels_per_layer"] == kernels
@@ -65,10 +65,10 @@ def test_headline_numbers_equal_analyze_json(report):
     assert verdict == f"fused is {head['speedup']:.2f}x faster per layer (KDA layers), 13 vs 24 kernels/layer"
     assert f"{num(head['new_us_per_layer'])} vs {num(head['base_us_per_layer'])}" in html
     assert f"{num(head['new_kernels_per_layer'])} vs {num(head['base_kernels_per_layer'])}" in html
-    # Every layer's busy time of both sides, and the whole-step overlap figures, appear as analyze printed them.
+    # Every layer's own time of both sides, and the whole-step overlap figures, appear as analyze printed them.
     for doc in (base, new):
         for layer in doc["layers"]:
-            assert f"<td>{num(layer['busy_us'])}</td>" in html
+            assert f"<td>{num(layer['own_us'])}</td>" in html
         for key in ("comm_us", "compute_us", "overlap_us"):
             assert f"<td>{num(doc['overlap'][key])}</td>" in html
         assert f"<td>{num(doc['prefetch']['prefetch_us'])}</td>" in html
