@@ -26,7 +26,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_wait, sigmoid
+    from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait, sigmoid
 
 if HAVE_CUTE:
     from cutlass import Float32
@@ -84,10 +84,15 @@ if HAVE_CUTE:
             D = self.D
             pdl_launch_dependents(self.pdl)
             col = cute.make_rmem_tensor((D,), Float32)  # thread t's column of the state
-            if cutlass.const_expr(self.state_first):  # written by the last step, not by the previous kernel
+            # written by the last step, many kernels back: before the PDL wait unless kernels may run far ahead
+            ahead = not self.pdl or pdl_reads_ahead()
+            if cutlass.const_expr(self.state_first and ahead):
                 for kk in cutlass.range_constexpr(D):
                     col[kk] = S[b, h, kk, t]
             pdl_wait(self.pdl)
+            if cutlass.const_expr(self.state_first and not ahead):
+                for kk in cutlass.range_constexpr(D):
+                    col[kk] = S[b, h, kk, t]
             smem = cutlass.utils.SmemAllocator()
             sQ = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
             sK = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
