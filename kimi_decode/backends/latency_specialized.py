@@ -99,7 +99,7 @@ GLU_MAX_ROWS = 1
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~2 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
 # programmatic dependent launch (cute_common, KIMI_DECODE_PDL=auto) up to here: at batch 1 on the H200 the TP16
-# layer 94.0 -> 91.4 us, and the TP8 one on one stream in 8 kernels at 118.8 us (120.5 forked without it); at batch 8
+# layer 94.0 -> 91.7 us, and the TP8 one on one stream in 8 kernels at 119.0 us (120.4 forked without it); at batch 8
 # it measured slower (TP8 274.1 against 238.4 us; NOTES, v14)
 PDL_MAX_ROWS = 1
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
@@ -143,7 +143,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._shared_one_on = os.environ.get("KIMI_DECODE_SHARED_ONE_KERNEL", "0") == "1"
         # at batch 1 the shared experts inside other kernels where their rows are few (TP16: 8 kernels per KDA layer
         # and 0.8 us faster than on their own stream; at TP8 without PDL 1.2-3.4 us slower: NOTES, v13), and with
-        # PDL (TP8: 118.4 us against 120.9 forked without it, NOTES v14); KIMI_DECODE_SHARED_IN_EXPERTS=1 / 0:
+        # PDL (TP8: 119.0 us against 120.4 forked without it, NOTES v14); KIMI_DECODE_SHARED_IN_EXPERTS=1 / 0:
         # always / never (A/B)
         self._shared_riders_on = os.environ.get("KIMI_DECODE_SHARED_IN_EXPERTS", "auto")
         self._shared_riders = False  # this layer's shared experts run inside the expert kernels
