@@ -40,9 +40,15 @@ def sm90a(monkeypatch):
     cute_common._cache.clear()
 
 
+@pytest.fixture(params=["0", "1"], ids=["plain", "pdl"])
+def sm90a_pdl(request, sm90a, monkeypatch):
+    """`sm90a`, once without PDL and once with it (the batch-1 kernels run under it by default)."""
+    monkeypatch.setenv("KIMI_DECODE_PDL", request.param)
+
+
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
-def test_gemv_compiles_for_sm90a(sm90a, tp):
+def test_gemv_compiles_for_sm90a(sm90a_pdl, tp):
     from kimi_decode.kernels.gemv import compile_gemv
 
     for n, k in projection_shapes(shard("k3", tp=tp)):
@@ -374,7 +380,7 @@ def _attn_res_args(batch, hidden=7168, num_blocks=8, delta=True, blocks=None):
 
 @needs_cute
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_attn_res_compiles_for_sm90a(sm90a, batch):
+def test_attn_res_compiles_for_sm90a(sm90a_pdl, batch):
     from kimi_decode.kernels.attn_res import compile_attn_res
 
     for n_blocks, commit, delta_mode, use_partial in ATTN_RES_FLAGS:
@@ -647,7 +653,7 @@ def _router_args(rows, E=896, K=7168, k=16):
 
 
 @needs_cute
-def test_moe_entry_compiles_for_sm90a(sm90a):
+def test_moe_entry_compiles_for_sm90a(sm90a_pdl):
     from kimi_decode.kernels.moe_entry import compile_moe_entry
 
     for E, K, k, L in ((896, 7168, 16, 3584), (200, 512, 8, 384)):
@@ -717,7 +723,7 @@ def test_router_topk_refuses_what_it_cannot_route():
 
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
-def test_oproj_attn_res_compiles_for_sm90a(sm90a, tp):
+def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, tp):
     from kimi_decode.kernels.oproj_attn_res import compile_oproj_attn_res
 
     s = shard("k3", tp=tp)
