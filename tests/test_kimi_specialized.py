@@ -69,24 +69,46 @@ def test_gemv_compiles_for_sm90a(sm90a_pdl, tp):
                             row_scale=(torch.empty(rows, 224), 1e-5)) is not None
 
 
+def _kda_args(s, batch: int) -> tuple:
+    """`compile_kda_decode`'s tensors at shard `s`, the gate input f given (not f_b)."""
+    h, D, d, bf = s.kda_heads, s.model.kda_head_dim, s.kda_dim, torch.bfloat16
+    return (torch.empty(batch, s.kda_in_proj_rows, dtype=bf), torch.empty(batch, d, dtype=bf),
+            torch.empty(batch, 3 * d, 3, dtype=bf), torch.empty(3 * d, 4), torch.empty(h), torch.empty(d),
+            torch.empty(batch, h, D, D), torch.empty(D), torch.empty(batch, d, dtype=bf))
+
+
+def _kda_cols_args(s, batch: int) -> tuple:
+    """The same with f_b in the backend's column-major copy (applied inside the kernel, `f_col`)."""
+    args = _kda_args(s, batch)
+    return (args[0], torch.empty(s.model.kda_f_rank, s.kda_dim, dtype=torch.bfloat16).t(), *args[2:])
+
+
+def _moe_args(s, batch: int) -> tuple:
+    """`compile_moe`'s positional arguments at shard `s`."""
+    m = s.model
+    E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
+    u8, bf = torch.uint8, torch.bfloat16
+    return (torch.empty(batch, L, dtype=bf), torch.empty(batch, k, dtype=torch.int32), torch.empty(batch, k),
+            torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
+            torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
+            torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
+            torch.empty(batch, L // 16), s.expert_inter_used)
+
+
 @needs_cute
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 8), (1, 1), (8, 64)])
 def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
     from kimi_decode.kernels.kda_decode import compile_kda_decode
 
     s = shard("k3", tp=tp)
-    h, D, d = s.kda_heads, s.model.kda_head_dim, s.kda_dim
-    bf = torch.bfloat16
-    args = (torch.empty(batch, s.kda_in_proj_rows, dtype=bf), torch.empty(batch, d, dtype=bf),
-            torch.empty(batch, 3 * d, 3, dtype=bf), torch.empty(3 * d, 4), torch.empty(h), torch.empty(d),
-            torch.empty(batch, h, D, D), torch.empty(D), torch.empty(batch, d, dtype=bf))
+    d, bf = s.kda_dim, torch.bfloat16
+    args = _kda_args(s, batch)
     assert compile_kda_decode(*args, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0) is not None
     fused = (args[0], torch.empty(d, s.model.kda_f_rank, dtype=bf), *args[2:])  # f_b applied inside the kernel
     assert compile_kda_decode(*fused, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0,
                               f_col=s.kda_in_proj_layout["f_a"][0]) is not None
-    cols = (args[0], torch.empty(s.model.kda_f_rank, d, dtype=bf).t(), *args[2:])  # the backend's column-major f_b
-    assert compile_kda_decode(*cols, b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0,
-                              f_col=s.kda_in_proj_layout["f_a"][0]) is not None
+    assert compile_kda_decode(*_kda_cols_args(s, batch), b_col=s.kda_in_proj_layout["b"][0], eps=1e-5,
+                              lower_bound=-5.0, f_col=s.kda_in_proj_layout["f_a"][0]) is not None
 
 
 def test_pdl_follows_the_layer_under_auto_and_the_setting_otherwise(monkeypatch):
@@ -141,18 +163,9 @@ def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
 
     s = shard("k3", tp=16)
-    m = s.model
-    h, D, d, bf, u8 = s.kda_heads, m.kda_head_dim, s.kda_dim, torch.bfloat16, torch.uint8
-    kda = ((torch.empty(1, s.kda_in_proj_rows, dtype=bf), torch.empty(m.kda_f_rank, d, dtype=bf).t(),
-            torch.empty(1, 3 * d, 3, dtype=bf), torch.empty(3 * d, 4), torch.empty(h), torch.empty(d),
-            torch.empty(1, h, D, D), torch.empty(D), torch.empty(1, d, dtype=bf)),
+    kda = (_kda_cols_args(s, 1),
            dict(b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0, f_col=s.kda_in_proj_layout["f_a"][0]))
-    E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
-    moe = (torch.empty(1, L, dtype=bf), torch.empty(1, k, dtype=torch.int32), torch.empty(1, k),
-           torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
-           torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
-           torch.empty(k, s.expert_inter_used, dtype=torch.float16), torch.empty(1, L), torch.empty(1, L // 16),
-           s.expert_inter_used)
+    moe = _moe_args(s, 1)
     plain = (compile_kda_decode(*kda[0], **kda[1]), *compile_moe(*moe))
     monkeypatch.setenv("KIMI_DECODE_PDL", "1")
     monkeypatch.setenv("KIMI_DECODE_PDL_TRIGGER", trigger)
@@ -185,16 +198,11 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
 
     s = shard("k3", tp=tp, pad_experts=pad)
     m = s.model
-    E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
-    u8, bf = torch.uint8, torch.bfloat16
+    L, k = m.moe_latent, m.top_k
+    bf = torch.bfloat16
 
     def compile_for(**kw):
-        return compile_moe(torch.empty(batch, L, dtype=bf), torch.empty(batch, k, dtype=torch.int32),
-                           torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
-                           torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
-                           torch.empty(E, L, I // 32, dtype=u8),
-                           torch.empty(batch * k, s.expert_inter_used, dtype=torch.float16), torch.empty(batch, L),
-                           torch.empty(batch, L // 16), s.expert_inter_used, **kw)
+        return compile_moe(*_moe_args(s, batch), **kw)
 
     f13, f2 = compile_for()
     assert f13 is not None and f2 is not None

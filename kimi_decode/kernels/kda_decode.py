@@ -86,13 +86,13 @@ if HAVE_CUTE:
             col = cute.make_rmem_tensor((D,), Float32)  # thread t's column of the state
             # written by the last step, many kernels back: before the PDL wait unless kernels may run far ahead
             ahead = not self.pdl or pdl_reads_ahead()
-            if cutlass.const_expr(self.state_first and ahead):
+            if cutlass.const_expr(not ahead):
+                pdl_wait(self.pdl)
+            if cutlass.const_expr(self.state_first):
                 for kk in cutlass.range_constexpr(D):
                     col[kk] = S[b, h, kk, t]
-            pdl_wait(self.pdl)
-            if cutlass.const_expr(self.state_first and not ahead):
-                for kk in cutlass.range_constexpr(D):
-                    col[kk] = S[b, h, kk, t]
+            if cutlass.const_expr(ahead):
+                pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             sQ = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
             sK = smem.allocate_tensor(Float32, cute.make_layout(D), 16)

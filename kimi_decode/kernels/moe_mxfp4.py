@@ -41,7 +41,6 @@ QUAD = 4  # MX groups per 16-byte weight load (`quad_words`)
 # items whose weight words a w2 warp loads before its activations (in `MoEExperts`, before the wait for them): 14
 # is all of a TP16 warp's (16 experts x 6 groups over 7 warps) at 72 registers; all of TP8's 28 would need 252
 W2_EARLY_ITEMS = 14
-WAIT_PDL = -2  # MoEW2Sum.tile's `target` for "wait for the previous kernel (PDL) after the weight loads"
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 
 # e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
@@ -276,14 +275,10 @@ if HAVE_CUTE:
                    scaled: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, b, _ = cute.arch.block_idx()
-            late = self.pdl and pdl_reads_ahead()  # ids come from two kernels back: load the weights, then wait
             pdl_launch_dependents(self.pdl)
-            if cutlass.const_expr(not late):
-                pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
-            self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bx, b, tidx, ssq,
-                      WAIT_PDL if late else -1)
+            self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bx, b, tidx, ssq, -1)
 
         @cute.jit
         def tile(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -291,7 +286,11 @@ if HAVE_CUTE:
                  scaled: cute.Tensor, red: cute.Tensor, bx, b, tidx, counter: cute.Tensor, target: cutlass.Constexpr):
             """Latent rows bx * ROWS2 .. of token b (`red`: [ROWS2, warps] fp32 of shared memory). With `target` >=
             0 the CTA waits, after its weight loads, until counter[2 + b] reaches it (the token's act is written);
-            with WAIT_PDL it waits there for the previous kernel (PDL)."""
+            with -1 it waits for the previous kernel (PDL): after the weight loads where what kernels two back wrote
+            (the ids) may be read before the wait, else first."""
+            late = target < 0 and self.pdl and pdl_reads_ahead()
+            if cutlass.const_expr(target < 0 and not late):
+                pdl_wait(self.pdl)
             warp, lane, g, t = mma_lanes(tidx)
             ra = bx * ROWS2 + g
             rb = ra + ROWS2 // 2
@@ -309,7 +308,7 @@ if HAVE_CUTE:
                     items.append((k, G, valid, None, None))
             if cutlass.const_expr(target >= 0):
                 wait_count(counter, 2 + b, target, tidx)
-            if cutlass.const_expr(target == WAIT_PDL):
+            if cutlass.const_expr(late):
                 pdl_wait(True)
             acc_a = Float32(0.0)
             acc_b = Float32(0.0)
@@ -418,12 +417,8 @@ if HAVE_CUTE:
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
             if bidx < self.tiles:
-                late = self.pdl and pdl_reads_ahead()
                 pdl_launch_dependents(self.pdl)
-                if cutlass.const_expr(not late):
-                    pdl_wait(self.pdl)
-                self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx, 0, tidx, ssq,
-                          WAIT_PDL if late else -1)
+                self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx, 0, tidx, ssq, -1)
             else:
                 self.shared.project(gD, gS, s_out, s_out, s_out, Int32(self.H), red, tidx, bidx - self.tiles)
 
