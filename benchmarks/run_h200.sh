@@ -21,7 +21,8 @@
 # iterations of L2 requests before the wait, with w13 under PDL and 0 / 8 iterations, with w13 under PDL), special
 # (latency_specialized alone), pdlcombo (the w13 kernel without PDL and no L2 requests before the wait: the
 # defaults), pdl8iters0 (batch 8 under PDL without them), statelate (the KDA kernel's state loaded after the conv),
-# captures-pdl (the batch-1 captures with PDL).
+# captures-pdl (the batch-1 captures with PDL), kdasplit (the KDA kernel at the thread splits KDA_SPLITS, default 1 8),
+# captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -155,6 +156,17 @@ for name in "$@"; do
     statelate)  # the KDA kernel with its state loaded after the conv (KIMI_DECODE_KDA_STATE_FIRST=0)
       KIMI_DECODE_KDA_STATE_FIRST=0 bench statelate 90 bench_statelate.json --backend latency_specialized --tp 16 8 \
         --batch 1 8 ;;
+    kdasplit)  # the KDA kernel at other thread splits per head (KIMI_DECODE_KDA_SPLIT, default 4), batch 1 and 8
+      for sp in ${KDA_SPLITS:-1 8}; do
+        KIMI_DECODE_KDA_SPLIT=$sp bench "kdasplit$sp" 90 "bench_kdasplit$sp.json" --backend latency_specialized \
+          --tp 16 8 --batch ${BENCH_BATCHES:-1 8}
+      done ;;
+    captures-pdl8)  # latency_specialized TP8 batch 8 with PDL at every batch and without, for the per-kernel view
+      for pdl in 1 0; do
+        KIMI_DECODE_PDL=$pdl step "capture latency_specialized tp8 b8 pdl$pdl" 60 python3 -m profiler.cli capture \
+          --backend latency_specialized --tp 8 --batch 8 --layers 4 --context 8192 --steps 20 --profiler cupti \
+          -o "$OUT/latency_specialized_tp8_b8_pdl$pdl.kprof"
+      done ;;
     captures-pdl)  # latency_specialized TP16 / TP8 batch 1 with PDL, for the per-kernel view
       for tp in 16 8; do
         KIMI_DECODE_PDL=1 step "capture pdl tp$tp" 60 python3 -m profiler.cli capture --backend latency_specialized \

@@ -111,6 +111,30 @@ def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
                               lower_bound=-5.0, f_col=s.kda_in_proj_layout["f_a"][0]) is not None
 
 
+@needs_cute
+@pytest.mark.parametrize("split", [1, 2, 8])
+def test_kda_decode_compiles_for_sm90a_at_each_thread_split(sm90a, monkeypatch, split):
+    """The KDA kernel's other thread splits (KIMI_DECODE_KDA_SPLIT; 4 is compiled above): every gate form."""
+    from kimi_decode.kernels.kda_decode import compile_kda_decode
+
+    monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", str(split))
+    s = shard("k3", tp=16)
+    kw = dict(b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
+    assert compile_kda_decode(*_kda_args(s, 3), **kw) is not None
+    assert compile_kda_decode(*_kda_cols_args(s, 3), **kw, f_col=s.kda_in_proj_layout["f_a"][0]) is not None
+
+
+@pytest.mark.parametrize("raw", ["3", "0", "16", "two"])
+def test_kda_split_that_does_not_fit_the_head_is_refused_by_name(monkeypatch, raw):
+    from kimi_decode.kernels.kda_decode import kda_split
+
+    monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", raw)
+    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_SPLIT"):
+        kda_split(128, 128)
+    monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", "8")
+    assert kda_split(128, 128) == 8
+
+
 def test_pdl_follows_the_layer_under_auto_and_the_setting_otherwise(monkeypatch):
     """KIMI_DECODE_PDL=auto (the default): what the backend asked for the layer it runs, until the layer ends; "0" /
     "1": never / always; anything else is refused by name."""

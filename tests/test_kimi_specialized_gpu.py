@@ -74,6 +74,14 @@ def test_kda_decode_with_the_state_loaded_after_the_conv_matches_float64(monkeyp
     _check_kda_decode(tp, batch, "cols")
 
 
+@pytest.mark.parametrize("split", [1, 2, 8])
+@pytest.mark.parametrize("tp, batch, fused_gate", [(16, 1, "cols"), (8, 8, "rows"), (1, 3, False)])
+def test_kda_decode_at_each_thread_split_matches_float64(monkeypatch, split, tp, batch, fused_gate):
+    """The KDA kernel's other thread splits per head (KIMI_DECODE_KDA_SPLIT; the default, 4, is tested above)."""
+    monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", str(split))
+    _check_kda_decode(tp, batch, fused_gate)
+
+
 def _check_kda_decode(tp, batch, fused_gate):
     from kimi_decode.kernels.kda_decode import kda_decode
 

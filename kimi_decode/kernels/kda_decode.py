@@ -1,21 +1,28 @@
 """Fused KDA decode step: one kernel for what the generic path does in three.
 
-For each (head, sequence), one CTA of head_dim threads does:
-  1. the causal depthwise conv (width 4) on the q, k, v channels, with the conv-state shift, then SiLU;
+For each (head, sequence), one CTA of head_dim * split threads (`KIMI_DECODE_KDA_SPLIT`, default 4 groups of
+head_dim threads) does:
+  1. the causal depthwise conv (width 4) on the q, k, v channels, with the conv-state shift, then SiLU (group p does
+     parts p, p + split, ...: q, k and v at once at the default);
   2. q and k L2 normalisation (q scaled by head_dim**-0.5), the bounded decay gate
      exp(lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))) and beta = sigmoid(b);
-  3. the delta rule on the fp32 state: thread v owns column v of S (head_dim registers), so
-     S = diag(decay) S,  S += beta * k^T (v - k S),  o = q S  need no communication beyond q, k, decay in shared memory;
+  3. the delta rule on the fp32 state: thread (v, p) owns rows p * head_dim / split .. of column v of S, so
+     S = diag(decay) S,  S += beta * k^T (v - k S),  o = q S  need, beyond q, k, decay in shared memory, one sum of
+     the groups' partial k S and one of their partial q S;
   4. per-head RMSNorm of o times o_norm and the sigmoid output gate.
+With split 1 (one thread per column) each thread runs the two 128-long recurrences and the gate's 128-long dot
+product alone, with its whole column in registers; splitting shortens those serial chains by the split and leaves
+registers to load the gate weights early.
 The inputs come straight from the fused input projection's output (q, k, v, g, b at their column offsets). With
 `f_col` given, the kernel also does the decay gate's low-rank up-projection: `f` is then the weight f_b [heads *
-head_dim, rank] and thread v computes f[v] = f_b[v] . y[f_col : f_col + rank] itself (one GEMV kernel fewer). f_b
-may come column-major (a [heads * head_dim, rank] view of a contiguous [rank, heads * head_dim] copy, `f_b.t()
-.contiguous().t()`): then the 32 lanes of a warp read 64 consecutive bytes per r instead of 32 rows 2 * rank bytes
-apart, which is what made the row-major form slower than the separate f_b GEMV (benchmarks/NOTES.md, v7).
-Each thread loads its state column first (it was written by the last step, not by the kernel before), so those loads
-are in flight during the conv and the gate, and under PDL before the wait for the input projection
-(`KIMI_DECODE_KDA_STATE_FIRST=0`: after the conv, as measured before v14).
+head_dim, rank] and thread (v, p) computes its part of f[v] = f_b[v] . y[f_col : f_col + rank] (one GEMV kernel
+fewer). f_b may come column-major (a [heads * head_dim, rank] view of a contiguous [rank, heads * head_dim] copy,
+`f_b.t().contiguous().t()`): then the 32 lanes of a warp read 64 consecutive bytes per r instead of 32 rows 2 * rank
+bytes apart, which is what made the row-major form slower than the separate f_b GEMV (benchmarks/NOTES.md, v7).
+Each thread loads its state rows, its conv state and weights, and its f_b words at split 4 and up, first: the state was
+written by the last step, not by the kernel before, so those loads are in flight during the conv and the gate, and
+under PDL before the wait for the input projection (`KIMI_DECODE_KDA_STATE_FIRST=0`: the state after the conv, as
+measured before v14).
 """
 from __future__ import annotations
 
@@ -41,12 +48,13 @@ if HAVE_CUTE:
 
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
-                     f_col: int = -1, f_rank: int = 0, state_first: bool = True):
+                     f_col: int = -1, f_rank: int = 0, state_first: bool = True, split: int = 1):
             self.H, self.D, self.W = heads, head_dim, width
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
             self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
             self.state_first = state_first  # the state column's loads first (before the PDL wait), not after the conv
+            self.P = split  # thread groups per head: group p owns rows p*D/P .. of every state column
 
         @cute.jit
         def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -54,112 +62,174 @@ if HAVE_CUTE:
                      out: cute.Tensor, stream):
             B = y.shape[0]
             self.kernel(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out).launch(
-                grid=[self.H, B, 1], block=[self.D, 1, 1], stream=stream, use_pdl=self.pdl_launch)
-
-        @cute.jit
-        def _block_sum2(self, a: Float32, b: Float32, red: cute.Tensor):
-            """Sums of a and of b over the CTA (red: 2 * warps floats of shared memory)."""
-            tidx, _, _ = cute.arch.thread_idx()
-            warp = tidx // 32
-            a = cute.arch.warp_reduction(a, lambda x, z: x + z)
-            b = cute.arch.warp_reduction(b, lambda x, z: x + z)
-            if tidx % 32 == 0:
-                red[warp] = a
-                red[warp + self.D // 32] = b
-            cute.arch.barrier()
-            sa = Float32(0.0)
-            sb = Float32(0.0)
-            for w in cutlass.range_constexpr(self.D // 32):
-                sa = sa + red[w]
-                sb = sb + red[w + self.D // 32]
-            cute.arch.barrier()
-            return sa, sb
+                grid=[self.H, B, 1], block=[self.D * self.P, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
                    A_log: cute.Tensor, dt_bias: cute.Tensor, S: cute.Tensor, o_norm: cute.Tensor,
                    out: cute.Tensor):
-            t, _, _ = cute.arch.thread_idx()
+            tid, _, _ = cute.arch.thread_idx()
             h, b, _ = cute.arch.block_idx()
-            D = self.D
+            D, P, W = self.D, self.P, self.W
+            R = D // P  # state rows per thread
+            NP = (3 + P - 1) // P  # conv parts (q, k, v) per group: group p does parts p, p + P, ...
+            RR = self.f_rank // P if self.f_col >= 0 else 0  # f_b columns per thread
+            WD = D // 32  # warps per group
+            t = tid % D  # the column / channel
+            p = tid // D  # the group (warp-uniform)
+            ch = h * D + t
             pdl_launch_dependents(self.pdl)
-            col = cute.make_rmem_tensor((D,), Float32)  # thread t's column of the state
-            # written by the last step, many kernels back: before the PDL wait unless kernels may run far ahead
+            # the state, the conv state (both written by the last step, many kernels back) and the weights: loaded
+            # before the PDL wait unless kernels may run far ahead
             ahead = not self.pdl or pdl_reads_ahead()
             if cutlass.const_expr(not ahead):
                 pdl_wait(self.pdl)
+            col = cute.make_rmem_tensor((R,), Float32)
             if cutlass.const_expr(self.state_first):
-                for kk in cutlass.range_constexpr(D):
-                    col[kk] = S[b, h, kk, t]
+                for i in cutlass.range_constexpr(R):
+                    col[i] = S[b, h, p * R + i, t]
+            cw = cute.make_rmem_tensor((NP * W,), Float32)
+            cs = cute.make_rmem_tensor((NP * (W - 1),), Float32)
+            for j in cutlass.range_constexpr(NP):
+                c = cutlass.min(p + j * P, 2) * self.d + ch  # parts past v (groups with nothing to do) read v's
+                for jj in cutlass.range_constexpr(W):
+                    cw[j * W + jj] = conv_w[c, jj]
+                for jj in cutlass.range_constexpr(W - 1):
+                    cs[j * (W - 1) + jj] = conv_state[b, c, jj].to(Float32)
+            # f_b's words before the wait too, where they fit in registers beside the state (not at one group)
+            early_f = RR <= 32
+            fw = cute.make_rmem_tensor((max(RR, 1) if early_f else 1,), Float32)
+            if cutlass.const_expr(early_f):
+                for i in cutlass.range_constexpr(RR):
+                    fw[i] = f[ch, p * RR + i].to(Float32)
+            a_h = _exp(A_log[h])
+            dt = dt_bias[ch]
+            on = o_norm[t]
             if cutlass.const_expr(ahead):
                 pdl_wait(self.pdl)
+
             smem = cutlass.utils.SmemAllocator()
+            sX = smem.allocate_tensor(Float32, cute.make_layout(3 * D), 16)  # q, k, v after the conv and SiLU
             sQ = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
             sK = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
             sDecay = smem.allocate_tensor(Float32, cute.make_layout(D), 16)
-            red = smem.allocate_tensor(Float32, cute.make_layout(2 * (D // 32)), 16)
-            ch = h * D + t
+            sF = smem.allocate_tensor(Float32, cute.make_layout(P * D), 16)  # the groups' partial f_b dots
+            sKS = smem.allocate_tensor(Float32, cute.make_layout(P * D), 16)  # partial k S
+            sO = smem.allocate_tensor(Float32, cute.make_layout(P * D), 16)  # partial q S
+            red = smem.allocate_tensor(Float32, cute.make_layout(2 * WD), 16)
 
-            f_v = Float32(0.0)  # the decay gate's input; first, so its loads are in flight during the conv
-            if cutlass.const_expr(self.f_col >= 0):
-                for r in cutlass.range_constexpr(self.f_rank):
-                    f_v = f_v + f[ch, r].to(Float32) * y[b, self.f_col + r].to(Float32)
-            else:
-                f_v = f[b, ch].to(Float32)
-
-            qkv = cute.make_rmem_tensor((3,), Float32)
-            for part in cutlass.range_constexpr(3):
-                c = part * self.d + ch
-                x_new = y[b, c].to(Float32)
-                acc = x_new * conv_w[c, self.W - 1]
-                for j in cutlass.range_constexpr(self.W - 1):
-                    s_j = conv_state[b, c, j].to(Float32)
-                    acc = acc + s_j * conv_w[c, j]
-                    if cutlass.const_expr(j > 0):
-                        conv_state[b, c, j - 1] = s_j.to(conv_state.element_type)
-                conv_state[b, c, self.W - 2] = x_new.to(conv_state.element_type)
-                qkv[part] = Float32(acc) * sigmoid(acc)
-
-            q = qkv[0]
-            k = qkv[1]
-            v = qkv[2]
-            sum_q, sum_k = self._block_sum2(q * q, k * k, red)
-            sQ[t] = q * _rsqrt(sum_q + Float32(1e-6)) * Float32(D ** -0.5)
-            sK[t] = k * _rsqrt(sum_k + Float32(1e-6))
-            gate_in = _exp(A_log[h]) * (f_v + dt_bias[ch])
-            sDecay[t] = _exp(Float32(self.lb) * sigmoid(gate_in))
+            g = y[b, 3 * self.d + ch].to(Float32)
             beta = sigmoid(y[b, self.b_col + h].to(Float32))
+            for j in cutlass.range_constexpr(NP):
+                part = p + j * P
+                c = cutlass.min(part, 2) * self.d + ch
+                x_new = y[b, c].to(Float32)
+                acc = x_new * cw[j * W + W - 1]
+                for jj in cutlass.range_constexpr(W - 1):
+                    acc = acc + cs[j * (W - 1) + jj] * cw[j * W + jj]
+                act = Float32(acc) * sigmoid(acc)
+                if part < 3:
+                    for jj in cutlass.range_constexpr(1, W - 1):
+                        conv_state[b, c, jj - 1] = cs[j * (W - 1) + jj].to(conv_state.element_type)
+                    conv_state[b, c, W - 2] = x_new.to(conv_state.element_type)
+                    sX[part * D + t] = act
+                    sq = cute.arch.warp_reduction(act * act, lambda x, z: x + z)
+                    if part < 2:
+                        if t % 32 == 0:
+                            red[part * WD + t // 32] = sq  # q and k sums of squares, per warp
+            if cutlass.const_expr(RR > 0):
+                fp = Float32(0.0)
+                for i in cutlass.range_constexpr(RR):
+                    w_i = fw[i] if early_f else f[ch, p * RR + i].to(Float32)
+                    fp = fp + w_i * y[b, self.f_col + p * RR + i].to(Float32)
+                sF[p * D + t] = fp
+            cute.arch.barrier()
+
+            if p == 0:  # q and k L2-normalised, the decay gate, for channel t
+                sum_q = Float32(0.0)
+                sum_k = Float32(0.0)
+                for w in cutlass.range_constexpr(WD):
+                    sum_q = sum_q + red[w]
+                    sum_k = sum_k + red[WD + w]
+                sQ[t] = sX[t] * _rsqrt(sum_q + Float32(1e-6)) * Float32(D ** -0.5)
+                sK[t] = sX[D + t] * _rsqrt(sum_k + Float32(1e-6))
+                f_v = Float32(0.0)
+                if cutlass.const_expr(RR > 0):
+                    for pp in cutlass.range_constexpr(P):
+                        f_v = f_v + sF[pp * D + t]
+                else:
+                    f_v = f[b, ch].to(Float32)
+                sDecay[t] = _exp(Float32(self.lb) * sigmoid(a_h * (f_v + dt)))
             cute.arch.barrier()
 
             k_s = Float32(0.0)
-            for kk in cutlass.range_constexpr(D):
+            for i in cutlass.range_constexpr(R):
+                r = p * R + i
                 if cutlass.const_expr(self.state_first):
-                    s = col[kk] * sDecay[kk]
+                    s = col[i] * sDecay[r]
                 else:
-                    s = S[b, h, kk, t] * sDecay[kk]
-                col[kk] = s
-                k_s = k_s + sK[kk] * s
-            delta = beta * (v - k_s)
+                    s = S[b, h, r, t] * sDecay[r]
+                col[i] = s
+                k_s = k_s + sK[r] * s
+            if cutlass.const_expr(P > 1):
+                sKS[p * D + t] = k_s
+                cute.arch.barrier()
+                k_s = Float32(0.0)
+                for pp in cutlass.range_constexpr(P):
+                    k_s = k_s + sKS[pp * D + t]
+            delta = beta * (sX[2 * D + t] - k_s)
             o = Float32(0.0)
-            for kk in cutlass.range_constexpr(D):
-                s = col[kk] + sK[kk] * delta
-                S[b, h, kk, t] = s
-                o = o + sQ[kk] * s
+            for i in cutlass.range_constexpr(R):
+                r = p * R + i
+                s = col[i] + sK[r] * delta
+                S[b, h, r, t] = s
+                o = o + sQ[r] * s
+            if cutlass.const_expr(P > 1):
+                sO[p * D + t] = o
+                cute.arch.barrier()
+                o = Float32(0.0)
+                for pp in cutlass.range_constexpr(P):
+                    o = o + sO[pp * D + t]
 
-            sum_o, _ = self._block_sum2(o * o, Float32(0.0), red)
-            g = y[b, 3 * self.d + ch].to(Float32)
-            res = o * _rsqrt(sum_o * Float32(1.0 / D) + Float32(self.eps)) * o_norm[t] * sigmoid(g)
-            out[b, ch] = res.to(out.element_type)
+            so = cute.arch.warp_reduction(o * o, lambda x, z: x + z)  # RMSNorm of the head's o: group 0's warps
+            if p == 0:
+                if t % 32 == 0:
+                    red[t // 32] = so
+            cute.arch.barrier()
+            if p == 0:
+                sum_o = Float32(0.0)
+                for w in cutlass.range_constexpr(WD):
+                    sum_o = sum_o + red[w]
+                res = o * _rsqrt(sum_o * Float32(1.0 / D) + Float32(self.eps)) * on * sigmoid(g)
+                out[b, ch] = res.to(out.element_type)
+
+
+SPLIT = 4  # thread groups per head by default (KIMI_DECODE_KDA_SPLIT)
+
+
+def kda_split(head_dim: int, rank: int = 0) -> int:
+    """Thread groups per head (`KIMI_DECODE_KDA_SPLIT`, default SPLIT; 1 is one thread per state column): each owns
+    head_dim / split rows of every column and rank / split of the gate's f_b columns."""
+    raw = os.environ.get("KIMI_DECODE_KDA_SPLIT", str(SPLIT))
+    try:
+        split = int(raw)
+    except ValueError:
+        split = 0
+    if split < 1 or head_dim % split or rank % split or head_dim * split > 1024:
+        raise ValueError(f"KIMI_DECODE_KDA_SPLIT={raw!r}: the thread groups per head must divide head_dim "
+                         f"({head_dim}) and the gate rank ({rank}), with head_dim * groups <= 1024 threads")
+    return split
 
 
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
                        f_col: int = -1):
     B, H, D, _ = S.shape
     state_first = os.environ.get("KIMI_DECODE_KDA_STATE_FIRST", "1") == "1"
-    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first,
+    rank = f.shape[1] if f_col >= 0 else 0
+    split = kda_split(D, rank)
+    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
-    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, f.shape[1] if f_col >= 0 else 0,
-                   state_first)
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
                                                                       o_norm, out)))
 
