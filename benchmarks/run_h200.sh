@@ -22,7 +22,8 @@
 # (latency_specialized alone), pdlcombo (the w13 kernel without PDL and no L2 requests before the wait: the
 # defaults), pdl8iters0 (batch 8 under PDL without them), statelate (the KDA kernel's state loaded after the conv),
 # captures-pdl (the batch-1 captures with PDL), kdasplit (the KDA kernel at the thread splits KDA_SPLITS, default 1 8),
-# captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0).
+# captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0), pdl8 (batch 8 under PDL, the w2 weights after / before
+# the wait), w2late (batch 1, the w2 weights after the wait), ssqlate (batch 1, the MoE tail's row scales first).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -161,6 +162,14 @@ for name in "$@"; do
         KIMI_DECODE_KDA_SPLIT=$sp bench "kdasplit$sp" 90 "bench_kdasplit$sp.json" --backend latency_specialized \
           --tp 16 8 --batch ${BENCH_BATCHES:-1 8}
       done ;;
+    pdl8)  # batch 8 under PDL, the w2 kernel's weights after its wait (the default there), and before it
+      KIMI_DECODE_PDL=1 bench pdl8 60 bench_pdl8.json --backend latency_specialized --tp 16 8 --batch 8
+      KIMI_DECODE_PDL=1 KIMI_DECODE_W2_EARLY=1 bench pdl8early 60 bench_pdl8early.json --backend latency_specialized \
+        --tp 16 8 --batch 8 ;;
+    w2late)  # batch 1 with the w2 kernel's weights loaded after its PDL wait
+      KIMI_DECODE_W2_EARLY=0 bench w2late 60 bench_w2late.json --backend latency_specialized --tp 16 8 --batch 1 ;;
+    ssqlate)  # batch 1 with the MoE tail's row scales read and added before its weight loop
+      KIMI_DECODE_SSQ_EARLY=0 bench ssqlate 60 bench_ssqlate.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     captures-pdl8)  # latency_specialized TP8 batch 8 with PDL at every batch and without, for the per-kernel view
       for pdl in 1 0; do
         KIMI_DECODE_PDL=$pdl step "capture latency_specialized tp8 b8 pdl$pdl" 60 python3 -m profiler.cli capture \

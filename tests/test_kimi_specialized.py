@@ -124,6 +124,20 @@ def test_kda_decode_compiles_for_sm90a_at_each_thread_split(sm90a, monkeypatch, 
     assert compile_kda_decode(*_kda_cols_args(s, 3), **kw, f_col=s.kda_in_proj_layout["f_a"][0]) is not None
 
 
+def test_w2_early_loads_follow_the_token_count_under_auto(monkeypatch):
+    from kimi_decode.kernels.moe_mxfp4 import w2_early
+
+    monkeypatch.delenv("KIMI_DECODE_W2_EARLY", raising=False)
+    assert w2_early(1) and not w2_early(8)
+    monkeypatch.setenv("KIMI_DECODE_W2_EARLY", "1")
+    assert w2_early(8)
+    monkeypatch.setenv("KIMI_DECODE_W2_EARLY", "0")
+    assert not w2_early(1)
+    monkeypatch.setenv("KIMI_DECODE_W2_EARLY", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_W2_EARLY"):
+        w2_early(1)
+
+
 @pytest.mark.parametrize("raw", ["3", "0", "16", "two"])
 def test_kda_split_that_does_not_fit_the_head_is_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.kda_decode import kda_split
@@ -216,7 +230,8 @@ def test_gemv_refuses_bad_shapes():
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch, pad", [(16, 1, True), (8, 8, True), (16, 4, False), (16, 64, True)])
+@pytest.mark.parametrize("tp, batch, pad", [(16, 1, True), (8, 1, True), (8, 8, True), (16, 4, False),
+                                            (16, 64, True)])
 def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
 

@@ -252,10 +252,14 @@ if HAVE_CUTE:
         (expert, group) items before the first activation: in `MoEExperts` the wait for the activations goes in
         between."""
 
-        def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS):
+        def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True):
             self.topk = topk
             self.scaled = scaled
             self.warps = warps
+            # under PDL, the weight words loaded before the wait: with the wait between them and the rest the kernel
+            # takes 138 registers against 62 (TP8, sm_90a), so 1 CTA per SM instead of 4, which costs more than the
+            # early loads save once the grid is several waves (at TP8 batch 8: 89 against 54 us, NOTES v15)
+            self.early = early
             self.groups = used // GROUP
             self.items = topk * self.groups
             self.per_warp = -(-self.items // warps)
@@ -287,8 +291,8 @@ if HAVE_CUTE:
             """Latent rows bx * ROWS2 .. of token b (`red`: [ROWS2, warps] fp32 of shared memory). With `target` >=
             0 the CTA waits, after its weight loads, until counter[2 + b] reaches it (the token's act is written);
             with -1 it waits for the previous kernel (PDL): after the weight loads where what kernels two back wrote
-            (the ids) may be read before the wait, else first."""
-            late = target < 0 and self.pdl and pdl_reads_ahead()
+            (the ids) may be read before the wait and `early` is set (`w2_early`), else first."""
+            late = target < 0 and self.pdl and pdl_reads_ahead() and self.early
             if cutlass.const_expr(target < 0 and not late):
                 pdl_wait(self.pdl)
             warp, lane, g, t = mma_lanes(tidx)
@@ -389,8 +393,9 @@ if HAVE_CUTE:
         """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, one row per warp) in CTAs of
         its own after the expert CTAs (batch 1)."""
 
-        def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int):
-            super().__init__(used, topk, scaled)
+        def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
+                     early: bool = True):
+            super().__init__(used, topk, scaled, early=early)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps)
             self.tiles = latent // ROWS2
             self.H = hidden
@@ -528,9 +533,19 @@ def _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, 
     return (*_w13_args(latent, ids, w13, w13_scale, act), act_words, *rest, counters)
 
 
+def w2_early(tokens: int) -> bool:
+    """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
+    "auto", the default, at one token; "1" / "0": always / never)."""
+    raw = os.environ.get("KIMI_DECODE_W2_EARLY", "auto")
+    if raw not in ("auto", "0", "1"):
+        raise ValueError(f"KIMI_DECODE_W2_EARLY={raw!r}: expected auto, 0 or 1")
+    return tokens == 1 if raw == "auto" else raw == "1"
+
+
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
                 counters=None, shared=None, shared_act_ready: bool = False):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
+    early = w2_early(ids.shape[0])
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
         gate_up, hx, s_act, down, s_out = shared
         H, S = hx.shape[1], s_act.shape[1]
@@ -544,8 +559,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
             f13 = compile_kernel(("moe_w13_act_shared", used, split, *signature(*a13)),
                                  MoEW13ActShared(L, I, used, k, H, S, split), *(fake_like(t, align=16) for t in a13))
         a2 = (*_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, *signature(*a2)),
-                            MoEW2SumShared(used, k, scaled is not None, L, H, S), *(fake_like(t, align=16) for t in a2))
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, *signature(*a2)),
+                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early),
+                            *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
@@ -556,8 +572,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
                          *(fake_like(t, align=16) for t in a13))
     a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, *signature(*a2)), MoEW2Sum(used, k, scaled is not None),
-                        *(fake_like(t, align=16) for t in a2))
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, *signature(*a2)),
+                        MoEW2Sum(used, k, scaled is not None, early=early), *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
 
