@@ -23,7 +23,8 @@
 # defaults), pdl8iters0 (batch 8 under PDL without them), statelate (the KDA kernel's state loaded after the conv),
 # captures-pdl (the batch-1 captures with PDL), kdasplit (the KDA kernel at the thread splits KDA_SPLITS, default 1 8),
 # captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0), pdl8 (batch 8 under PDL, the w2 weights after / before
-# the wait), w2late (batch 1, the w2 weights after the wait), ssqlate (batch 1, the MoE tail's row scales first).
+# the wait), w2late (batch 1, the w2 weights after the wait),
+# ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -168,8 +169,6 @@ for name in "$@"; do
         --tp 16 8 --batch 8 ;;
     w2late)  # batch 1 with the w2 kernel's weights loaded after its PDL wait
       KIMI_DECODE_W2_EARLY=0 bench w2late 60 bench_w2late.json --backend latency_specialized --tp 16 8 --batch 1 ;;
-    ssqlate)  # batch 1 with the MoE tail's row scales read and added before its weight loop
-      KIMI_DECODE_SSQ_EARLY=0 bench ssqlate 60 bench_ssqlate.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     captures-pdl8)  # latency_specialized TP8 batch 8 with PDL at every batch and without, for the per-kernel view
       for pdl in 1 0; do
         KIMI_DECODE_PDL=$pdl step "capture latency_specialized tp8 b8 pdl$pdl" 60 python3 -m profiler.cli capture \
@@ -192,6 +191,11 @@ for name in "$@"; do
         KIMI_DECODE_GROUPED_TILES=$n step "experts tiles=$n" 90 python3 benchmarks/expert_sweep.py --tp 16 8 \
           --batch 64 --only "grouped w" --json "$OUT/experts_tiles$n.json"
       done ;;
+    ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
+      step ncu-b1 150 ncu --clock-control none -k "regex:KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum" --launch-skip 20 \
+        --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        python3 -m kimi_decode.bench --backend latency_specialized --tp ${NCU_TP:-8} --batch 1 --layers 1 --copies 1 \
+        --replays 5 --warmup 2 ;;
     ncu-experts)  # per-kernel metrics of the grouped expert kernels at TP16 batch 64 (one eager launch each)
       for v in w13 w2; do
         step "ncu-experts $v" 90 ncu --clock-control none -k regex:Grouped --launch-count 1 --section SpeedOfLight \

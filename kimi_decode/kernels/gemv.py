@@ -11,8 +11,6 @@ stores SiTU-GLU of the pair (the shared experts' gate/up projection and activati
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
@@ -23,7 +21,6 @@ if HAVE_CUTE:
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
 MAX_ROWS = 8
-SSQ_EARLY_REGS = 16  # registers a lane may hold the row scales' partial sums in across the weight loop
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
@@ -45,8 +42,7 @@ if HAVE_CUTE:
         the norm's weight)."""
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, parts: int = 0, eps: float = 0.0,
-                     scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None,
-                     ssq_early: bool = True):
+                     scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None):
             """`warps` per CTA: WARPS for this kernel; a kernel that runs `project` in CTAs of its own size (the
             expert kernels, with the shared experts' GEMV CTAs beside theirs) passes that, and may set the warps
             per output row (`split`, a divisor of `warps`; else `split_for`'s)."""
@@ -54,7 +50,6 @@ if HAVE_CUTE:
             self.parts, self.eps, self.scaled = parts, eps, scaled
             self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
             self.warps = warps
-            self.ssq_early = ssq_early  # the row scales' partial sums loaded before the weights, added after them
             self.split = split if split is not None else split_for(2 * N if glu else N, K, warps)
             assert warps % self.split == 0
             self.rows = warps // self.split  # output rows per CTA
@@ -80,23 +75,6 @@ if HAVE_CUTE:
             self.project(gW, gX, mY, mAdd, mSsq, N, red, tidx, bidx)
 
         @cute.jit
-        def row_scales(self, mSsq: cute.Tensor, qv: cute.Tensor, rstd: cute.Tensor, lane: Int32,
-                       loaded: cutlass.Constexpr):
-            """rstd[m] = rsqrt(sum of ssq[m, :] / K + eps) for every row m, from the lane's partial sums in qv
-            (`loaded`) or read here."""
-            QI = -(-self.parts // 32)
-            for m in cutlass.range_constexpr(self.M):
-                q = Float32(0.0)
-                for i in cutlass.range_constexpr(QI):
-                    if cutlass.const_expr(loaded):
-                        q = q + qv[m * QI + i]
-                    else:
-                        if lane + 32 * i < self.parts:
-                            q = q + mSsq[m, lane + 32 * i]
-                q = cute.arch.warp_reduction(q, lambda a, b: a + b)
-                rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
-
-        @cute.jit
         def project(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
                     N: Int32, red: cute.Tensor, tidx: Int32, bidx: Int32):
             """This CTA's output rows (the whole kernel but for its shared memory, `red` [warps, 2 M] fp32, which
@@ -118,19 +96,14 @@ if HAVE_CUTE:
             acc_up = cute.make_rmem_tensor((self.M,), Float32)  # the up rows' sums (glu)
             acc_up.fill(0.0)
             rstd = cute.make_rmem_tensor((self.M,), Float32)
-            # the row scales' partial sums: loaded before the weights and added up after them, where they fit in a
-            # few registers, so no warp waits for them before its first weight loads
-            QI = -(-self.parts // 32)
-            ssq_first = self.scaled and self.ssq_early and self.M * QI <= SSQ_EARLY_REGS
-            qv = cute.make_rmem_tensor((self.M * QI if ssq_first else 1,), Float32)
-            if cutlass.const_expr(ssq_first):
-                qv.fill(0.0)
+            if cutlass.const_expr(self.scaled):
                 for m in cutlass.range_constexpr(self.M):
-                    for i in cutlass.range_constexpr(QI):
+                    q = Float32(0.0)
+                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
                         if lane + 32 * i < self.parts:
-                            qv[m * QI + i] = mSsq[m, lane + 32 * i]
-            if cutlass.const_expr(self.scaled and not ssq_first):
-                self.row_scales(mSsq, qv, rstd, lane, False)
+                            q = q + mSsq[m, lane + 32 * i]
+                    q = cute.arch.warp_reduction(q, lambda a, b: a + b)
+                    rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
             if n < N:
                 for it in cutlass.range(self.iters, unroll=4):
                     kk = (part * self.iters + it) * 32 + lane
@@ -158,8 +131,6 @@ if HAVE_CUTE:
                                 cute.autovec_copy(tX, rX)
                                 acc[m] = acc[m] + (w * rX.load().to(Float32)).reduce(
                                     cute.ReductionOp.ADD, Float32(0.0), 0)
-            if cutlass.const_expr(ssq_first):
-                self.row_scales(mSsq, qv, rstd, lane, True)
             for m in cutlass.range_constexpr(self.M):
                 acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
                 if cutlass.const_expr(self.glu):
@@ -239,12 +210,9 @@ def _kernel_tensors(y, addend, row_scale) -> tuple:
 def compile_gemv(w, x, y, accumulate: bool = False, addend=None, row_scale=None, glu: bool = False):
     extra, ssq = _kernel_tensors(y, addend, row_scale)
     eps = float(row_scale[1]) if row_scale is not None else 0.0
-    ssq_early = os.environ.get("KIMI_DECODE_SSQ_EARLY", "1") == "1"  # "0": the row scales read before the loop
-    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, ssq_early,
-           *signature(w, x, y, extra, ssq))
+    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, *signature(w, x, y, extra, ssq))
     op = SmallBatchGemv(x.shape[0], y.shape[1], x.shape[1], accumulate, addend is not None,
-                        ssq.shape[1] if row_scale is not None else 0, eps, row_scale is not None, glu,
-                        ssq_early=ssq_early)
+                        ssq.shape[1] if row_scale is not None else 0, eps, row_scale is not None, glu)
     return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, ssq)))
 
 
