@@ -24,7 +24,7 @@
 # captures-pdl (the batch-1 captures with PDL), kdasplit (the KDA kernel at the thread splits KDA_SPLITS, default 1 8),
 # captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0), pdl8 (batch 8 under PDL, the w2 weights after / before
 # the wait), w2late (batch 1, the w2 weights after the wait),
-# ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
+# oprojlate (batch 1, the output projection's first rows after the wait), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -191,6 +191,9 @@ for name in "$@"; do
         KIMI_DECODE_GROUPED_TILES=$n step "experts tiles=$n" 90 python3 benchmarks/expert_sweep.py --tp 16 8 \
           --batch 64 --only "grouped w" --json "$OUT/experts_tiles$n.json"
       done ;;
+    oprojlate)  # batch 1 with the output projection's first rows loaded after its PDL wait (KIMI_DECODE_OPROJ_EARLY=0)
+      KIMI_DECODE_OPROJ_EARLY=0 bench oprojlate 60 bench_oprojlate.json --backend latency_specialized --tp 16 8 \
+        --batch 1 ;;
     ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
       step ncu-b1 150 ncu --clock-control none -k "regex:KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum" --launch-skip 20 \
         --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

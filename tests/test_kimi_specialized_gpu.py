@@ -633,13 +633,14 @@ def test_moe_entry_matches_float64(E, K, L, k, S):
                                  {"KIMI_DECODE_PDL": "0"},
                                  {"KIMI_DECODE_PDL_SKIP": ""},
                                  {"KIMI_DECODE_PDL_PREFETCH_ITERS": "4"},
-                                 {"KIMI_DECODE_W2_EARLY": "0"}, {"KIMI_DECODE_KDA_SPLIT": "1"}])
+                                 {"KIMI_DECODE_W2_EARLY": "0"}, {"KIMI_DECODE_KDA_SPLIT": "1"},
+                                 {"KIMI_DECODE_OPROJ_EARLY": "0"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
     kernels of their own or always as CTAs in the expert kernels, or without PDL, or with the w13 kernel under it
-    too, or with the GEMVs' L2 requests before the wait, or with the w2 kernel's weights after its wait, or one KDA
-    thread per state column: the A/B switches."""
+    too, or with the GEMVs' L2 requests before the wait, or with the w2 kernel's or the output projection's weights
+    after the wait, or one KDA thread per state column: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

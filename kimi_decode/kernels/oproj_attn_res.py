@@ -6,12 +6,16 @@
 The kernel has one CTA per SM, each of the T threads AttnRes uses (448 for H = 7168), since AttnRes's registers
 allow only one such CTA per SM anyway. For the projection every warp holds the whole of o in registers (K / 256
 16-byte slices per lane) and takes output rows warp, warp + all warps, ... two at a time, so each lane has 2 K / 256
-independent 16-byte weight loads in flight; a row's dot product is one warp reduction. The CTA that finishes last
+independent 16-byte weight loads in flight; a row's dot product is one warp reduction. The first two rows' weights
+are loaded before the PDL wait (`KIMI_DECODE_OPROJ_EARLY=0`: after it), as they do not depend on the attention
+output the kernel waits for. The CTA that finishes last
 (`cute_common.last_cta`) runs the AttnRes step, reading a as the other CTAs wrote it. Compared with the projection
 kernel followed by the AttnRes kernel, what goes is the gap between the two kernels (the AttnRes kernel cannot start
 until the last projection CTA is done, and then has to be launched and fetch its code).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -30,7 +34,8 @@ ROWS_AT_ONCE = 2  # output rows a warp streams together
 
 if HAVE_CUTE:
     class OProjAttnRes:
-        def __init__(self, hidden: int, K: int, ctas: int, n_blocks: int, delta_mode: int, eps: float):
+        def __init__(self, hidden: int, K: int, ctas: int, n_blocks: int, delta_mode: int, eps: float,
+                     early: bool = True):
             self.res = AttnRes(hidden, n_blocks, False, delta_mode, True, eps)
             self.res.pdl = False  # the fused kernel waits for the previous one itself
             self.H, self.K, self.ctas = hidden, K, ctas
@@ -38,6 +43,7 @@ if HAVE_CUTE:
             self.W = self.T // 32
             self.iters = -(-K // (32 * VEC))  # 16-byte slices of o per lane
             self.exact = self.iters * 32 * VEC == K
+            self.early = early  # the first rows' weights loaded before the PDL wait (KIMI_DECODE_OPROJ_EARLY)
 
         @cute.jit
         def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mA: cute.Tensor, blocks: cute.Tensor,
@@ -61,6 +67,14 @@ if HAVE_CUTE:
             smem = cutlass.utils.SmemAllocator()
             red, sW, red2 = self.res.allocate(smem)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            stride = self.ctas * self.W
+            gw = bidx * self.W + warp
+            per_warp = -(-self.H // stride)
+            # the rows of the first pass, in registers: with `early` loaded before the PDL wait (weights do not
+            # depend on the previous kernel), so their HBM latency passes while the KDA kernel finishes
+            wt = cute.make_rmem_tensor((VEC, self.iters, ROWS_AT_ONCE), mW_type(gW))
+            if cutlass.const_expr(self.early):
+                self.load_rows(gW, wt, gw, stride, Int32(0), lane)
             pdl_wait(self.pdl)
 
             xs = cute.make_rmem_tensor((VEC, self.iters), Float32)
@@ -73,24 +87,19 @@ if HAVE_CUTE:
                     cute.autovec_copy(tX, rX)
                     for e in cutlass.range_constexpr(VEC):
                         xs[e, it] = rX[e].to(Float32)
-            stride = self.ctas * self.W
-            gw = bidx * self.W + warp
-            per_warp = -(-self.H // stride)
             for j in cutlass.range(0, per_warp, ROWS_AT_ONCE, unroll=1):
+                if cutlass.const_expr(self.early):
+                    if j > 0:
+                        self.load_rows(gW, wt, gw, stride, j, lane)
+                else:
+                    self.load_rows(gW, wt, gw, stride, j, lane)
                 acc = cute.make_rmem_tensor((ROWS_AT_ONCE,), Float32)
                 acc.fill(0.0)
                 for r in cutlass.range_constexpr(ROWS_AT_ONCE):
-                    n = gw + stride * (j + r)
-                    if n < self.H:
-                        for it in cutlass.range_constexpr(self.iters):
-                            kk = it * 32 + lane
-                            if self.exact or kk * VEC < self.K:
-                                tW = gW[(None, (n, kk))]
-                                rW = cute.make_rmem_tensor_like(tW)
-                                cute.autovec_copy(tW, rW)
-                                w = rW.load().to(Float32)
-                                for e in cutlass.range_constexpr(VEC):
-                                    acc[r] = acc[r] + w[e] * xs[e, it]
+                    for it in cutlass.range_constexpr(self.iters):
+                        w = wt[None, it, r].load().to(Float32)
+                        for e in cutlass.range_constexpr(VEC):
+                            acc[r] = acc[r] + w[e] * xs[e, it]
                 for r in cutlass.range_constexpr(ROWS_AT_ONCE):
                     n = gw + stride * (j + r)
                     tot = cute.arch.warp_reduction(acc[r], lambda a, b: a + b)
@@ -98,6 +107,22 @@ if HAVE_CUTE:
                         mA[0, n] = tot.to(mA.element_type)
             if last_cta(mCnt, flag, tidx, self.ctas) != 0:
                 self.res.body(gB, gP, gD, gQ, gK, gN, gO, Int32(0), tidx, red, sW, red2, False)
+
+
+        def load_rows(self, gW: cute.Tensor, wt: cute.Tensor, gw, stride, j, lane):
+            """Rows gw + stride * (j + r) of W, r < ROWS_AT_ONCE, the lane's 16-byte slices, into wt. Inlined where
+            it is called (a plain function, so no condition inside): a row past the last reads the last row (its
+            sum is not stored), a slice past K the last slice (its activations are zeros)."""
+            for r in range(ROWS_AT_ONCE):
+                n = cutlass.min(gw + stride * (j + r), self.H - 1)
+                for it in range(self.iters):
+                    kk = it * 32 + lane
+                    if not self.exact:
+                        kk = cutlass.min(kk, self.K // VEC - 1)
+                    cute.autovec_copy(gW[(None, (n, kk))], wt[None, it, r])
+
+    def mW_type(gW):
+        return gW.element_type
 
 
 def _check(w, x, a, partial, counter) -> None:
@@ -129,8 +154,9 @@ def compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm
         raise ValueError("oproj_attn_res: the projection is the residual update: delta_mode 1 or 2")
     ctas = ctas or sm_count()
     args = (w, x, a, blocks, partial, query, key_norm, input_norm, out, counter)
-    key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, *signature(*args))
-    op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps)
+    early = os.environ.get("KIMI_DECODE_OPROJ_EARLY", "1") == "1"
+    key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, early, *signature(*args))
+    op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps, early)
     return compile_kernel(key, op, *(fake_like(t, align=al) for t, al in zip(args, _aligns(args)))), args
 
 
