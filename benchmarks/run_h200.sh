@@ -24,7 +24,8 @@
 # captures-pdl (the batch-1 captures with PDL), kdasplit (the KDA kernel at the thread splits KDA_SPLITS, default 1 8),
 # captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0), pdl8 (batch 8 under PDL, the w2 weights after / before
 # the wait), w2late (batch 1, the w2 weights after the wait),
-# oprojlate (batch 1, the output projection's first rows after the wait), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
+# oprojlate (batch 1, the output projection's first rows after the wait), w13warps (batch 1 and 8, the w13 kernel on
+# W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -194,6 +195,12 @@ for name in "$@"; do
     oprojlate)  # batch 1 with the output projection's first rows loaded after its PDL wait (KIMI_DECODE_OPROJ_EARLY=0)
       KIMI_DECODE_OPROJ_EARLY=0 bench oprojlate 60 bench_oprojlate.json --backend latency_specialized --tp 16 8 \
         --batch 1 ;;
+    w13warps)  # batch 1 and 8 with the w13 kernel's K over at most W13_WARPS warps (default 4) instead of 7
+      KIMI_DECODE_W13_WARPS=${W13_WARPS:-4} bench w13warps 60 bench_w13warps.json --backend latency_specialized \
+        --tp 16 8 --batch 1 8 ;;
+    epilate)  # batch 1 and 8 with the accumulating GEMVs reading y and the addend after the weight loop
+      KIMI_DECODE_GEMV_EPI_EARLY=0 bench epilate 60 bench_epilate.json --backend latency_specialized --tp 16 8 \
+        --batch 1 8 ;;
     ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
       step ncu-b1 150 ncu --clock-control none -k "regex:KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum" --launch-skip 20 \
         --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

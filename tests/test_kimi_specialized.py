@@ -138,6 +138,17 @@ def test_w2_early_loads_follow_the_token_count_under_auto(monkeypatch):
         w2_early(1)
 
 
+@pytest.mark.parametrize("raw", ["0", "9", "four"])
+def test_w13_warps_outside_one_to_eight_are_refused_by_name(monkeypatch, raw):
+    from kimi_decode.kernels.moe_mxfp4 import quad_split, w13_warps
+
+    monkeypatch.setenv("KIMI_DECODE_W13_WARPS", raw)
+    with pytest.raises(ValueError, match="KIMI_DECODE_W13_WARPS"):
+        w13_warps(384, 16)
+    monkeypatch.setenv("KIMI_DECODE_W13_WARPS", "4")
+    assert w13_warps(384, 16) == 4 and quad_split(3584, 4) == (4, 7) and quad_split(3584) == (7, 4)
+
+
 @pytest.mark.parametrize("raw", ["3", "0", "16", "two"])
 def test_kda_split_that_does_not_fit_the_head_is_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.kda_decode import kda_split

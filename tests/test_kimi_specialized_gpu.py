@@ -298,6 +298,18 @@ def test_shared_mlp_matches_float64_and_replays(tp):
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_moe_mxfp4_matches_float64(tp, pad, batch):
+    _check_moe_mxfp4(tp, pad, batch)
+
+
+@pytest.mark.parametrize("warps", ["4", "2"])
+@pytest.mark.parametrize("tp, batch", [(8, 1), (16, 8)])
+def test_moe_mxfp4_with_fewer_w13_warps_matches_float64(monkeypatch, warps, tp, batch):
+    """The w13 kernel with K split over fewer warps (KIMI_DECODE_W13_WARPS): 4 of 7 quads or 2 of 14 per warp."""
+    monkeypatch.setenv("KIMI_DECODE_W13_WARPS", warps)
+    _check_moe_mxfp4(tp, True, batch)
+
+
+def _check_moe_mxfp4(tp, pad, batch):
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
 
     s = shard("k3", tp=tp, pad_experts=pad)
@@ -385,8 +397,12 @@ def test_tensor_core_projection_row_scale_and_graph_replay(rows):
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_gemv_addend_matches_float64(tp, rows):
+@pytest.mark.parametrize("epi_early", ["1", "0"])
+def test_gemv_addend_matches_float64(monkeypatch, tp, rows, epi_early):
+    """y += x @ W.T + addend, y and the addend read before the weight loop or (KIMI_DECODE_GEMV_EPI_EARLY=0) after."""
     from kimi_decode.kernels.gemv import gemv
+
+    monkeypatch.setenv("KIMI_DECODE_GEMV_EPI_EARLY", epi_early)
 
     g = torch.Generator(device="cuda").manual_seed(500 + tp + rows)
     s = shard("k3", tp=tp)
@@ -634,13 +650,15 @@ def test_moe_entry_matches_float64(E, K, L, k, S):
                                  {"KIMI_DECODE_PDL_SKIP": ""},
                                  {"KIMI_DECODE_PDL_PREFETCH_ITERS": "4"},
                                  {"KIMI_DECODE_W2_EARLY": "0"}, {"KIMI_DECODE_KDA_SPLIT": "1"},
-                                 {"KIMI_DECODE_OPROJ_EARLY": "0"}])
+                                 {"KIMI_DECODE_OPROJ_EARLY": "0"}, {"KIMI_DECODE_GEMV_EPI_EARLY": "0"},
+                                 {"KIMI_DECODE_W13_WARPS": "4"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
     kernels of their own or always as CTAs in the expert kernels, or without PDL, or with the w13 kernel under it
     too, or with the GEMVs' L2 requests before the wait, or with the w2 kernel's or the output projection's weights
-    after the wait, or one KDA thread per state column: the A/B switches."""
+    after the wait, or one KDA thread per state column, or the MoE tail's residual read after its weights, or the
+    w13 kernel on 4 warps: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

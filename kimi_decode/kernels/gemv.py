@@ -11,6 +11,8 @@ stores SiTU-GLU of the pair (the shared experts' gate/up projection and activati
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
@@ -42,7 +44,8 @@ if HAVE_CUTE:
         the norm's weight)."""
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, parts: int = 0, eps: float = 0.0,
-                     scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None):
+                     scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None,
+                     epi_early: bool = False):
             """`warps` per CTA: WARPS for this kernel; a kernel that runs `project` in CTAs of its own size (the
             expert kernels, with the shared experts' GEMV CTAs beside theirs) passes that, and may set the warps
             per output row (`split`, a divisor of `warps`; else `split_for`'s)."""
@@ -50,6 +53,7 @@ if HAVE_CUTE:
             self.parts, self.eps, self.scaled = parts, eps, scaled
             self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
             self.warps = warps
+            self.epi_early = epi_early  # with `accumulate`: y (and the addend) read before the weight loop
             self.split = split if split is not None else split_for(2 * N if glu else N, K, warps)
             assert warps % self.split == 0
             self.rows = warps // self.split  # output rows per CTA
@@ -104,6 +108,17 @@ if HAVE_CUTE:
                             q = q + mSsq[m, lane + 32 * i]
                     q = cute.arch.warp_reduction(q, lambda a, b: a + b)
                     rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
+            # what the epilogue adds to (the residual, the addend), read before the weight loop so that no warp waits
+            # for it at the end (`epi_early`)
+            pre = cute.make_rmem_tensor((2 * self.M,), Float32)
+            if cutlass.const_expr(self.accumulate and self.epi_early):
+                if n < N:
+                    if lane == 0:
+                        if part == 0:
+                            for m in cutlass.range_constexpr(self.M):
+                                pre[m] = mY[m, n]
+                                if cutlass.const_expr(self.addend):
+                                    pre[self.M + m] = mAdd[m, n].to(Float32)
             if n < N:
                 for it in cutlass.range(self.iters, unroll=4):
                     kk = (part * self.iters + it) * 32 + lane
@@ -158,7 +173,13 @@ if HAVE_CUTE:
                         acc[m] = situ_glu(acc[m], acc_up[m])
                     if cutlass.const_expr(self.scaled):
                         acc[m] = acc[m] * rstd[m]
-                    store_output(mY, mAdd, m, n, acc[m], self.accumulate, self.addend)
+                    if cutlass.const_expr(self.accumulate and self.epi_early):
+                        total = pre[m] + acc[m]
+                        if cutlass.const_expr(self.addend):
+                            total = total + pre[self.M + m]
+                        mY[m, n] = total
+                    else:
+                        store_output(mY, mAdd, m, n, acc[m], self.accumulate, self.addend)
 
 
 def split_for(N: int, K: int, warps: int = WARPS) -> int:
@@ -210,9 +231,12 @@ def _kernel_tensors(y, addend, row_scale) -> tuple:
 def compile_gemv(w, x, y, accumulate: bool = False, addend=None, row_scale=None, glu: bool = False):
     extra, ssq = _kernel_tensors(y, addend, row_scale)
     eps = float(row_scale[1]) if row_scale is not None else 0.0
-    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, *signature(w, x, y, extra, ssq))
+    epi_early = accumulate and os.environ.get("KIMI_DECODE_GEMV_EPI_EARLY", "1") == "1"
+    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, epi_early,
+           *signature(w, x, y, extra, ssq))
     op = SmallBatchGemv(x.shape[0], y.shape[1], x.shape[1], accumulate, addend is not None,
-                        ssq.shape[1] if row_scale is not None else 0, eps, row_scale is not None, glu)
+                        ssq.shape[1] if row_scale is not None else 0, eps, row_scale is not None, glu,
+                        epi_early=epi_early)
     return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, ssq)))
 
 

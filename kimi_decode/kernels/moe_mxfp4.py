@@ -97,12 +97,12 @@ def _operands_asm(bf16_activations: bool) -> str:
     return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
 
 
-def quad_split(latent: int) -> tuple[int, int]:
-    """K = `latent` values in whole quads of MX groups over the most warps (up to WARPS) that take equal slices:
-    (warps, quads per warp); K3: 28 quads, 7 warps of 4. Equal slices keep every group free of a per-warp condition,
-    so the accumulators stay in registers."""
+def quad_split(latent: int, max_warps: int = WARPS) -> tuple[int, int]:
+    """K = `latent` values in whole quads of MX groups over the most warps (up to `max_warps`) that take equal slices:
+    (warps, quads per warp); K3: 28 quads, 7 warps of 4 (at most 4 warps: 4 of 7). Equal slices keep every group
+    free of a per-warp condition, so the accumulators stay in registers."""
     quads = latent // (GROUP * QUAD)
-    warps = next(n for n in range(WARPS, 0, -1) if quads % n == 0)
+    warps = next(n for n in range(max_warps, 0, -1) if quads % n == 0)
     return warps, quads // warps
 
 
@@ -185,11 +185,11 @@ if HAVE_CUTE:
     class MoEW13Act:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int):
-            """`w_scale` comes as int32 words (4 scale bytes each); K is split over the warps in whole quads
-            (`quad_split`), read with 16-byte loads (`quad_words`)."""
+        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS):
+            """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
+            quads (`quad_split`), read with 16-byte loads (`quad_words`)."""
             self.I, self.used, self.topk = inter, used, topk
-            self.warps, self.per_warp = quad_split(latent)
+            self.warps, self.per_warp = quad_split(latent, max_warps)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -533,6 +533,14 @@ def _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, 
     return (*_w13_args(latent, ids, w13, w13_scale, act), act_words, *rest, counters)
 
 
+def w13_warps(used: int, pairs: int) -> int:
+    """At most how many warps split K in the w13 kernel (`KIMI_DECODE_W13_WARPS`, default WARPS)."""
+    raw = os.environ.get("KIMI_DECODE_W13_WARPS", str(WARPS))
+    if not raw.isdigit() or not 1 <= int(raw) <= WARPS:
+        raise ValueError(f"KIMI_DECODE_W13_WARPS={raw!r}: expected 1 to {WARPS}")
+    return int(raw)
+
+
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
@@ -551,7 +559,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         H, S = hx.shape[1], s_act.shape[1]
         if shared_act_ready:
             a13 = _w13_args(latent, ids, w13, w13_scale, act)
-            f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
+            cap = w13_warps(used, ids.shape[0] * k)
+            f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
                                  *(fake_like(t, align=16) for t in a13))
         else:
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
@@ -569,7 +578,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, *signature(*args)), op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
     a13 = _w13_args(latent, ids, w13, w13_scale, act)
-    f13 = compile_kernel(("moe_w13_act", used, *signature(*a13)), MoEW13Act(L, I, used, k),
+    cap = w13_warps(used, ids.shape[0] * k)
+    f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
                          *(fake_like(t, align=16) for t in a13))
     a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, *signature(*a2)),
