@@ -196,8 +196,10 @@ for name in "$@"; do
       KIMI_DECODE_OPROJ_EARLY=0 bench oprojlate 60 bench_oprojlate.json --backend latency_specialized --tp 16 8 \
         --batch 1 ;;
     w13warps)  # batch 1 and 8 with the w13 kernel's K over at most W13_WARPS warps (default 4) instead of 7
-      KIMI_DECODE_W13_WARPS=${W13_WARPS:-4} bench w13warps 60 bench_w13warps.json --backend latency_specialized \
-        --tp 16 8 --batch 1 8 ;;
+      for wv in ${W13_WARPS:-4}; do
+        KIMI_DECODE_W13_WARPS=$wv bench "w13warps$wv" 60 "bench_w13warps$wv.json" --backend latency_specialized \
+          --tp 16 8 --batch 1 8
+      done ;;
     epilate)  # batch 1 and 8 with the accumulating GEMVs reading y and the addend after the weight loop
       KIMI_DECODE_GEMV_EPI_EARLY=0 bench epilate 60 bench_epilate.json --backend latency_specialized --tp 16 8 \
         --batch 1 8 ;;
