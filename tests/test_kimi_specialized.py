@@ -144,9 +144,20 @@ def test_w13_warps_outside_one_to_eight_are_refused_by_name(monkeypatch, raw):
 
     monkeypatch.setenv("KIMI_DECODE_W13_WARPS", raw)
     with pytest.raises(ValueError, match="KIMI_DECODE_W13_WARPS"):
-        w13_warps(384, 16)
-    monkeypatch.setenv("KIMI_DECODE_W13_WARPS", "4")
-    assert w13_warps(384, 16) == 4 and quad_split(3584, 4) == (4, 7) and quad_split(3584) == (7, 4)
+        w13_warps(384, 1, 16)
+    monkeypatch.setenv("KIMI_DECODE_W13_WARPS", "2")
+    assert w13_warps(192, 1, 16) == 2 and quad_split(3584, 4) == (4, 7) and quad_split(3584) == (7, 4)
+
+
+def test_w13_warps_under_auto_shrink_only_a_one_token_grid_past_one_wave(monkeypatch):
+    """auto (132 SMs without a GPU): TP8 batch 1 (384 rows: 768 CTAs) on 4 warps; TP16 batch 1 (384 CTAs) and
+    batch 8 on 7."""
+    from kimi_decode.kernels.moe_mxfp4 import quad_split, w13_warps
+
+    monkeypatch.delenv("KIMI_DECODE_W13_WARPS", raising=False)
+    monkeypatch.setattr("kimi_decode.kernels.moe_mxfp4.sm_count", lambda device=None: 132)
+    warps = {case: quad_split(3584, w13_warps(*case))[0] for case in [(384, 1, 16), (192, 1, 16), (384, 8, 16)]}
+    assert warps == {(384, 1, 16): 4, (192, 1, 16): 7, (384, 8, 16): 7}
 
 
 @pytest.mark.parametrize("raw", ["3", "0", "16", "two"])

@@ -533,11 +533,21 @@ def _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, 
     return (*_w13_args(latent, ids, w13, w13_scale, act), act_words, *rest, counters)
 
 
-def w13_warps(used: int, pairs: int) -> int:
-    """At most how many warps split K in the w13 kernel (`KIMI_DECODE_W13_WARPS`, default WARPS)."""
-    raw = os.environ.get("KIMI_DECODE_W13_WARPS", str(WARPS))
+W13_SMALL_WARPS = 4  # warps of the w13 kernel where its 7-warp grid would not fit one wave at one token
+W13_CTAS_PER_SM = 5  # 7-warp w13 CTAs the H200's register file holds per SM (48 registers; ncu, NOTES v15)
+
+
+def w13_warps(used: int, tokens: int, topk: int) -> int:
+    """At most how many warps split K in the w13 kernel (`KIMI_DECODE_W13_WARPS`: "auto", the default, or 1 to
+    WARPS). auto: W13_SMALL_WARPS at one token where the CTAs of the 7-warp split would be more than one
+    wave (TP8: 768 CTAs for 660 places; measured 1.3 us faster there, but 3.5 to 5.8 us slower at TP16 and at batch
+    8), else WARPS."""
+    raw = os.environ.get("KIMI_DECODE_W13_WARPS", "auto")
+    if raw == "auto":
+        ctas = used // ROWS13 * tokens * topk
+        return W13_SMALL_WARPS if tokens == 1 and ctas > W13_CTAS_PER_SM * sm_count() else WARPS
     if not raw.isdigit() or not 1 <= int(raw) <= WARPS:
-        raise ValueError(f"KIMI_DECODE_W13_WARPS={raw!r}: expected 1 to {WARPS}")
+        raise ValueError(f"KIMI_DECODE_W13_WARPS={raw!r}: expected auto or 1 to {WARPS}")
     return int(raw)
 
 
@@ -559,7 +569,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         H, S = hx.shape[1], s_act.shape[1]
         if shared_act_ready:
             a13 = _w13_args(latent, ids, w13, w13_scale, act)
-            cap = w13_warps(used, ids.shape[0] * k)
+            cap = w13_warps(used, ids.shape[0], k)
             f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
                                  *(fake_like(t, align=16) for t in a13))
         else:
@@ -578,7 +588,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, *signature(*args)), op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
     a13 = _w13_args(latent, ids, w13, w13_scale, act)
-    cap = w13_warps(used, ids.shape[0] * k)
+    cap = w13_warps(used, ids.shape[0], k)
     f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
                          *(fake_like(t, align=16) for t in a13))
     a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
