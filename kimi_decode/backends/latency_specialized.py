@@ -18,7 +18,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   With `KIMI_DECODE_SHARED_ONE_KERNEL=1` the two GEMVs are the two stages of one kernel (`kernels/shared_mlp.py`;
   off by default: slower, NOTES v12);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
-  `kernels/kda_decode.py`; above batch 8 on the generic path's projections);
+  `kernels/kda_decode.py`, each head's state rows over 4 thread groups, `KIMI_DECODE_KDA_SPLIT`; above batch 8 on
+  the generic path's projections);
   up to batch 8 it also applies the decay gate's low-rank up-projection f_b, read from a column-major copy of f_b
   that the backend makes once per weight outside any capture (`_f_b_columns`; one GEMV kernel fewer;
   `KIMI_DECODE_FUSED_GATE=0`: the f_b GEMV as its own kernel, for A/B);
@@ -57,8 +58,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   generic path's Triton kernel instead (for A/B timing).
 - programmatic dependent launch at batch 1 (`PDL_MAX_ROWS`; `kernels/cute_common.py`, `KIMI_DECODE_PDL=0` / `1`:
   never / at every batch): each CuTe kernel but the w13 expert kernel launches while the one before it finishes,
-  waits for that one's results and then lets the next launch; the KDA kernel loads its state and the w2 expert
-  kernel its weight words before the wait.
+  waits for that one's results and then lets the next launch; the KDA kernel loads its state and weights, the w2
+  expert kernel its weight words (`KIMI_DECODE_W2_EARLY`, at one token: above, the registers this takes cost more)
+  and the output projection its first rows (`KIMI_DECODE_OPROJ_EARLY`) before the wait. At one token on a grid
+  past one wave (TP8) the w13 kernel splits K over 4 warps instead of 7 (`KIMI_DECODE_W13_WARPS`).
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), everything but AttnRes at
 batches over 64, no CUDA device or no cutlass-dsl.
 """
