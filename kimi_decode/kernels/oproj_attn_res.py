@@ -72,7 +72,7 @@ if HAVE_CUTE:
             per_warp = -(-self.H // stride)
             # the rows of the first pass, in registers: with `early` loaded before the PDL wait (weights do not
             # depend on the previous kernel), so their HBM latency passes while the KDA kernel finishes
-            wt = cute.make_rmem_tensor((VEC, self.iters, ROWS_AT_ONCE), mW_type(gW))
+            wt = cute.make_rmem_tensor((VEC, self.iters, ROWS_AT_ONCE), gW.element_type)
             if cutlass.const_expr(self.early):
                 self.load_rows(gW, wt, gw, stride, Int32(0), lane)
             pdl_wait(self.pdl)
@@ -108,7 +108,6 @@ if HAVE_CUTE:
             if last_cta(mCnt, flag, tidx, self.ctas) != 0:
                 self.res.body(gB, gP, gD, gQ, gK, gN, gO, Int32(0), tidx, red, sW, red2, False)
 
-
         def load_rows(self, gW: cute.Tensor, wt: cute.Tensor, gw, stride, j, lane):
             """Rows gw + stride * (j + r) of W, r < ROWS_AT_ONCE, the lane's 16-byte slices, into wt. Inlined where
             it is called (a plain function, so no condition inside): a row past the last reads the last row (its
@@ -120,9 +119,6 @@ if HAVE_CUTE:
                     if not self.exact:
                         kk = cutlass.min(kk, self.K // VEC - 1)
                     cute.autovec_copy(gW[(None, (n, kk))], wt[None, it, r])
-
-    def mW_type(gW):
-        return gW.element_type
 
 
 def _check(w, x, a, partial, counter) -> None:
