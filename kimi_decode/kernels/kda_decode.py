@@ -64,6 +64,18 @@ if HAVE_CUTE:
             self.kernel(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out).launch(
                 grid=[self.H, B, 1], block=[self.D * self.P, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
+        def _sum_groups(self, v, part: cute.Tensor, p, t):
+            """v summed over the thread groups of column t, through `part` (split * head_dim floats of shared
+            memory); inlined where it is called (a plain function: straight-line code only)."""
+            if self.P == 1:
+                return v
+            part[p * self.D + t] = v
+            cute.arch.barrier()
+            total = Float32(0.0)
+            for pp in range(self.P):
+                total = total + part[pp * self.D + t]
+            return total
+
         @cute.kernel
         def kernel(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
                    A_log: cute.Tensor, dt_bias: cute.Tensor, S: cute.Tensor, o_norm: cute.Tensor,
@@ -171,12 +183,7 @@ if HAVE_CUTE:
                     s = S[b, h, r, t] * sDecay[r]
                 col[i] = s
                 k_s = k_s + sK[r] * s
-            if cutlass.const_expr(P > 1):
-                sKS[p * D + t] = k_s
-                cute.arch.barrier()
-                k_s = Float32(0.0)
-                for pp in cutlass.range_constexpr(P):
-                    k_s = k_s + sKS[pp * D + t]
+            k_s = self._sum_groups(k_s, sKS, p, t)
             delta = beta * (sX[2 * D + t] - k_s)
             o = Float32(0.0)
             for i in cutlass.range_constexpr(R):
@@ -184,12 +191,7 @@ if HAVE_CUTE:
                 s = col[i] + sK[r] * delta
                 S[b, h, r, t] = s
                 o = o + sQ[r] * s
-            if cutlass.const_expr(P > 1):
-                sO[p * D + t] = o
-                cute.arch.barrier()
-                o = Float32(0.0)
-                for pp in cutlass.range_constexpr(P):
-                    o = o + sO[pp * D + t]
+            o = self._sum_groups(o, sO, p, t)
 
             so = cute.arch.warp_reduction(o * o, lambda x, z: x + z)  # RMSNorm of the head's o: group 0's warps
             if p == 0:
