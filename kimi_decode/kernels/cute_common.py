@@ -75,7 +75,8 @@ PDL_SKIP = "moe_w13_act,moe_w13_act_shared"
 _pdl_mode = {"trigger": "wait", "prefetch": PDL_PREFETCH_ITERS, "layer": False}
 
 
-def _setting(name: str, default: str, allowed: tuple) -> str:
+def env_choice(name: str, default: str, allowed: tuple) -> str:
+    """The environment variable `name` (`default` when unset), refused by name unless it is one of `allowed`."""
     value = os.environ.get(name, default)
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
@@ -85,7 +86,7 @@ def _setting(name: str, default: str, allowed: tuple) -> str:
 def pdl_setting() -> str:
     """KIMI_DECODE_PDL: "1" every kernel under PDL, "0" none, "auto" (default) where the backend asks for it for the
     layer it runs (`set_layer_pdl`)."""
-    return _setting("KIMI_DECODE_PDL", "auto", PDL_SETTINGS)
+    return env_choice("KIMI_DECODE_PDL", "auto", PDL_SETTINGS)
 
 
 def set_layer_pdl(on: bool) -> None:
@@ -100,7 +101,7 @@ def pdl_enabled() -> bool:
 
 def pdl_trigger() -> str:
     """Where a kernel lets the next one launch under PDL: "wait" (after its own wait) or "start"."""
-    return _setting("KIMI_DECODE_PDL_TRIGGER", "wait", PDL_TRIGGERS)
+    return env_choice("KIMI_DECODE_PDL_TRIGGER", "wait", PDL_TRIGGERS)
 
 
 def pdl_skipped() -> frozenset:

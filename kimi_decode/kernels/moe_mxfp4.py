@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -542,21 +542,17 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
     WARPS). auto: W13_SMALL_WARPS at one token where the CTAs of the 7-warp split would be more than one
     wave (TP8: 768 CTAs for 660 places; measured 1.3 us faster there, but 3.5 to 5.8 us slower at TP16 and at batch
     8), else WARPS."""
-    raw = os.environ.get("KIMI_DECODE_W13_WARPS", "auto")
+    raw = env_choice("KIMI_DECODE_W13_WARPS", "auto", ("auto", *(str(n) for n in range(1, WARPS + 1))))
     if raw == "auto":
         ctas = used // ROWS13 * tokens * topk
         return W13_SMALL_WARPS if tokens == 1 and ctas > W13_CTAS_PER_SM * sm_count() else WARPS
-    if not raw.isdigit() or not 1 <= int(raw) <= WARPS:
-        raise ValueError(f"KIMI_DECODE_W13_WARPS={raw!r}: expected auto or 1 to {WARPS}")
     return int(raw)
 
 
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
-    raw = os.environ.get("KIMI_DECODE_W2_EARLY", "auto")
-    if raw not in ("auto", "0", "1"):
-        raise ValueError(f"KIMI_DECODE_W2_EARLY={raw!r}: expected auto, 0 or 1")
+    raw = env_choice("KIMI_DECODE_W2_EARLY", "auto", ("auto", "0", "1"))
     return tokens == 1 if raw == "auto" else raw == "1"
 
 
