@@ -146,9 +146,8 @@ if HAVE_CUTE:
                     conv_state[b, c, W - 2] = x_new.to(conv_state.element_type)
                     sX[part * D + t] = act
                     sq = cute.arch.warp_reduction(act * act, lambda x, z: x + z)
-                    if part < 2:
-                        if t % 32 == 0:
-                            red[part * WD + t // 32] = sq  # q and k sums of squares, per warp
+                    if part < 2 and t % 32 == 0:
+                        red[part * WD + t // 32] = sq  # q and k sums of squares, per warp
             if cutlass.const_expr(RR > 0):
                 fp = Float32(0.0)
                 for i in cutlass.range_constexpr(RR):
@@ -194,9 +193,8 @@ if HAVE_CUTE:
             o = self._sum_groups(o, sO, p, t)
 
             so = cute.arch.warp_reduction(o * o, lambda x, z: x + z)  # RMSNorm of the head's o: group 0's warps
-            if p == 0:
-                if t % 32 == 0:
-                    red[t // 32] = so
+            if p == 0 and t % 32 == 0:
+                red[t // 32] = so
             cute.arch.barrier()
             if p == 0:
                 sum_o = Float32(0.0)
