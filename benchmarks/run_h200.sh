@@ -24,7 +24,8 @@
 # captures-pdl (the batch-1 captures with PDL), kdasplit (the KDA kernel at the thread splits KDA_SPLITS, default 1 8),
 # captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0), pdl8 (batch 8 under PDL, the w2 weights after / before
 # the wait), w2late (batch 1, the w2 weights after the wait),
-# oprojlate (batch 1, the output projection's first rows after the wait), w13warps (batch 1 and 8, the w13 kernel on
+# oprojlate (batch 1, the output projection's first rows after the wait), ab (latency_specialized once per setting
+# in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
 set -u
 OUT="${OUT:-runs/h200}"
@@ -203,6 +204,13 @@ for name in "$@"; do
     epilate)  # batch 1 and 8 with the accumulating GEMVs reading y and the addend after the weight loop
       KIMI_DECODE_GEMV_EPI_EARLY=0 bench epilate 60 bench_epilate.json --backend latency_specialized --tp 16 8 \
         --batch 1 8 ;;
+    ab)  # latency_specialized at AB_BATCHES (default 1) once per setting in AB_ENVS ("NAME=VALUE[,NAME=VALUE]" each,
+      # separated by spaces), e.g. AB_ENVS="KIMI_DECODE_GEMV_PRELOAD=0 KIMI_DECODE_OPROJ_EARLY=1"
+      for setting in ${AB_ENVS:-}; do
+        tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
+        (IFS=','; for kv in $setting; do export "$kv"; done
+         bench "ab $setting" 70 "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 --batch ${AB_BATCHES:-1})
+      done ;;
     ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
       step ncu-b1 150 ncu --clock-control none -k "regex:KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum" --launch-skip 20 \
         --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

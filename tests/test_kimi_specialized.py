@@ -236,6 +236,68 @@ def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):
         compile_kda_decode(*kda[0], **kda[1])
 
 
+def test_gemv_preload_and_oproj_early_settings_are_refused_by_name(monkeypatch):
+    from kimi_decode.kernels.gemv import PRELOAD, preload_setting
+
+    monkeypatch.delenv("KIMI_DECODE_GEMV_PRELOAD", raising=False)
+    assert preload_setting() == PRELOAD
+    monkeypatch.setenv("KIMI_DECODE_GEMV_PRELOAD", "0")
+    assert preload_setting() == 0
+    for raw in ("-1", "four", ""):
+        monkeypatch.setenv("KIMI_DECODE_GEMV_PRELOAD", raw)
+        with pytest.raises(ValueError, match="KIMI_DECODE_GEMV_PRELOAD"):
+            preload_setting()
+
+
+@needs_cute
+@pytest.mark.parametrize("preload", ["0", "4", "64"])
+def test_gemv_preload_compiles_for_sm90a_into_shared_memory_copies(sm90a, monkeypatch, preload):
+    """Under PDL the GEMV (plain, SiTU-GLU, accumulating with row scale) and the MoE entry compile with 0, 4 and
+    more slices than a row has copied into shared memory before the wait; each setting its own variant."""
+    from kimi_decode.kernels.gemv import SmallBatchGemv, compile_gemv
+    from kimi_decode.kernels.moe_entry import compile_moe_entry
+
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    monkeypatch.delenv("KIMI_DECODE_GEMV_PRELOAD", raising=False)
+    bf = torch.bfloat16
+    base = compile_gemv(torch.empty(3216, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf),
+                        torch.empty(1, 3216, dtype=bf))
+    monkeypatch.setenv("KIMI_DECODE_GEMV_PRELOAD", preload)
+    fns = [compile_gemv(torch.empty(3216, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf),
+                        torch.empty(1, 3216, dtype=bf)),
+           compile_gemv(torch.empty(768, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf),
+                        torch.empty(1, 384, dtype=bf), glu=True),
+           compile_gemv(torch.empty(7168, 3584, dtype=bf), torch.empty(1, 3584, dtype=bf), torch.empty(1, 7168),
+                        accumulate=True, addend=torch.empty(1, 7168, dtype=bf), row_scale=(torch.empty(1, 224), 1e-5)),
+           compile_moe_entry(torch.empty(896, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf), torch.empty(1, 896),
+                             torch.empty(896), torch.empty(1, 16, dtype=torch.int32), torch.empty(1, 16),
+                             torch.zeros(1, dtype=torch.int32), torch.empty(3584, 7168, dtype=bf),
+                             torch.empty(1, 3584, dtype=bf), 2.5,
+                             glu=(torch.empty(768, 7168, dtype=bf), torch.empty(1, 384, dtype=bf)))]
+    assert all(f is not None for f in fns) and (fns[0] is base) == (preload == str(4))
+    op = SmallBatchGemv(1, 3216, 7168, False, False, preload=int(preload))
+    op.pdl = True
+    assert op.preloaded() == min(int(preload), 28)  # 28 slices of 256 per 7168-long row
+    op.pdl = False
+    assert op.preloaded() == 0
+
+
+@needs_cute
+def test_oproj_early_modes_fall_back_where_the_rows_do_not_fit(monkeypatch):
+    """"smem" keeps all of a CTA's rows in shared memory at the TP16 / TP8 widths (768 / 1536: 84 / 168 KB) but
+    not at TP1's 12288; an unknown mode is refused by name."""
+    from kimi_decode.kernels.oproj_attn_res import OProjAttnRes, compile_oproj_attn_res
+
+    widths = {K: OProjAttnRes(7168, K, 132, 4, 1, 1e-5, "smem").early for K in (768, 1536, 12288)}
+    assert widths == {768: "smem", 1536: "smem", 12288: "1"}
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_EARLY", "yes")
+    args = _attn_res_args(1, delta=True)
+    with pytest.raises(ValueError, match="KIMI_DECODE_OPROJ_EARLY must be one of smem, 1, 0"):
+        compile_oproj_attn_res(torch.empty(7168, 768, dtype=torch.bfloat16), torch.empty(1, 768, dtype=torch.bfloat16),
+                               args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=4,
+                               delta_mode=1, eps=1e-5, ctas=132)
+
+
 @needs_cute
 def test_gemv_refuses_bad_shapes():
     from kimi_decode.kernels.gemv import gemv
@@ -792,9 +854,11 @@ def test_router_topk_refuses_what_it_cannot_route():
 
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
-def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, tp):
+@pytest.mark.parametrize("early", ["smem", "1", "0"])
+def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early):
     from kimi_decode.kernels.oproj_attn_res import compile_oproj_attn_res
 
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_EARLY", early)
     s = shard("k3", tp=tp)
     H, K = s.model.hidden, s.kda_dim
     for n_blocks, delta_mode in ((0, 2), (4, 1)):

@@ -461,6 +461,48 @@ def test_gemv_with_row_scale_epilogue_matches_float64(rows):
     assert rel_err(y - y0, want) < BF16_TOL
 
 
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("preload", ["0", "4", "64"])
+def test_gemv_preload_under_pdl_matches_float64(monkeypatch, tp, rows, preload):
+    """Under PDL with no, 4, or all of each row's slices copied into shared memory before the wait: the KDA input
+    projection (bf16 out), the shared experts' gate/up with SiTU-GLU, and the MoE tail (row scale, addend,
+    accumulate) against float64, outputs poisoned, eagerly and replayed in a CUDA graph."""
+    from kimi_decode.kernels.gemv import gemv
+
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    monkeypatch.setenv("KIMI_DECODE_GEMV_PRELOAD", preload)
+    s = shard("k3", tp=tp)
+    g = torch.Generator(device="cuda").manual_seed(900 + tp + rows + int(preload))
+    K, n, S = s.model.hidden, s.kda_in_proj_rows, s.shared_inter
+    w_in = torch.randn(n, K, device="cuda", generator=g).bfloat16()
+    w_gu = (torch.randn(2 * S, K, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, K, device="cuda", generator=g).bfloat16()
+    w_up, xs, ssq, add, y0, want_tail = _moe_tail_case(rows, g)
+    y_in = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    act = torch.empty(rows, S, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(y0)
+    h = x.double() @ w_gu.double().T
+    want_in, want_act = x.double() @ w_in.double().T, R.situ_glu(h[:, :S], h[:, S:])
+
+    def poison():
+        y_in.fill_(float("nan"))
+        act.fill_(float("nan"))
+        y.copy_(y0)
+
+    def run():
+        gemv(w_in, x, y_in)
+        gemv(w_gu, x, act, glu=True)
+        gemv(w_up, xs, y, accumulate=True, addend=add, row_scale=(ssq, 1e-5))
+
+    def check():
+        torch.cuda.synchronize()
+        errs = (rel_err(y_in, want_in), rel_err(act, want_act), rel_err(y - y0, want_tail))
+        assert max(errs) < BF16_TOL, errs
+
+    eager_then_graphed(run, poison, check)
+
+
 def _moe_tail_case(rows, g):
     """The MoE tail's inputs at the TP16 shapes: up-projection W, bf16(x * norm_w) with x's partial sums of squares,
     the shared experts' output (addend), a residual y0, and the float64 update y - y0 (eps 1e-5)."""
@@ -594,13 +636,16 @@ def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypa
 
 @pytest.mark.parametrize("E, K, L, k, S", [(896, 7168, 3584, 16, 0), (896, 7168, 3584, 16, 768),
                                            (200, 512, 384, 8, 64)])
-def test_moe_entry_matches_float64(E, K, L, k, S):
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
     """The router and the latent down-projection in one kernel against float64: the routes as the one-kernel
     router's test checks them, the latent within bf16 rounding, and with S the shared experts' gate/up activation;
-    eagerly and replayed in a CUDA graph (the router's counter back at 0), outputs poisoned before each run."""
+    eagerly and replayed in a CUDA graph (the router's counter back at 0), outputs poisoned before each run. Under
+    PDL each part's first weight slices pass through shared memory (`KIMI_DECODE_GEMV_PRELOAD`)."""
     from kimi_decode.kernels.moe_entry import moe_entry
     from kimi_decode.testing import check_routing
 
+    monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
     g = torch.Generator(device="cuda").manual_seed(E + K)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     w = (torch.randn(E, K, device="cuda", generator=g) * 0.02).bfloat16()
@@ -651,14 +696,16 @@ def test_moe_entry_matches_float64(E, K, L, k, S):
                                  {"KIMI_DECODE_PDL_PREFETCH_ITERS": "4"},
                                  {"KIMI_DECODE_W2_EARLY": "0"}, {"KIMI_DECODE_KDA_SPLIT": "1"},
                                  {"KIMI_DECODE_OPROJ_EARLY": "0"}, {"KIMI_DECODE_GEMV_EPI_EARLY": "0"},
-                                 {"KIMI_DECODE_W13_WARPS": "4"}])
+                                 {"KIMI_DECODE_W13_WARPS": "4"}, {"KIMI_DECODE_GEMV_PRELOAD": "0"},
+                                 {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "1"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
     kernels of their own or always as CTAs in the expert kernels, or without PDL, or with the w13 kernel under it
     too, or with the GEMVs' L2 requests before the wait, or with the w2 kernel's or the output projection's weights
     after the wait, or one KDA thread per state column, or the MoE tail's residual read after its weights, or the
-    w13 kernel on 4 warps: the A/B switches."""
+    w13 kernel on 4 warps, or the GEMVs with no or whole rows copied into shared memory before the wait, or the
+    output projection's first rows in registers instead of all rows in shared memory: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)
@@ -668,13 +715,17 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
 
 @pytest.mark.parametrize("K", [768, 1536])
 @pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1), (8, 1)])
-def test_oproj_attn_res_matches_float64(K, n_blocks, delta_mode):
+@pytest.mark.parametrize("pdl, early", [("0", "smem"), ("1", "smem"), ("1", "1"), ("1", "0")])
+def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pdl, early):
     """The output projection + AttnRes kernel (TP16 / TP8 projection widths) against float64: the projection a, the
     updated partial and the AttnRes output, with a, out (and partial when it is set) poisoned first; run twice (the
-    completion counter resets itself) and replayed in a CUDA graph."""
+    completion counter resets itself) and replayed in a CUDA graph. Without PDL, and under it with the weights
+    copied into shared memory before the wait, the first rows loaded into registers, or all loaded after it."""
     from kimi_decode.kernels.oproj_attn_res import oproj_attn_res
     from kimi_decode.weights import AttnResWeights
 
+    monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_EARLY", early)
     H, eps = 7168, 1e-5
     g = torch.Generator(device="cuda").manual_seed(K + 10 * n_blocks + delta_mode)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")

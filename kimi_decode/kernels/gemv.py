@@ -8,6 +8,12 @@ memory), so four times as many warps stream the same bytes. The epilogue either 
 into an fp32 residual (`accumulate=True`), optionally with a bf16 addend (`y += x @ W.T + addend`), which fuses the
 residual update of output projections; with `glu=True` each warp streams a gate row and its up row and the epilogue
 stores SiTU-GLU of the pair (the shared experts' gate/up projection and activation in one kernel).
+
+Under PDL each warp copies the first `preload` 16-byte slices of its row(s) per lane into shared memory with
+`cp.async` before it waits for the previous kernel (`KIMI_DECODE_GEMV_PRELOAD`, default PRELOAD): the weights do not
+depend on it, and unlike loads into registers the copies hold no registers, so the CTAs that start while a small
+kernel before them runs (AttnRes, the KDA kernel, the last CTA of the output projection) stream weights meanwhile.
+Each lane reads back only what it copied, so no barrier is needed, only the wait for its own copies.
 """
 from __future__ import annotations
 
@@ -18,14 +24,36 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
+    from cutlass.cute.nvgpu import cpasync
+
     from .cute_common import gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2, situ_glu
 
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
 MAX_ROWS = 8
+PRELOAD = 4  # slices per lane and row copied into shared memory before the PDL wait
+
+
+def preload_setting() -> int:
+    """KIMI_DECODE_GEMV_PRELOAD: the 16-byte slices per lane and row a GEMV warp copies into shared memory before the
+    PDL wait (0: none; default PRELOAD)."""
+    value = os.environ.get("KIMI_DECODE_GEMV_PRELOAD", str(PRELOAD))
+    if not value.isdigit():
+        raise ValueError(f"KIMI_DECODE_GEMV_PRELOAD must be a whole number of slices, not {value!r}")
+    return int(value)
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
+
+    def _regs(tile: cute.Tensor) -> cute.Tensor:
+        """A small global tile copied into registers (a plain function: inlined where it is called)."""
+        r = cute.make_rmem_tensor_like(tile)
+        cute.autovec_copy(tile, r)
+        return r
+
+    def _flat(tile: cute.Tensor) -> cute.Tensor:
+        """A (1, VEC) tile (of a row of W, or of the preload buffer) as a flat VEC-vector: one 16-byte copy."""
+        return cute.make_tensor(tile.iterator, cute.make_layout(VEC))
 
     def store_output(mY: cute.Tensor, mAdd: cute.Tensor, m, n, val, accumulate: bool, addend: bool) -> None:
         """The projections' store of output (m, n), fp32 `val`: y = val in y's dtype, or y += val (+ addend[m, n])
@@ -45,10 +73,12 @@ if HAVE_CUTE:
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, parts: int = 0, eps: float = 0.0,
                      scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None,
-                     epi_early: bool = False):
+                     epi_early: bool = False, preload: int = 0):
             """`warps` per CTA: WARPS for this kernel; a kernel that runs `project` in CTAs of its own size (the
             expert kernels, with the shared experts' GEMV CTAs beside theirs) passes that, and may set the warps
-            per output row (`split`, a divisor of `warps`; else `split_for`'s)."""
+            per output row (`split`, a divisor of `warps`; else `split_for`'s). `preload`: slices per lane and row
+            copied into shared memory before the PDL wait (under PDL only; the kernel allocates the buffer with
+            `allocate_preload`)."""
             self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
             self.parts, self.eps, self.scaled = parts, eps, scaled
             self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
@@ -58,6 +88,21 @@ if HAVE_CUTE:
             assert warps % self.split == 0
             self.rows = warps // self.split  # output rows per CTA
             self.iters = -(-(-(-K // (32 * VEC))) // self.split)  # iterations of one K slice
+            self.preload = min(preload, self.iters)
+
+        def preloaded(self) -> int:
+            """The slices per lane and row this kernel copies before its wait (none without PDL)."""
+            return self.preload if self.pdl else 0
+
+        def allocate_preload(self, smem, slices: int | None = None):
+            """The shared memory `project` copies the preloaded weights into: [16 bytes, lane, slice, row of the
+            CTA] (a 16-byte stand-in when nothing is preloaded). A kernel running several GEMVs allocates for the
+            largest (`slices`, rows as this one's)."""
+            slices = self.preloaded() if slices is None else slices
+            if slices == 0:
+                return smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((1, VEC)), 16)
+            return smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(
+                ((1, VEC), 32, slices, self.warps * (2 if self.glu else 1))), 16)
 
         @cute.jit
         def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
@@ -76,17 +121,20 @@ if HAVE_CUTE:
             bidx, _, _ = cute.arch.block_idx()
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
-            self.project(gW, gX, mY, mAdd, mSsq, N, red, tidx, bidx)
+            pre = self.allocate_preload(smem)
+            self.project(gW, gX, mY, mAdd, mSsq, N, red, tidx, bidx, pre)
 
         @cute.jit
         def project(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
-                    N: Int32, red: cute.Tensor, tidx: Int32, bidx: Int32):
-            """This CTA's output rows (the whole kernel but for its shared memory, `red` [warps, 2 M] fp32, which
-            the caller allocates: kernels that do more after the GEMV own one allocator)."""
+                    N: Int32, red: cute.Tensor, tidx: Int32, bidx: Int32, sPre: cute.Tensor):
+            """This CTA's output rows (the whole kernel but for its shared memory, `red` [warps, 2 M] fp32 and `sPre`
+            (`allocate_preload`), which the caller allocates: kernels that do more after the GEMV own one
+            allocator)."""
             lane = tidx % 32
             warp = tidx // 32
             n = bidx * self.rows + warp // self.split
             part = warp % self.split
+            P = self.preloaded()
             pdl_launch_dependents(self.pdl)
             if cutlass.const_expr(self.pdl):  # the weights do not depend on the previous kernel: start them
                 if n < N:
@@ -94,6 +142,18 @@ if HAVE_CUTE:
                         kk = (part * self.iters + it) * 32 + lane
                         if kk * VEC < self.K:
                             prefetch_l2(gW[(None, (n, kk))])
+            if cutlass.const_expr(P > 0):
+                atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                           gW.element_type, num_bits_per_copy=128)
+                if n < N:
+                    for it in cutlass.range_constexpr(P):
+                        kk = (part * self.iters + it) * 32 + lane
+                        if kk * VEC < self.K:
+                            cute.copy(atom, _flat(gW[(None, (n, kk))]), _flat(sPre[(None, lane, it, warp)]))
+                            if cutlass.const_expr(self.glu):
+                                cute.copy(atom, _flat(gW[(None, (N + n, kk))]),
+                                          _flat(sPre[(None, lane, it, self.warps + warp)]))
+                cute.arch.cp_async_commit_group()
             pdl_wait(self.pdl)
             acc = cute.make_rmem_tensor((self.M,), Float32)
             acc.fill(0.0)
@@ -120,32 +180,25 @@ if HAVE_CUTE:
                                 if cutlass.const_expr(self.addend):
                                     pre[self.M + m] = mAdd[m, n].to(Float32)
             if n < N:
-                for it in cutlass.range(self.iters, unroll=4):
+                for it in cutlass.range(P, self.iters, unroll=4):
                     kk = (part * self.iters + it) * 32 + lane
                     if kk * VEC < self.K:
-                        tW = gW[(None, (n, kk))]
-                        rW = cute.make_rmem_tensor_like(tW)
-                        cute.autovec_copy(tW, rW)
-                        w = rW.load().to(Float32)
+                        w = _regs(gW[(None, (n, kk))]).load().to(Float32)
+                        u = w
                         if cutlass.const_expr(self.glu):
-                            tU = gW[(None, (N + n, kk))]
-                            rU = cute.make_rmem_tensor_like(tU)
-                            cute.autovec_copy(tU, rU)
-                            u = rU.load().to(Float32)
-                            for m in cutlass.range_constexpr(self.M):
-                                tX = gX[(None, (m, kk))]
-                                rX = cute.make_rmem_tensor_like(tX)
-                                cute.autovec_copy(tX, rX)
-                                xv = rX.load().to(Float32)
-                                acc[m] = acc[m] + (w * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                                acc_up[m] = acc_up[m] + (u * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        else:
-                            for m in cutlass.range_constexpr(self.M):
-                                tX = gX[(None, (m, kk))]
-                                rX = cute.make_rmem_tensor_like(tX)
-                                cute.autovec_copy(tX, rX)
-                                acc[m] = acc[m] + (w * rX.load().to(Float32)).reduce(
-                                    cute.ReductionOp.ADD, Float32(0.0), 0)
+                            u = _regs(gW[(None, (N + n, kk))]).load().to(Float32)
+                        self.add_slice(acc, acc_up, w, u, gX, kk)
+            if cutlass.const_expr(P > 0):  # the preloaded slices, once this thread's copies have landed
+                cute.arch.cp_async_wait_group(0)
+                if n < N:
+                    for it in cutlass.range_constexpr(P):
+                        kk = (part * self.iters + it) * 32 + lane
+                        if kk * VEC < self.K:
+                            w = sPre[(None, lane, it, warp)].load().to(Float32)
+                            u = w
+                            if cutlass.const_expr(self.glu):
+                                u = sPre[(None, lane, it, self.warps + warp)].load().to(Float32)
+                            self.add_slice(acc, acc_up, w, u, gX, kk)
             for m in cutlass.range_constexpr(self.M):
                 acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
                 if cutlass.const_expr(self.glu):
@@ -180,6 +233,16 @@ if HAVE_CUTE:
                         mY[m, n] = total
                     else:
                         store_output(mY, mAdd, m, n, acc[m], self.accumulate, self.addend)
+
+
+        def add_slice(self, acc: cute.Tensor, acc_up: cute.Tensor, w, u, gX: cute.Tensor, kk) -> None:
+            """acc[m] += w . x[m, slice kk] for every row m (and acc_up[m] += u . x[m, slice kk] with `glu`), w and
+            u a lane's 8 weights in fp32. Inlined where it is called (a plain function, no condition inside)."""
+            for m in range(self.M):
+                xv = _regs(gX[(None, (m, kk))]).load().to(Float32)
+                acc[m] = acc[m] + (w * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                if self.glu:
+                    acc_up[m] = acc_up[m] + (u * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
 
 def split_for(N: int, K: int, warps: int = WARPS) -> int:
@@ -232,11 +295,12 @@ def compile_gemv(w, x, y, accumulate: bool = False, addend=None, row_scale=None,
     extra, ssq = _kernel_tensors(y, addend, row_scale)
     eps = float(row_scale[1]) if row_scale is not None else 0.0
     epi_early = accumulate and os.environ.get("KIMI_DECODE_GEMV_EPI_EARLY", "1") == "1"
-    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, epi_early,
+    preload = preload_setting()
+    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, epi_early, preload,
            *signature(w, x, y, extra, ssq))
     op = SmallBatchGemv(x.shape[0], y.shape[1], x.shape[1], accumulate, addend is not None,
                         ssq.shape[1] if row_scale is not None else 0, eps, row_scale is not None, glu,
-                        epi_early=epi_early)
+                        epi_early=epi_early, preload=preload)
     return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, ssq)))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
-from .gemv import VEC, WARPS
+from .gemv import VEC, WARPS, preload_setting
 from .router_topk import THREADS, _check as _check_router
 
 if HAVE_CUTE:
@@ -28,10 +28,12 @@ if HAVE_CUTE:
         """`shared_inter` > 0: the shared experts' gate/up GEMV with its SiTU-GLU epilogue as a third part of the
         grid, after the other two (it also reads only x, and its result is needed two kernels later)."""
 
-        def __init__(self, M: int, E: int, K: int, topk: int, scaling: float, latent: int, shared_inter: int = 0):
-            self.router = RouterTopK(M, E, K, topk, scaling)
-            self.down = SmallBatchGemv(M, latent, K, accumulate=False, addend=False)
-            self.glu = SmallBatchGemv(M, max(shared_inter, 1), K, accumulate=False, addend=False, glu=True)
+        def __init__(self, M: int, E: int, K: int, topk: int, scaling: float, latent: int, shared_inter: int = 0,
+                     preload: int = 0):
+            self.router = RouterTopK(M, E, K, topk, scaling, preload)
+            self.down = SmallBatchGemv(M, latent, K, accumulate=False, addend=False, preload=preload)
+            self.glu = SmallBatchGemv(M, max(shared_inter, 1), K, accumulate=False, addend=False, glu=True,
+                                      preload=preload)
             self.M, self.E, self.L, self.S = M, E, latent, shared_inter
             self.n_router = -(-E // self.router.rows)  # the grid's first CTAs
             self.n_down = -(-latent // self.down.rows)
@@ -62,20 +64,23 @@ if HAVE_CUTE:
             cand_i = smem.allocate_tensor(Int32, cute.make_layout(self.router.cands), 16)
             chosen = smem.allocate_tensor(Int32, cute.make_layout(self.router.topk), 16)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            # one preload buffer for the three parts: the most slices any takes, room for the gate/up row pairs
+            pre = self.glu.allocate_preload(smem, max(p.preloaded() for p in (self.router, self.down, self.glu)))
             if bidx < self.n_router:
-                self.router.project(gWr, gX, mL, mL, mL, Int32(self.E), red, tidx, bidx)
+                self.router.project(gWr, gX, mL, mL, mL, Int32(self.E), red, tidx, bidx, pre)
                 if last_cta(mCnt, flag, tidx, self.n_router) != 0:
                     for m in cutlass.range(self.M):
                         self.router.route(mL, mBias, mIds, mWts, cand_v, cand_i, chosen, m, tidx)
             else:
                 if cutlass.const_expr(self.n_glu == 0):
-                    self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, bidx - self.n_router)
+                    self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, bidx - self.n_router, pre)
                 else:
                     if bidx < self.n_router + self.n_down:
-                        self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, bidx - self.n_router)
+                        self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, bidx - self.n_router,
+                                          pre)
                     else:
                         self.glu.project(gWgu, gX, mAct, mAct, mAct, Int32(self.S), red, tidx,
-                                         bidx - self.n_router - self.n_down)
+                                         bidx - self.n_router - self.n_down, pre)
 
 
 def _check(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu=None) -> None:
@@ -103,8 +108,9 @@ def compile_moe_entry(w_router, x, logits, bias, ids, weights, counter, w_down, 
     _check(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu)
     args = _args(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu)
     S = glu[1].shape[1] if glu is not None else 0
-    key = ("moe_entry", float(scaling), S, *signature(*args))
-    op = MoEEntry(x.shape[0], w_router.shape[0], x.shape[1], ids.shape[1], scaling, w_down.shape[0], S)
+    preload = preload_setting()
+    key = ("moe_entry", float(scaling), S, preload, *signature(*args))
+    op = MoEEntry(x.shape[0], w_router.shape[0], x.shape[1], ids.shape[1], scaling, w_down.shape[0], S, preload)
     return compile_kernel(key, op, *(fake_like(t, align=4 if t is counter else 16) for t in args))
 
 

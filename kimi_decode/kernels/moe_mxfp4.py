@@ -381,8 +381,9 @@ if HAVE_CUTE:
             bidx, _, _ = cute.arch.block_idx()
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
+            pre = self.shared.allocate_preload(smem)
             if bidx < self.n_shared:
-                self.shared.project(gGU, gH, s_act, s_act, s_act, Int32(self.S), red, tidx, bidx)
+                self.shared.project(gGU, gH, s_act, s_act, s_act, Int32(self.S), red, tidx, bidx, pre)
             else:
                 pdl_launch_dependents(self.pdl)
                 pdl_wait(self.pdl)
@@ -421,11 +422,12 @@ if HAVE_CUTE:
             bidx, _, _ = cute.arch.block_idx()
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
+            pre = self.shared.allocate_preload(smem)
             if bidx < self.tiles:
                 pdl_launch_dependents(self.pdl)
                 self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx, 0, tidx, ssq, -1)
             else:
-                self.shared.project(gD, gS, s_out, s_out, s_out, Int32(self.H), red, tidx, bidx - self.tiles)
+                self.shared.project(gD, gS, s_out, s_out, s_out, Int32(self.H), red, tidx, bidx - self.tiles, pre)
 
     class MoEExperts:
         """Both stages in one kernel (`moe_mxfp4` with `counters`): the w13 CTAs (tickets in pair order), then the

@@ -6,36 +6,40 @@
 The kernel has one CTA per SM, each of the T threads AttnRes uses (448 for H = 7168), since AttnRes's registers
 allow only one such CTA per SM anyway. For the projection every warp holds the whole of o in registers (K / 256
 16-byte slices per lane) and takes output rows warp, warp + all warps, ... two at a time, so each lane has 2 K / 256
-independent 16-byte weight loads in flight; a row's dot product is one warp reduction. The first two rows' weights
-are loaded before the PDL wait (`KIMI_DECODE_OPROJ_EARLY=0`: after it), as they do not depend on the attention
-output the kernel waits for. The CTA that finishes last
+independent 16-byte weight loads in flight; a row's dot product is one warp reduction. The weights do not depend on the
+attention output the kernel waits for, so under PDL they are fetched before the wait (`KIMI_DECODE_OPROJ_EARLY`):
+"smem" (the default) copies all of the CTA's rows into shared memory with `cp.async` where they fit (SMEM_BUDGET;
+else as "1"), so the whole weight stream can pass while the KDA kernel runs; "1" loads the first two rows into
+registers; "0" loads after the wait. The CTA that finishes last
 (`cute_common.last_cta`) runs the AttnRes step, reading a as the other CTAs wrote it. Compared with the projection
 kernel followed by the AttnRes kernel, what goes is the gap between the two kernels (the AttnRes kernel cannot start
 until the last projection CTA is done, and then has to be launched and fetch its code).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .attn_res import _align as _res_align
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     from .attn_res import AttnRes
+    from cutlass.cute.nvgpu import cpasync
+
     from .cute_common import last_cta, pdl_launch_dependents, pdl_wait
 
 VEC = 8  # bf16 per 16-byte load
 ROWS_AT_ONCE = 2  # output rows a warp streams together
+EARLY_MODES = ("smem", "1", "0")
+SMEM_BUDGET = 192 * 1024  # bytes of shared memory the preloaded weights may take per CTA (the SM has 227 KB)
 
 
 if HAVE_CUTE:
     class OProjAttnRes:
         def __init__(self, hidden: int, K: int, ctas: int, n_blocks: int, delta_mode: int, eps: float,
-                     early: bool = True):
+                     early: str = "smem"):
             self.res = AttnRes(hidden, n_blocks, False, delta_mode, True, eps)
             self.res.pdl = False  # the fused kernel waits for the previous one itself
             self.H, self.K, self.ctas = hidden, K, ctas
@@ -43,7 +47,19 @@ if HAVE_CUTE:
             self.W = self.T // 32
             self.iters = -(-K // (32 * VEC))  # 16-byte slices of o per lane
             self.exact = self.iters * 32 * VEC == K
-            self.early = early  # the first rows' weights loaded before the PDL wait (KIMI_DECODE_OPROJ_EARLY)
+            self.per_warp = -(-hidden // (ctas * self.W))  # output rows per warp
+            self.rows_pre = -(-self.per_warp // ROWS_AT_ONCE) * ROWS_AT_ONCE  # the same, whole passes
+            if early == "smem" and self.rows_pre * self.iters * 32 * VEC * 2 * self.W > SMEM_BUDGET:
+                early = "1"
+            self.early = early  # KIMI_DECODE_OPROJ_EARLY, "smem" where it fits
+
+        def in_smem(self) -> bool:
+            """Whether the weights go through shared memory (only under PDL: without it nothing runs before)."""
+            return self.pdl and self.early == "smem"
+
+        def in_regs(self) -> bool:
+            """Whether the first pass's rows are loaded into registers before the wait."""
+            return self.early == "1" or (self.early == "smem" and not self.pdl)
 
         @cute.jit
         def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mA: cute.Tensor, blocks: cute.Tensor,
@@ -69,11 +85,15 @@ if HAVE_CUTE:
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
             stride = self.ctas * self.W
             gw = bidx * self.W + warp
-            per_warp = -(-self.H // stride)
-            # the rows of the first pass, in registers: with `early` loaded before the PDL wait (weights do not
-            # depend on the previous kernel), so their HBM latency passes while the KDA kernel finishes
+            per_warp = self.per_warp
+            # the weights before the PDL wait (they do not depend on the previous kernel), so their HBM latency
+            # passes while the KDA kernel finishes: all rows into shared memory, or the first pass's into registers
             wt = cute.make_rmem_tensor((VEC, self.iters, ROWS_AT_ONCE), gW.element_type)
-            if cutlass.const_expr(self.early):
+            pre = smem.allocate_tensor(gW.element_type, cute.make_layout(
+                (VEC, 32, self.iters, self.rows_pre if self.in_smem() else 1, self.W)), 16)
+            if cutlass.const_expr(self.in_smem()):
+                self.preload_rows(gW, pre, gw, stride, lane, warp)
+            if cutlass.const_expr(self.in_regs()):
                 self.load_rows(gW, wt, gw, stride, Int32(0), lane)
             pdl_wait(self.pdl)
 
@@ -87,8 +107,14 @@ if HAVE_CUTE:
                     cute.autovec_copy(tX, rX)
                     for e in cutlass.range_constexpr(VEC):
                         xs[e, it] = rX[e].to(Float32)
+            if cutlass.const_expr(self.in_smem()):
+                cute.arch.cp_async_wait_group(0)  # this thread's copies (each lane reads back only its own)
             for j in cutlass.range(0, per_warp, ROWS_AT_ONCE, unroll=1):
-                if cutlass.const_expr(self.early):
+                if cutlass.const_expr(self.in_smem()):
+                    for r in cutlass.range_constexpr(ROWS_AT_ONCE):
+                        for it in cutlass.range_constexpr(self.iters):
+                            cute.autovec_copy(pre[(None, lane, it, j + r, warp)], wt[None, it, r])
+                elif cutlass.const_expr(self.in_regs()):
                     if j > 0:
                         self.load_rows(gW, wt, gw, stride, j, lane)
                 else:
@@ -107,6 +133,22 @@ if HAVE_CUTE:
                         mA[0, n] = tot.to(mA.element_type)
             if last_cta(mCnt, flag, tidx, self.ctas) != 0:
                 self.res.body(gB, gP, gD, gQ, gK, gN, gO, Int32(0), tidx, red, sW, red2, False)
+
+        def preload_rows(self, gW: cute.Tensor, pre: cute.Tensor, gw, stride, lane, warp):
+            """All of the warp's rows (`rows_pre`), the lane's 16-byte slices, copied into shared memory `pre`
+            [slice, lane, k-slice, row, warp] with `cp.async`, then committed; rows past the last and slices past K
+            as in `load_rows`. A plain function, inlined where it is called."""
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                       gW.element_type, num_bits_per_copy=128)
+            for j in range(self.rows_pre):
+                n = cutlass.min(gw + stride * j, self.H - 1)
+                for it in range(self.iters):
+                    kk = it * 32 + lane
+                    if not self.exact:
+                        kk = cutlass.min(kk, self.K // VEC - 1)
+                    src = cute.make_tensor(gW[(None, (n, kk))].iterator, cute.make_layout(VEC))
+                    cute.copy(atom, src, pre[(None, lane, it, j, warp)])
+            cute.arch.cp_async_commit_group()
 
         def load_rows(self, gW: cute.Tensor, wt: cute.Tensor, gw, stride, j, lane):
             """Rows gw + stride * (j + r) of W, r < ROWS_AT_ONCE, the lane's 16-byte slices, into wt. Inlined where
@@ -150,7 +192,7 @@ def compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm
         raise ValueError("oproj_attn_res: the projection is the residual update: delta_mode 1 or 2")
     ctas = ctas or sm_count()
     args = (w, x, a, blocks, partial, query, key_norm, input_norm, out, counter)
-    early = os.environ.get("KIMI_DECODE_OPROJ_EARLY", "1") == "1"
+    early = env_choice("KIMI_DECODE_OPROJ_EARLY", "smem", EARLY_MODES)
     key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, early, *signature(*args))
     op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps, early)
     return compile_kernel(key, op, *(fake_like(t, align=al) for t, al in zip(args, _aligns(args)))), args

@@ -39,8 +39,8 @@ if HAVE_CUTE:
         return cutlass.select_(cond, a, b)
 
     class RouterTopK(SmallBatchGemv):
-        def __init__(self, M: int, E: int, K: int, topk: int, scaling: float):
-            super().__init__(M, E, K, accumulate=False, addend=False)
+        def __init__(self, M: int, E: int, K: int, topk: int, scaling: float, preload: int = 0):
+            super().__init__(M, E, K, accumulate=False, addend=False, preload=preload)
             self.E, self.topk, self.scaling = E, topk, float(scaling)
             self.per = -(-E // THREADS)  # scores per thread
             self.exact = self.per * THREADS == E
@@ -67,7 +67,8 @@ if HAVE_CUTE:
             cand_i = smem.allocate_tensor(Int32, cute.make_layout(self.cands), 16)
             chosen = smem.allocate_tensor(Int32, cute.make_layout(self.topk), 16)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-            self.project(gW, gX, mL, mL, mL, N, red, tidx, bidx)
+            pre = self.allocate_preload(smem)
+            self.project(gW, gX, mL, mL, mL, N, red, tidx, bidx, pre)
             if last_cta(mCnt, flag, tidx, nblk) != 0:
                 for m in cutlass.range(self.M):
                     self.route(mL, mBias, mIds, mWts, cand_v, cand_i, chosen, m, tidx)

@@ -47,9 +47,10 @@ if HAVE_CUTE:
             red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2)), 16)
             slot = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            pre = self.glu.allocate_preload(smem)  # nothing is preloaded (a stand-in)
             ticket = take_ticket(mCnt, slot, tidx)
             if ticket < self.n1:
-                self.glu.project(gWgu, gX, mAct, mAct, mAct, Int32(self.I), red, tidx, ticket)
+                self.glu.project(gWgu, gX, mAct, mAct, mAct, Int32(self.I), red, tidx, ticket, pre)
                 count_done(mCnt, 2, tidx)
             else:
                 q = ticket - self.n1
@@ -61,7 +62,7 @@ if HAVE_CUTE:
                         if kk * VEC < self.I:
                             prefetch_l2(gWd[(None, (n, kk))])
                 wait_count(mCnt, 2, self.n1, tidx)
-                self.down.project(gWd, gAct, mOut, mOut, mOut, Int32(self.H), red, tidx, q)
+                self.down.project(gWd, gAct, mOut, mOut, mOut, Int32(self.H), red, tidx, q, pre)
                 if last_cta(mCnt, flag, tidx, self.n2, 1) != 0:
                     if tidx == 0:
                         mCnt[0] = Int32(0)
