@@ -25,7 +25,7 @@
 # captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0), pdl8 (batch 8 under PDL, the w2 weights after / before
 # the wait), w2late (batch 1, the w2 weights after the wait),
 # oprojlate (batch 1, the output projection's first rows after the wait), ab (latency_specialized once per setting
-# in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
+# in AB_ENVS), capture-ab (a batch-1 capture per setting in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
 set -u
 OUT="${OUT:-runs/h200}"
@@ -210,6 +210,16 @@ for name in "$@"; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
         (IFS=','; for kv in $setting; do export "$kv"; done
          bench "ab $setting" 70 "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 --batch ${AB_BATCHES:-1})
+      done ;;
+    capture-ab)  # latency_specialized batch 1 captures at CAPTURE_TP (default 16) once per setting in AB_ENVS, for
+      # benchmarks/per_kernel.py
+      for setting in ${AB_ENVS:-}; do
+        tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
+        for tp in ${CAPTURE_TP:-16}; do
+          (IFS=','; for kv in $setting; do export "$kv"; done
+           step "capture $setting tp$tp" 60 python3 -m profiler.cli capture --backend latency_specialized --tp "$tp" \
+             --batch 1 --layers 4 --context 8192 --steps 30 --profiler cupti -o "$OUT/ab_${tag}_tp${tp}.kprof")
+        done
       done ;;
     ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
       step ncu-b1 150 ncu --clock-control none -k "regex:KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum" --launch-skip 20 \

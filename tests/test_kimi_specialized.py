@@ -231,6 +231,10 @@ def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):
     monkeypatch.setenv("KIMI_DECODE_PDL_TRIGGER", trigger)
     with_pdl = (compile_kda_decode(*kda[0], **kda[1]), *compile_moe(*moe))
     assert all(f is not None and f is not g for f, g in zip(with_pdl, plain))
+    monkeypatch.setenv("KIMI_DECODE_KDA_TRIGGER", "late")  # the KDA kernel's trigger after its inputs are read
+    late = compile_kda_decode(*kda[0], **kda[1])
+    assert late is not None and late is not with_pdl[0]
+    monkeypatch.delenv("KIMI_DECODE_KDA_TRIGGER")
     monkeypatch.setenv("KIMI_DECODE_PDL_TRIGGER", "early")
     with pytest.raises(ValueError, match="KIMI_DECODE_PDL_TRIGGER must be one of wait, start"):
         compile_kda_decode(*kda[0], **kda[1])
@@ -247,6 +251,16 @@ def test_gemv_preload_and_oproj_early_settings_are_refused_by_name(monkeypatch):
         monkeypatch.setenv("KIMI_DECODE_GEMV_PRELOAD", raw)
         with pytest.raises(ValueError, match="KIMI_DECODE_GEMV_PRELOAD"):
             preload_setting()
+
+
+@needs_cute
+def test_kda_trigger_setting_is_refused_by_name(monkeypatch):
+    from kimi_decode.kernels.kda_decode import compile_kda_decode
+
+    s = shard("k3", tp=16)
+    monkeypatch.setenv("KIMI_DECODE_KDA_TRIGGER", "early")
+    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_TRIGGER must be one of wait, late"):
+        compile_kda_decode(*_kda_args(s, 1), b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
 
 
 @needs_cute
@@ -274,7 +288,7 @@ def test_gemv_preload_compiles_for_sm90a_into_shared_memory_copies(sm90a, monkey
                              torch.zeros(1, dtype=torch.int32), torch.empty(3584, 7168, dtype=bf),
                              torch.empty(1, 3584, dtype=bf), 2.5,
                              glu=(torch.empty(768, 7168, dtype=bf), torch.empty(1, 384, dtype=bf)))]
-    assert all(f is not None for f in fns) and (fns[0] is base) == (preload == str(4))
+    assert all(f is not None for f in fns) and (fns[0] is base) == (preload == "0")
     op = SmallBatchGemv(1, 3216, 7168, False, False, preload=int(preload))
     op.pdl = True
     assert op.preloaded() == min(int(preload), 28)  # 28 slices of 256 per 7168-long row

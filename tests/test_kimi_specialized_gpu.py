@@ -696,16 +696,18 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
                                  {"KIMI_DECODE_PDL_PREFETCH_ITERS": "4"},
                                  {"KIMI_DECODE_W2_EARLY": "0"}, {"KIMI_DECODE_KDA_SPLIT": "1"},
                                  {"KIMI_DECODE_OPROJ_EARLY": "0"}, {"KIMI_DECODE_GEMV_EPI_EARLY": "0"},
-                                 {"KIMI_DECODE_W13_WARPS": "4"}, {"KIMI_DECODE_GEMV_PRELOAD": "0"},
-                                 {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "1"}])
+                                 {"KIMI_DECODE_W13_WARPS": "4"}, {"KIMI_DECODE_GEMV_PRELOAD": "4"},
+                                 {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "smem"},
+                                 {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
     kernels of their own or always as CTAs in the expert kernels, or without PDL, or with the w13 kernel under it
     too, or with the GEMVs' L2 requests before the wait, or with the w2 kernel's or the output projection's weights
     after the wait, or one KDA thread per state column, or the MoE tail's residual read after its weights, or the
-    w13 kernel on 4 warps, or the GEMVs with no or whole rows copied into shared memory before the wait, or the
-    output projection's first rows in registers instead of all rows in shared memory: the A/B switches."""
+    w13 kernel on 4 warps, or the GEMVs with part or all of their rows copied into shared memory before the wait,
+    or the output projection's rows all in shared memory instead of its first rows in registers, also with the KDA
+    kernel letting it launch only after reading its inputs: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

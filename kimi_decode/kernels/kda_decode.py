@@ -22,7 +22,9 @@ bytes apart, which is what made the row-major form slower than the separate f_b 
 Each thread loads its state rows, its conv state and weights, and its f_b words at split 4 and up, first: the state was
 written by the last step, not by the kernel before, so those loads are in flight during the conv and the gate, and
 under PDL before the wait for the input projection (`KIMI_DECODE_KDA_STATE_FIRST=0`: the state after the conv, as
-measured before v14).
+measured before v14). Under PDL with the "wait" trigger, `KIMI_DECODE_KDA_TRIGGER=late` lets the next kernel (the
+output projection, which loads its weights before its own wait) launch only once every thread has read its inputs
+(after the first barrier), so that the next kernel's weight stream does not queue in front of them.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait, sigmoid
@@ -48,13 +50,15 @@ if HAVE_CUTE:
 
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
-                     f_col: int = -1, f_rank: int = 0, state_first: bool = True, split: int = 1):
+                     f_col: int = -1, f_rank: int = 0, state_first: bool = True, split: int = 1,
+                     trigger_late: bool = False):
             self.H, self.D, self.W = heads, head_dim, width
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
             self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
             self.state_first = state_first  # the state column's loads first (before the PDL wait), not after the conv
             self.P = split  # thread groups per head: group p owns rows p*D/P .. of every state column
+            self.trigger_late = trigger_late  # KIMI_DECODE_KDA_TRIGGER=late
 
         @cute.jit
         def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -91,6 +95,7 @@ if HAVE_CUTE:
             p = tid // D  # the group (warp-uniform)
             ch = h * D + t
             pdl_launch_dependents(self.pdl)
+            late = self.pdl and self.trigger_late and pdl_reads_ahead()  # the trigger after the inputs are read
             # the state, the conv state (both written by the last step, many kernels back) and the weights: loaded
             # before the PDL wait unless kernels may run far ahead
             ahead = not self.pdl or pdl_reads_ahead()
@@ -117,7 +122,9 @@ if HAVE_CUTE:
             a_h = _exp(A_log[h])
             dt = dt_bias[ch]
             on = o_norm[t]
-            if cutlass.const_expr(ahead):
+            if cutlass.const_expr(ahead and late):
+                cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(ahead and not late):
                 pdl_wait(self.pdl)
 
             smem = cutlass.utils.SmemAllocator()
@@ -155,6 +162,8 @@ if HAVE_CUTE:
                     fp = fp + w_i * y[b, self.f_col + p * RR + i].to(Float32)
                 sF[p * D + t] = fp
             cute.arch.barrier()
+            if cutlass.const_expr(late):
+                cute.arch.griddepcontrol_launch_dependents()
 
             if p == 0:  # q and k L2-normalised, the decay gate, for channel t
                 sum_q = Float32(0.0)
@@ -227,9 +236,10 @@ def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out,
     state_first = os.environ.get("KIMI_DECODE_KDA_STATE_FIRST", "1") == "1"
     rank = f.shape[1] if f_col >= 0 else 0
     split = kda_split(D, rank)
-    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split,
+    late = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late")) == "late"
+    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
-    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split)
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, late)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
                                                                       o_norm, out)))
 

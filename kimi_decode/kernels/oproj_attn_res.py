@@ -8,9 +8,9 @@ allow only one such CTA per SM anyway. For the projection every warp holds the w
 16-byte slices per lane) and takes output rows warp, warp + all warps, ... two at a time, so each lane has 2 K / 256
 independent 16-byte weight loads in flight; a row's dot product is one warp reduction. The weights do not depend on the
 attention output the kernel waits for, so under PDL they are fetched before the wait (`KIMI_DECODE_OPROJ_EARLY`):
-"smem" (the default) copies all of the CTA's rows into shared memory with `cp.async` where they fit (SMEM_BUDGET;
-else as "1"), so the whole weight stream can pass while the KDA kernel runs; "1" loads the first two rows into
-registers; "0" loads after the wait. The CTA that finishes last
+"smem" copies all of the CTA's rows into shared memory with `cp.async` where they fit (SMEM_BUDGET; else as "1"),
+so the whole weight stream can pass while the KDA kernel runs; "1" (the default: "smem" measured slower, NOTES v16)
+loads the first two rows into registers; "0" loads after the wait. The CTA that finishes last
 (`cute_common.last_cta`) runs the AttnRes step, reading a as the other CTAs wrote it. Compared with the projection
 kernel followed by the AttnRes kernel, what goes is the gap between the two kernels (the AttnRes kernel cannot start
 until the last projection CTA is done, and then has to be launched and fetch its code).
@@ -192,7 +192,7 @@ def compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm
         raise ValueError("oproj_attn_res: the projection is the residual update: delta_mode 1 or 2")
     ctas = ctas or sm_count()
     args = (w, x, a, blocks, partial, query, key_norm, input_norm, out, counter)
-    early = env_choice("KIMI_DECODE_OPROJ_EARLY", "smem", EARLY_MODES)
+    early = env_choice("KIMI_DECODE_OPROJ_EARLY", "1", EARLY_MODES)
     key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, early, *signature(*args))
     op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps, early)
     return compile_kernel(key, op, *(fake_like(t, align=al) for t, al in zip(args, _aligns(args)))), args
