@@ -26,7 +26,8 @@
 # the wait), w2late (batch 1, the w2 weights after the wait),
 # oprojlate (batch 1, the output projection's first rows after the wait), ab (latency_specialized once per setting
 # in AB_ENVS), capture-ab (a batch-1 capture per setting in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
-# W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels at batch 1, TP NCU_TP, default 8).
+# W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels, or NCU_KERNELS, at batch NCU_BATCH (default 1),
+# TP NCU_TP, default 8).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -222,10 +223,10 @@ for name in "$@"; do
         done
       done ;;
     ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
-      step ncu-b1 150 ncu --clock-control none -k "regex:KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum" --launch-skip 20 \
-        --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        python3 -m kimi_decode.bench --backend latency_specialized --tp ${NCU_TP:-8} --batch 1 --layers 1 --copies 1 \
-        --replays 5 --warmup 2 ;;
+      step ncu-b1 150 ncu --clock-control none -k "regex:${NCU_KERNELS:-KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum}" \
+        --launch-skip 20 --launch-count ${NCU_COUNT:-4} --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats python3 -m kimi_decode.bench --backend latency_specialized --tp ${NCU_TP:-8} \
+        --batch ${NCU_BATCH:-1} --layers 1 --copies 1 --replays 5 --warmup 2 ;;
     ncu-experts)  # per-kernel metrics of the grouped expert kernels at TP16 batch 64 (one eager launch each)
       for v in w13 w2; do
         step "ncu-experts $v" 90 ncu --clock-control none -k regex:Grouped --launch-count 1 --section SpeedOfLight \

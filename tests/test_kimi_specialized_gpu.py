@@ -121,6 +121,17 @@ def test_specialized_layer_matches_reference(tp, layer, batch):
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [2, 8])
+def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_GROUPED_FROM=2: the experts grouped by expert from 2 tokens on, with the MoE tail's norm as its
+    own kernel (the per-pair kernels' fused norm goes with them)."""
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_FROM", "2")
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=3100 + tp + batch, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_specialized_layer_without_overlap_matches_reference(monkeypatch, tp, batch):
     """The MoE block's router and shared experts in order on one stream (KIMI_DECODE_OVERLAP=0), as A/B timing runs

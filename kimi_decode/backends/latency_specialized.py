@@ -85,6 +85,16 @@ from .auto import BF16, AutoBackend
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8  # the per-(token, expert) expert kernels and the fused MoE-tail norm up to here; grouped above
+
+
+def grouped_from() -> int:
+    """The batch from which the routed experts run grouped by expert (`moe_mxfp4_grouped`) instead of per (token,
+    expert) pair: KIMI_DECODE_GROUPED_FROM, 2..GEMV_MAX_ROWS + 1 (default GEMV_MAX_ROWS + 1), for A/B runs."""
+    raw = os.environ.get("KIMI_DECODE_GROUPED_FROM", str(GEMV_MAX_ROWS + 1))
+    if not raw.isdigit() or not 2 <= int(raw) <= GEMV_MAX_ROWS + 1:
+        raise ValueError(f"KIMI_DECODE_GROUPED_FROM must be a batch in 2..{GEMV_MAX_ROWS + 1}, not {raw!r}")
+    return int(raw)
+
 FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and the rest of this class up to here
 # Projections by rows (benchmarks/NOTES.md, v10): below TC_MIN_ROWS the CUDA-core GEMV; from there the plain ones
 # on cuBLAS, as `auto` (its pipelined split-K GEMM streamed 2.7-3.3 TB/s from 4 rows on, our tensor-core kernel
@@ -216,7 +226,7 @@ class LatencySpecializedBackend(AutoBackend):
                                "read the latent in quads of 4 groups of 32")
                 self._experts_fast = self._mlp_fast = False
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
-        self._fused_norm = self._mlp_fast and not reduced and batch <= GEMV_MAX_ROWS
+        self._fused_norm = self._mlp_fast and not reduced and batch < grouped_from()
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
                             and not reduced)
@@ -476,7 +486,7 @@ class LatencySpecializedBackend(AutoBackend):
         B, k = ids.shape
         used = shard.expert_inter_used
         L = w.w2.shape[1]
-        if B > GEMV_MAX_ROWS:  # many pairs share an expert: sort them by expert and read each expert once
+        if B >= grouped_from():  # many pairs share an expert: sort them by expert and read each expert once
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
 
             align = self.expert_alignment(ids)
