@@ -138,6 +138,18 @@ def test_w2_early_loads_follow_the_token_count_under_auto(monkeypatch):
         w2_early(1)
 
 
+def test_w13_tiles_follow_the_setting_where_the_rows_divide(monkeypatch):
+    from kimi_decode.kernels.moe_mxfp4 import w13_tiles
+
+    monkeypatch.delenv("KIMI_DECODE_W13_TILES", raising=False)
+    assert w13_tiles(192, 1) == 1
+    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "2")
+    assert (w13_tiles(192, 8), w13_tiles(384, 1), w13_tiles(200, 8)) == (2, 2, 1)  # 200 is not a multiple of 16
+    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "3")
+    with pytest.raises(ValueError, match="KIMI_DECODE_W13_TILES must be one of auto, 1, 2"):
+        w13_tiles(192, 1)
+
+
 @pytest.mark.parametrize("raw", ["0", "9", "four"])
 def test_w13_warps_outside_one_to_eight_are_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.moe_mxfp4 import quad_split, w13_warps
@@ -275,11 +287,11 @@ def test_kda_trigger_setting_is_refused_by_name(monkeypatch):
 
 
 @needs_cute
-@pytest.mark.parametrize("preload", ["0", "4", "64"])
+@pytest.mark.parametrize("preload", ["0", "2", "64"])
 def test_gemv_preload_compiles_for_sm90a_into_shared_memory_copies(sm90a, monkeypatch, preload):
-    """Under PDL the GEMV (plain, SiTU-GLU, accumulating with row scale) and the MoE entry compile with 0, 4 and
+    """Under PDL the GEMV (plain, SiTU-GLU, accumulating with row scale) and the MoE entry compile with 0, 2 and
     more slices than a row has copied into shared memory before the wait; each setting its own variant."""
-    from kimi_decode.kernels.gemv import SmallBatchGemv, compile_gemv
+    from kimi_decode.kernels.gemv import PRELOAD, SmallBatchGemv, compile_gemv
     from kimi_decode.kernels.moe_entry import compile_moe_entry
 
     monkeypatch.setenv("KIMI_DECODE_PDL", "1")
@@ -299,7 +311,7 @@ def test_gemv_preload_compiles_for_sm90a_into_shared_memory_copies(sm90a, monkey
                              torch.zeros(1, dtype=torch.int32), torch.empty(3584, 7168, dtype=bf),
                              torch.empty(1, 3584, dtype=bf), 2.5,
                              glu=(torch.empty(768, 7168, dtype=bf), torch.empty(1, 384, dtype=bf)))]
-    assert all(f is not None for f in fns) and (fns[0] is base) == (preload == "0")
+    assert all(f is not None for f in fns) and (fns[0] is base) == (preload == str(PRELOAD))
     op = SmallBatchGemv(1, 3216, 7168, False, False, preload=int(preload))
     op.pdl = True
     assert op.preloaded() == min(int(preload), 28)  # 28 slices of 256 per 7168-long row
@@ -354,6 +366,10 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
 
     f13, f2 = compile_for()
     assert f13 is not None and f2 is not None
+    with pytest.MonkeyPatch.context() as mp:  # two row tiles per w13 CTA (KIMI_DECODE_W13_TILES=2)
+        mp.setenv("KIMI_DECODE_W13_TILES", "2")
+        f13_two, f2_two = compile_for()
+        assert f13_two is not None and f13_two is not f13 and f2_two is f2
     scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))
     _, f2s = compile_for(scaled=scaled)
     assert f2s is not None and f2s is not f2  # its own variant: the bf16 scaled output is written

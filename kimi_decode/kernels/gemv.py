@@ -31,7 +31,7 @@ if HAVE_CUTE:
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
 MAX_ROWS = 8
-PRELOAD = 0  # slices per lane and row copied into shared memory before the PDL wait (none: NOTES, v16)
+PRELOAD = 2  # slices per lane and row copied into shared memory before the PDL wait (NOTES, v16: 4 and 8 lose)
 
 
 def preload_setting() -> int:
