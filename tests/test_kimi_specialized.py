@@ -142,7 +142,7 @@ def test_w13_tiles_follow_the_setting_where_the_rows_divide(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4 import w13_tiles
 
     monkeypatch.delenv("KIMI_DECODE_W13_TILES", raising=False)
-    assert w13_tiles(192, 1) == 1
+    assert (w13_tiles(192, 1), w13_tiles(192, 2), w13_tiles(384, 8)) == (1, 2, 2)
     monkeypatch.setenv("KIMI_DECODE_W13_TILES", "2")
     assert (w13_tiles(192, 8), w13_tiles(384, 1), w13_tiles(200, 8)) == (2, 2, 1)  # 200 is not a multiple of 16
     monkeypatch.setenv("KIMI_DECODE_W13_TILES", "3")
@@ -366,10 +366,13 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
 
     f13, f2 = compile_for()
     assert f13 is not None and f2 is not None
-    with pytest.MonkeyPatch.context() as mp:  # two row tiles per w13 CTA (KIMI_DECODE_W13_TILES=2)
-        mp.setenv("KIMI_DECODE_W13_TILES", "2")
-        f13_two, f2_two = compile_for()
-        assert f13_two is not None and f13_two is not f13 and f2_two is f2
+    with pytest.MonkeyPatch.context() as mp:  # one and two row tiles per w13 CTA (KIMI_DECODE_W13_TILES)
+        variants = {}
+        for tiles in ("1", "2"):
+            mp.setenv("KIMI_DECODE_W13_TILES", tiles)
+            variants[tiles] = compile_for()
+        assert variants["1"][0] is not variants["2"][0] and variants["1"][1] is variants["2"][1] is f2
+        assert f13 is variants["2" if batch > 1 else "1"][0]  # auto: two tiles from 2 tokens on
     scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))
     _, f2s = compile_for(scaled=scaled)
     assert f2s is not None and f2s is not f2  # its own variant: the bf16 scaled output is written
