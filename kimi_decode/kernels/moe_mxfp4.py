@@ -598,7 +598,8 @@ def _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, 
 
 W13_SMALL_WARPS = 4  # warps of the w13 kernel where its 7-warp grid would not fit one wave at one token
 W13_CTAS_PER_SM = 5  # 7-warp w13 CTAs the H200's register file holds per SM (48 registers; ncu, NOTES v15)
-W13_TWO_TILES_FROM = 2  # tokens from which `w13_tiles` auto takes 2 row tiles per w13 CTA (None: never)
+W13_TWO_TILES_FROM = None  # tokens from which `w13_tiles` auto takes 2 row tiles per w13 CTA (None, as measured on the
+# H200: 1.2 / 3.8 us slower at TP16 / TP8 batch 8, 2.9 / 4.0 at batch 1; NOTES v16)
 
 
 def w13_warps(used: int, tokens: int, topk: int) -> int:
