@@ -138,18 +138,6 @@ def test_w2_early_loads_follow_the_token_count_under_auto(monkeypatch):
         w2_early(1)
 
 
-def test_w13_tiles_follow_the_setting_where_the_rows_divide(monkeypatch):
-    from kimi_decode.kernels.moe_mxfp4 import w13_tiles
-
-    monkeypatch.delenv("KIMI_DECODE_W13_TILES", raising=False)
-    assert (w13_tiles(192, 1), w13_tiles(192, 2), w13_tiles(384, 8)) == (1, 1, 1)
-    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "2")
-    assert (w13_tiles(192, 8), w13_tiles(384, 1), w13_tiles(200, 8)) == (2, 2, 1)  # 200 is not a multiple of 16
-    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "3")
-    with pytest.raises(ValueError, match="KIMI_DECODE_W13_TILES must be one of auto, 1, 2"):
-        w13_tiles(192, 1)
-
-
 @pytest.mark.parametrize("raw", ["0", "9", "four"])
 def test_w13_warps_outside_one_to_eight_are_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.moe_mxfp4 import quad_split, w13_warps
@@ -366,13 +354,6 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
 
     f13, f2 = compile_for()
     assert f13 is not None and f2 is not None
-    with pytest.MonkeyPatch.context() as mp:  # one and two row tiles per w13 CTA (KIMI_DECODE_W13_TILES)
-        variants = {}
-        for tiles in ("1", "2"):
-            mp.setenv("KIMI_DECODE_W13_TILES", tiles)
-            variants[tiles] = compile_for()
-        assert variants["1"][0] is not variants["2"][0] and variants["1"][1] is variants["2"][1] is f2
-        assert f13 is variants["1"][0]  # auto: one tile (two measured slower)
     scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))
     _, f2s = compile_for(scaled=scaled)
     assert f2s is not None and f2s is not f2  # its own variant: the bf16 scaled output is written

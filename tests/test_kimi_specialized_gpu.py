@@ -320,16 +320,6 @@ def test_moe_mxfp4_with_fewer_w13_warps_matches_float64(monkeypatch, warps, tp, 
     _check_moe_mxfp4(tp, True, batch)
 
 
-@pytest.mark.parametrize("tp, pad, batch", [(16, True, 1), (8, True, 1), (16, False, 8), (8, True, 8),
-                                            (8, True, 3)])
-@pytest.mark.parametrize("warps", ["auto", "4"])
-def test_moe_mxfp4_with_two_w13_row_tiles_matches_float64(monkeypatch, tp, pad, batch, warps):
-    """The w13 kernel with two row tiles per CTA (KIMI_DECODE_W13_TILES=2: one activation conversion for both)."""
-    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "2")
-    monkeypatch.setenv("KIMI_DECODE_W13_WARPS", warps)
-    _check_moe_mxfp4(tp, pad, batch)
-
-
 def _check_moe_mxfp4(tp, pad, batch):
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
 
@@ -719,8 +709,7 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
                                  {"KIMI_DECODE_OPROJ_EARLY": "0"}, {"KIMI_DECODE_GEMV_EPI_EARLY": "0"},
                                  {"KIMI_DECODE_W13_WARPS": "4"}, {"KIMI_DECODE_GEMV_PRELOAD": "0"},
                                  {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "smem"},
-                                 {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"},
-                                 {"KIMI_DECODE_W13_TILES": "2"}])
+                                 {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as

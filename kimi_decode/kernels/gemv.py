@@ -12,8 +12,10 @@ stores SiTU-GLU of the pair (the shared experts' gate/up projection and activati
 Under PDL each warp copies the first `preload` 16-byte slices of its row(s) per lane into shared memory with
 `cp.async` before it waits for the previous kernel (`KIMI_DECODE_GEMV_PRELOAD`, default PRELOAD): the weights do not
 depend on it, and unlike loads into registers the copies hold no registers, so the CTAs that start while a small
-kernel before them runs (AttnRes, the KDA kernel, the last CTA of the output projection) stream weights meanwhile.
-Each lane reads back only what it copied, so no barrier is needed, only the wait for its own copies.
+kernel before them runs (AttnRes, the last CTA of the output projection, the w2 expert kernel) stream weights
+meanwhile. Each lane reads back only what it copied, so no barrier is needed, only the wait for its own copies. The
+copies slow that kernel's own loads, which queue behind them: on the H200 2 slices per lane came out ahead, 4 and 8
+cost more than they saved (benchmarks/NOTES.md, v16).
 """
 from __future__ import annotations
 

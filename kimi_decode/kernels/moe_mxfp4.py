@@ -185,16 +185,11 @@ if HAVE_CUTE:
     class MoEW13Act:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     row_tiles: int = 1):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
-            quads (`quad_split`), read with 16-byte loads (`quad_words`). `row_tiles` (1 or 2) tiles of ROWS13
-            intermediate rows per CTA: with 2, each activation group is loaded and converted to mma operands once
-            for both tiles (`w13_tiles`)."""
+            quads (`quad_split`), read with 16-byte loads (`quad_words`)."""
             self.I, self.used, self.topk = inter, used, topk
             self.warps, self.per_warp = quad_split(latent, max_warps)
-            assert row_tiles in (1, 2) and used % (ROWS13 * row_tiles) == 0
-            self.row_tiles = row_tiles
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -203,8 +198,7 @@ if HAVE_CUTE:
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, ids, gW, w_scale, act).launch(
-                grid=[self.used // (ROWS13 * self.row_tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream,
-                use_pdl=self.pdl_launch)
+                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
@@ -214,11 +208,8 @@ if HAVE_CUTE:
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13 * self.row_tiles, self.warps)), 16)
-            if cutlass.const_expr(self.row_tiles == 1):
-                self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx)
-            else:
-                self.two_tiles(gX, ids, gW, w_scale, act, red, bx, p, tidx)
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
+            self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx)
 
         @cute.jit
         def tile(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor,
@@ -253,58 +244,6 @@ if HAVE_CUTE:
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
-
-        @cute.jit
-        def two_tiles(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
-                      act: cute.Tensor, red: cute.Tensor, bx, p, tidx):
-            """`tile` for the two row tiles bx * 2 ROWS13 + (0 | ROWS13) .. of pair p, one activation load and
-            operand conversion per group for both (`red`: [4 ROWS13, warps] fp32)."""
-            warp, _, g, t = mma_lanes(tidx)
-            j = bx * 2 * ROWS13 + g
-            j1 = j + ROWS13
-            b = p // self.topk
-            e = ids[b, p % self.topk]
-            a1 = Float32(0.0)
-            a3 = Float32(0.0)
-            c1 = Float32(0.0)
-            c3 = Float32(0.0)
-            for it in cutlass.range_constexpr(self.per_warp):
-                G0 = (warp * self.per_warp + it) * QUAD
-                u1 = quad_words(gW, e, j, G0, t)
-                u3 = quad_words(gW, e, self.I + j, G0, t)
-                v1 = quad_words(gW, e, j1, G0, t)
-                v3 = quad_words(gW, e, self.I + j1, G0, t)
-                su1 = w_scale[e, j, G0 // QUAD]
-                su3 = w_scale[e, self.I + j, G0 // QUAD]
-                sv1 = w_scale[e, j1, G0 // QUAD]
-                sv3 = w_scale[e, self.I + j1, G0 // QUAD]
-                for i in cutlass.range_constexpr(QUAD):
-                    xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                    bs = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
-                    du = operand_mma(u1[i], u3[i], bs)
-                    dv = operand_mma(v1[i], v3[i], bs)
-                    a1 = a1 + du[0] * mx_scale(byte_of(su1, i))
-                    a3 = a3 + du[2] * mx_scale(byte_of(su3, i))
-                    c1 = c1 + dv[0] * mx_scale(byte_of(sv1, i))
-                    c3 = c3 + dv[2] * mx_scale(byte_of(sv3, i))
-            if t == 0:
-                red[g, warp] = a1
-                red[ROWS13 + g, warp] = a3
-                red[2 * ROWS13 + g, warp] = c1
-                red[3 * ROWS13 + g, warp] = c3
-            cute.arch.barrier()
-            if warp == 0 and t == 0:
-                h1 = Float32(0.0)
-                h3 = Float32(0.0)
-                k1 = Float32(0.0)
-                k3 = Float32(0.0)
-                for i in cutlass.range_constexpr(self.warps):
-                    h1 = h1 + red[g, i]
-                    h3 = h3 + red[ROWS13 + g, i]
-                    k1 = k1 + red[2 * ROWS13 + g, i]
-                    k3 = k3 + red[3 * ROWS13 + g, i]
-                act[p, j] = situ_glu(h1, h3).to(act.element_type)
-                act[p, j1] = situ_glu(k1, k3).to(act.element_type)
 
     class MoEW2Sum:
         """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used]); with `scaled`, also
@@ -598,8 +537,6 @@ def _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, 
 
 W13_SMALL_WARPS = 4  # warps of the w13 kernel where its 7-warp grid would not fit one wave at one token
 W13_CTAS_PER_SM = 5  # 7-warp w13 CTAs the H200's register file holds per SM (48 registers; ncu, NOTES v15)
-W13_TWO_TILES_FROM = None  # tokens from which `w13_tiles` auto takes 2 row tiles per w13 CTA (None, as measured on the
-# H200: 1.2 / 3.8 us slower at TP16 / TP8 batch 8, 2.9 / 4.0 at batch 1; NOTES v16)
 
 
 def w13_warps(used: int, tokens: int, topk: int) -> int:
@@ -612,17 +549,6 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
         ctas = used // ROWS13 * tokens * topk
         return W13_SMALL_WARPS if tokens == 1 and ctas > W13_CTAS_PER_SM * sm_count() else WARPS
     return int(raw)
-
-
-def w13_tiles(used: int, tokens: int) -> int:
-    """Row tiles per w13 CTA (`KIMI_DECODE_W13_TILES`: "auto", the default, "1" or "2"; 2 needs `used` a multiple of
-    2 ROWS13). auto: 2 from W13_TWO_TILES_FROM tokens on, else 1."""
-    raw = env_choice("KIMI_DECODE_W13_TILES", "auto", ("auto", "1", "2"))
-    if raw == "auto":
-        tiles = 2 if W13_TWO_TILES_FROM is not None and tokens >= W13_TWO_TILES_FROM else 1
-    else:
-        tiles = int(raw)
-    return tiles if used % (ROWS13 * tiles) == 0 else 1
 
 
 def w2_early(tokens: int) -> bool:
@@ -642,8 +568,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         if shared_act_ready:
             a13 = _w13_args(latent, ids, w13, w13_scale, act)
             cap = w13_warps(used, ids.shape[0], k)
-            rt = w13_tiles(used, ids.shape[0])
-            f13 = compile_kernel(("moe_w13_act", used, cap, rt, *signature(*a13)), MoEW13Act(L, I, used, k, cap, rt),
+            f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
                                  *(fake_like(t, align=16) for t in a13))
         else:
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
@@ -662,8 +587,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
     a13 = _w13_args(latent, ids, w13, w13_scale, act)
     cap = w13_warps(used, ids.shape[0], k)
-    rt = w13_tiles(used, ids.shape[0])
-    f13 = compile_kernel(("moe_w13_act", used, cap, rt, *signature(*a13)), MoEW13Act(L, I, used, k, cap, rt),
+    f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
                          *(fake_like(t, align=16) for t in a13))
     a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, *signature(*a2)),
