@@ -89,8 +89,9 @@ if HAVE_CUTE:
             # the weights before the PDL wait (they do not depend on the previous kernel), so their HBM latency
             # passes while the KDA kernel finishes: all rows into shared memory, or the first pass's into registers
             wt = cute.make_rmem_tensor((VEC, self.iters, ROWS_AT_ONCE), gW.element_type)
+            # the shared memory the rows are copied into ("smem"; else a 16-byte stand-in, never touched)
             pre = smem.allocate_tensor(gW.element_type, cute.make_layout(
-                (VEC, 32, self.iters, self.rows_pre if self.in_smem() else 1, self.W)), 16)
+                (VEC, 32, self.iters, self.rows_pre, self.W) if self.in_smem() else (VEC, 1, 1, 1, 1)), 16)
             if cutlass.const_expr(self.in_smem()):
                 self.preload_rows(gW, pre, gw, stride, lane, warp)
             if cutlass.const_expr(self.in_regs()):
