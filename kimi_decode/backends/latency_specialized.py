@@ -137,6 +137,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._kda_fast = False
         self._mlp_fast = False
         self._fused_norm = False
+        self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
@@ -227,8 +228,10 @@ class LatencySpecializedBackend(AutoBackend):
                 self._fallback(f"latent width {w.w2.shape[1]} is not a multiple of 128: the MXFP4 expert kernels "
                                "read the latent in quads of 4 groups of 32")
                 self._experts_fast = self._mlp_fast = False
-        # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between
-        self._fused_norm = self._mlp_fast and not reduced and batch < grouped_from()
+        # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between and the
+        # per-pair expert kernels write its partial sums (below the grouped kernels' batches)
+        self._grouped_from = grouped_from()
+        self._fused_norm = self._mlp_fast and not reduced and batch < self._grouped_from
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
                             and not reduced)
@@ -488,7 +491,7 @@ class LatencySpecializedBackend(AutoBackend):
         B, k = ids.shape
         used = shard.expert_inter_used
         L = w.w2.shape[1]
-        if B >= grouped_from():  # many pairs share an expert: sort them by expert and read each expert once
+        if B >= self._grouped_from:  # many pairs share an expert: sort them by expert and read each expert once
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
 
             align = self.expert_alignment(ids)

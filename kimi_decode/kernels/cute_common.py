@@ -178,6 +178,7 @@ def launch(fn, *tensors: torch.Tensor, align: int | Callable[[torch.Tensor], int
 
 if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm as _llvm
+    from cutlass.cute.nvgpu import cpasync
 
     def prefetch_l2(tensor) -> None:
         """Ask L2 for the 128-byte line holding `tensor`'s first element (global memory)."""
@@ -220,12 +221,23 @@ if HAVE_CUTE:
         if pdl and _pdl_mode["trigger"] == "start":
             cute.arch.griddepcontrol_launch_dependents()
 
-    def pdl_wait(pdl: bool) -> None:
-        """Wait for the previous kernel's results; with the "wait" trigger, then let the next kernel launch."""
+    def pdl_wait(pdl: bool, trigger: bool = True) -> None:
+        """Wait for the previous kernel's results; with the "wait" trigger, then let the next kernel launch, unless
+        `trigger` is false: the kernel then does so itself later (`cute.arch.griddepcontrol_launch_dependents`)."""
         if pdl:
             cute.arch.griddepcontrol_wait()
-            if _pdl_mode["trigger"] == "wait":
+            if trigger and _pdl_mode["trigger"] == "wait":
                 cute.arch.griddepcontrol_launch_dependents()
+
+    def copy_async_16(src: cute.Tensor, dst: cute.Tensor) -> None:
+        """One 16-byte `cp.async` (cached in L2 only) from the start of global tile `src` to the start of shared tile
+        `dst` (both 16-byte aligned, of one element type); the thread commits its copies with
+        `cute.arch.cp_async_commit_group` and waits for them with `cute.arch.cp_async_wait_group`."""
+        n = 128 // src.element_type.width
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), src.element_type,
+                                   num_bits_per_copy=128)
+        cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(n)),
+                  cute.make_tensor(dst.iterator, cute.make_layout(n)))
 
     def _atomic_add_u32(counter, value: int, index=0):
         """atom.global.add.u32 on `counter`'s element `index`; returns the old value."""

@@ -26,9 +26,8 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from cutlass.cute.nvgpu import cpasync
-
-    from .cute_common import gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2, situ_glu
+    from .cute_common import (copy_async_16, gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2,
+                              situ_glu)
 
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
@@ -52,10 +51,6 @@ if HAVE_CUTE:
         r = cute.make_rmem_tensor_like(tile)
         cute.autovec_copy(tile, r)
         return r
-
-    def _flat(tile: cute.Tensor) -> cute.Tensor:
-        """A (1, VEC) tile (of a row of W, or of the preload buffer) as a flat VEC-vector: one 16-byte copy."""
-        return cute.make_tensor(tile.iterator, cute.make_layout(VEC))
 
     def store_output(mY: cute.Tensor, mAdd: cute.Tensor, m, n, val, accumulate: bool, addend: bool) -> None:
         """The projections' store of output (m, n), fp32 `val`: y = val in y's dtype, or y += val (+ addend[m, n])
@@ -145,16 +140,13 @@ if HAVE_CUTE:
                         if kk * VEC < self.K:
                             prefetch_l2(gW[(None, (n, kk))])
             if cutlass.const_expr(P > 0):
-                atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                           gW.element_type, num_bits_per_copy=128)
                 if n < N:
                     for it in cutlass.range_constexpr(P):
                         kk = (part * self.iters + it) * 32 + lane
                         if kk * VEC < self.K:
-                            cute.copy(atom, _flat(gW[(None, (n, kk))]), _flat(sPre[(None, lane, it, warp)]))
+                            copy_async_16(gW[(None, (n, kk))], sPre[(None, lane, it, warp)])
                             if cutlass.const_expr(self.glu):
-                                cute.copy(atom, _flat(gW[(None, (N + n, kk))]),
-                                          _flat(sPre[(None, lane, it, self.warps + warp)]))
+                                copy_async_16(gW[(None, (N + n, kk))], sPre[(None, lane, it, self.warps + warp)])
                 cute.arch.cp_async_commit_group()
             pdl_wait(self.pdl)
             acc = cute.make_rmem_tensor((self.M,), Float32)

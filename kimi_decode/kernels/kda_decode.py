@@ -122,10 +122,8 @@ if HAVE_CUTE:
             a_h = _exp(A_log[h])
             dt = dt_bias[ch]
             on = o_norm[t]
-            if cutlass.const_expr(ahead and late):
-                cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(ahead and not late):
-                pdl_wait(self.pdl)
+            if cutlass.const_expr(ahead):
+                pdl_wait(self.pdl, trigger=not late)
 
             smem = cutlass.utils.SmemAllocator()
             sX = smem.allocate_tensor(Float32, cute.make_layout(3 * D), 16)  # q, k, v after the conv and SiLU

@@ -26,9 +26,7 @@ if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     from .attn_res import AttnRes
-    from cutlass.cute.nvgpu import cpasync
-
-    from .cute_common import last_cta, pdl_launch_dependents, pdl_wait
+    from .cute_common import copy_async_16, last_cta, pdl_launch_dependents, pdl_wait
 
 VEC = 8  # bf16 per 16-byte load
 ROWS_AT_ONCE = 2  # output rows a warp streams together
@@ -135,33 +133,29 @@ if HAVE_CUTE:
             if last_cta(mCnt, flag, tidx, self.ctas) != 0:
                 self.res.body(gB, gP, gD, gQ, gK, gN, gO, Int32(0), tidx, red, sW, red2, False)
 
+        def row_slice(self, gW: cute.Tensor, gw, stride, j, it, lane) -> cute.Tensor:
+            """The lane's 16-byte slice `it` of the warp's row j (row gw + stride * j of W): a row past the last
+            reads the last row (its sum is not stored), a slice past K the last slice (its activations are zeros).
+            Plain functions from here on, inlined where they are called (so no condition inside)."""
+            n = cutlass.min(gw + stride * j, self.H - 1)
+            kk = it * 32 + lane
+            if not self.exact:
+                kk = cutlass.min(kk, self.K // VEC - 1)
+            return gW[(None, (n, kk))]
+
         def preload_rows(self, gW: cute.Tensor, pre: cute.Tensor, gw, stride, lane, warp):
             """All of the warp's rows (`rows_pre`), the lane's 16-byte slices, copied into shared memory `pre`
-            [slice, lane, k-slice, row, warp] with `cp.async`, then committed; rows past the last and slices past K
-            as in `load_rows`. A plain function, inlined where it is called."""
-            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                       gW.element_type, num_bits_per_copy=128)
+            [slice, lane, k-slice, row, warp] with `cp.async`, then committed."""
             for j in range(self.rows_pre):
-                n = cutlass.min(gw + stride * j, self.H - 1)
                 for it in range(self.iters):
-                    kk = it * 32 + lane
-                    if not self.exact:
-                        kk = cutlass.min(kk, self.K // VEC - 1)
-                    src = cute.make_tensor(gW[(None, (n, kk))].iterator, cute.make_layout(VEC))
-                    cute.copy(atom, src, pre[(None, lane, it, j, warp)])
+                    copy_async_16(self.row_slice(gW, gw, stride, j, it, lane), pre[(None, lane, it, j, warp)])
             cute.arch.cp_async_commit_group()
 
         def load_rows(self, gW: cute.Tensor, wt: cute.Tensor, gw, stride, j, lane):
-            """Rows gw + stride * (j + r) of W, r < ROWS_AT_ONCE, the lane's 16-byte slices, into wt. Inlined where
-            it is called (a plain function, so no condition inside): a row past the last reads the last row (its
-            sum is not stored), a slice past K the last slice (its activations are zeros)."""
+            """Rows gw + stride * (j + r) of W, r < ROWS_AT_ONCE, the lane's 16-byte slices, into wt."""
             for r in range(ROWS_AT_ONCE):
-                n = cutlass.min(gw + stride * (j + r), self.H - 1)
                 for it in range(self.iters):
-                    kk = it * 32 + lane
-                    if not self.exact:
-                        kk = cutlass.min(kk, self.K // VEC - 1)
-                    cute.autovec_copy(gW[(None, (n, kk))], wt[None, it, r])
+                    cute.autovec_copy(self.row_slice(gW, gw, stride, j + r, it, lane), wt[None, it, r])
 
 
 def _check(w, x, a, partial, counter) -> None:
