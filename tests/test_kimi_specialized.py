@@ -251,7 +251,7 @@ def test_grouped_from_outside_two_to_nine_is_refused_by_name(monkeypatch, raw):
         grouped_from()
 
 
-def test_gemv_preload_and_oproj_early_settings_are_refused_by_name(monkeypatch):
+def test_gemv_preload_setting_other_than_a_whole_number_is_refused_by_name(monkeypatch):
     from kimi_decode.kernels.gemv import PRELOAD, preload_setting
 
     monkeypatch.delenv("KIMI_DECODE_GEMV_PRELOAD", raising=False)
