@@ -138,6 +138,56 @@ def test_w2_early_loads_follow_the_token_count_under_auto(monkeypatch):
         w2_early(1)
 
 
+def test_w2_chunk_under_auto_takes_the_widest_load_that_divides_the_row(monkeypatch):
+    """auto: chunks of 4 MX groups (16-byte loads) on TP8's 12 groups per row, pairs on TP16's 6, words on an odd
+    count; a forced chunk that does not divide the row, or that is not 1 / 2 / 4, is refused by name."""
+    from kimi_decode.kernels.moe_mxfp4 import w2_chunk, w2_layout
+
+    monkeypatch.delenv("KIMI_DECODE_W2_CHUNK", raising=False)
+    assert (w2_chunk(384), w2_chunk(192), w2_chunk(96)) == (4, 2, 1)
+    # scales as words only for chunks of 4 on rows of whole scale words (TP8: 12 bytes; 10 are not)
+    assert w2_layout(384, torch.empty(4, 8, 12, dtype=torch.uint8)) == (4, True)
+    assert w2_layout(384, torch.empty(4, 8, 10, dtype=torch.uint8)) == (4, False)
+    assert w2_layout(192, torch.empty(4, 8, 8, dtype=torch.uint8)) == (2, False)
+    monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", "1")
+    assert w2_chunk(384) == 1
+    monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", "4")
+    with pytest.raises(ValueError, match="KIMI_DECODE_W2_CHUNK=4 does not divide the 6"):
+        w2_chunk(192)
+    monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", "3")
+    with pytest.raises(ValueError, match="KIMI_DECODE_W2_CHUNK"):
+        w2_chunk(384)
+
+
+def test_w13_hoist_under_auto_stages_every_quad_at_one_token_only(monkeypatch):
+    from kimi_decode.kernels.moe_mxfp4 import MoEW13Act, w13_hoist
+
+    monkeypatch.delenv("KIMI_DECODE_W13_HOIST", raising=False)
+    assert w13_hoist(8) == 0
+    # "all" (auto at one token) is clamped to the warp's quads: 4 of 7 warps, 7 of 4 (K3's 28 quads)
+    assert MoEW13Act(3584, 256, 192, 16, 7, w13_hoist(1)).hoist == 4
+    assert MoEW13Act(3584, 384, 384, 16, 4, w13_hoist(1)).hoist == 7
+    monkeypatch.setenv("KIMI_DECODE_W13_HOIST", "2")
+    assert w13_hoist(1) == w13_hoist(8) == 2
+    for raw in ("17", "some", "-1"):
+        monkeypatch.setenv("KIMI_DECODE_W13_HOIST", raw)
+        with pytest.raises(ValueError, match="KIMI_DECODE_W13_HOIST"):
+            w13_hoist(1)
+
+
+def test_pair_transpose_gives_each_lane_its_word_of_both_groups():
+    """The w2 kernel's 8-byte form on 4 simulated lanes: lane t loaded words 2 (t % 2) and 2 (t % 2) + 1 of group
+    t // 2 and must end with word t of groups 0 and 1."""
+    from kimi_decode.kernels.moe_mxfp4 import pair_transpose
+
+    g = torch.Generator().manual_seed(6)
+    groups = torch.randint(-2**31, 2**31 - 1, (2, 4), generator=g, dtype=torch.int64)  # [group, word]
+    lanes = torch.arange(4)
+    v = [groups[lanes // 2, 2 * (lanes % 2) + h] for h in range(2)]
+    got = pair_transpose(v, lanes, torch.where, lambda x, src: x[src])
+    assert torch.equal(torch.stack(got, dim=1), groups.T)  # lane t, slot h: word t of group h
+
+
 @pytest.mark.parametrize("raw", ["0", "9", "four"])
 def test_w13_warps_outside_one_to_eight_are_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.moe_mxfp4 import quad_split, w13_warps
@@ -367,6 +417,29 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
         assert f13s is not None and f2h is not None
         f13r, f2r = compile_for(scaled=scaled, shared=shared, shared_act_ready=True)
         assert f2r is f2h and f13r is not f13s  # the w2 kernel with the down-projection CTAs, the plain w13
+
+
+@needs_cute
+@pytest.mark.parametrize("tp, batch, pad, chunk, hoist", [(16, 1, True, "1", "0"), (16, 8, False, "2", "2"),
+                                                          (8, 1, True, "1", "3"), (8, 8, True, "4", "all")])
+def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk_and_w13_hoist(sm90a_pdl, monkeypatch, tp, batch, pad, chunk,
+                                                                      hoist):
+    """The w2 kernel's 4-, 8- and 16-byte loads and the w13 kernel with none, some or all of its quads staged in
+    shared memory, in the plain, shared-experts and one-kernel forms, under PDL."""
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
+
+    monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", chunk)
+    monkeypatch.setenv("KIMI_DECODE_W13_HOIST", hoist)
+    s = shard("k3", tp=tp, pad_experts=pad)
+    L, bf = s.model.moe_latent, torch.bfloat16
+    scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))
+    assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled))
+    assert compile_moe(*_moe_args(s, batch), counters=torch.zeros(2 + batch, dtype=torch.int32)) is not None
+    if batch == 1:
+        S, H = s_inter(tp), s.model.hidden
+        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled, shared=shared))
 
 
 def test_moe_mxfp4_refuses_shared_experts_that_do_not_chain():

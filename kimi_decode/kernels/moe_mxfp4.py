@@ -13,10 +13,13 @@ on the fp16 subnormal 2**-15). The 2**14 is folded into the group's ue8m0 scale,
 Layout of one warp's work: a tile of 16 weight rows by one MX group (32 codes). Lane (g, t) = (lane // 4, lane % 4)
 holds the 4-byte word t of the group's 16 bytes for rows g and g + 8, which holds codes 8t..8t+7; mma k-slots are
 assigned so that those eight codes pair with activations 8t..8t+7 of the same lane (the dot product does not care
-about the order of k). `moe_w2_sum` loads that word directly; `moe_w13_act` (and the grouped kernels) load 16 bytes
-per lane, group t of four consecutive groups, and exchange words within each quad of lanes (`quad_transpose`), since
-a 4-byte load per lane touches 8 rows for 16 bytes each and bounds the kernel by load instructions. The warps of a
-CTA split the K groups between them and add their partial sums through shared memory. The activation operand carries
+about the order of k). `moe_w13_act` (and the grouped kernels) load 16 bytes per lane, group t of four consecutive
+groups, and exchange words within each quad of lanes (`quad_transpose`), since a 4-byte load per lane touches 8 rows
+for 16 bytes each and bounds the kernel by load instructions. `moe_w2_sum`, whose rows are short (6 groups at TP16,
+12 at TP8), loads chunks of 4 groups the same way where they divide the row, else pairs (8 bytes per lane,
+`pair_transpose`), else the word itself (`w2_chunk`). At one token the w13 kernel issues all of a warp's weight
+loads before its first arithmetic (`w13_hoist`). The warps of a CTA split the K groups between them and add their
+partial sums through shared memory. The activation operand carries
 the same token in all 8 mma columns, so column 0 (lanes with t = 0) holds the result. Only the expert rows the math
 needs are read: padded intermediate rows (TP16 stores 256, uses 192) are skipped.
 """
@@ -29,7 +32,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
-    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
+    from .cute_common import (copy_async_4, copy_async_16, count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
                               pdl_wait, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
@@ -38,8 +41,9 @@ WARPS = 8  # K slices per CTA
 ROWS13 = 8  # intermediate rows per w13 CTA (w1 rows in mma rows 0-7, the matching w3 rows in 8-15)
 ROWS2 = 16  # latent rows per w2 CTA
 QUAD = 4  # MX groups per 16-byte weight load (`quad_words`)
-# items whose weight words a w2 warp loads before its activations (in `MoEExperts`, before the wait for them): 14
-# is all of a TP16 warp's (16 experts x 6 groups over 7 warps) at 72 registers; all of TP8's 28 would need 252
+# weight word pairs (rows ra and rb of one MX group) a w2 warp loads before its activations (in `MoEExperts`, before
+# the wait for them): 14 is all of a TP16 warp's (16 experts x 6 groups over 7 warps) at 72 registers; all of TP8's
+# 28 would need 252. With chunks of C groups per load (`w2_chunk`) that is 14 // C chunks.
 W2_EARLY_ITEMS = 14
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 
@@ -123,6 +127,19 @@ def quad_transpose(v, t, select, bfly):
     return [select(c, qlo, plo), select(c, qhi, phi), select(c, plo, qlo), select(c, phi, qhi)]
 
 
+def pair_transpose(v, t, select, fetch):
+    """Lane t of a quad holds v, words 2 (t % 2) and 2 (t % 2) + 1 of MX group t // 2 of two consecutive groups (one
+    8-byte load); returns word t of groups 0 and 1. Word t of group h sits in lane 2 h + t // 2, as its word t % 2:
+    4 shuffles and 2 selects. `fetch(x, s)` is the x of quad lane s (a tensor of lanes in the tests)."""
+    odd = (t & 1) != 0
+    src = t >> 1
+    out = []
+    for h in range(2):
+        lo, hi = fetch(v[0], src + 2 * h), fetch(v[1], src + 2 * h)
+        out.append(select(odd, hi, lo))
+    return out
+
+
 if HAVE_CUTE:
     from cutlass import Float32, Int32
     from cutlass._mlir.dialects import llvm
@@ -166,8 +183,32 @@ if HAVE_CUTE:
 
     def quad_words(gW: cute.Tensor, e, row, G0, t):
         """Word t of MX groups G0..G0+3 of one weight row, from one 16-byte load per lane (group G0 + t)."""
+        return quad_transpose(chunk_load(gW, e, row, G0, t, QUAD), t, _select, _bfly)
+
+    def chunk_load(gW: cute.Tensor, e, row, G0, t, chunk: int):
+        """Lane t's share of MX groups G0..G0+chunk-1 of one weight row, as loaded: `gW` is the row words divided
+        into tiles of `chunk` words (`chunk_view`). 4: group G0 + t (16 bytes); 2: half t % 2 of group G0 + t // 2
+        (8 bytes); 1: word t of group G0."""
+        if chunk == 1:
+            return [gW[e, row, G0 * 4 + t]]
+        if chunk == 2:
+            v = load4(gW[(None, (e, row, (G0 + (t >> 1)) * 2 + (t & 1)))])
+            return [v[0], v[1]]
         v = load4(gW[(None, (e, row, G0 + t))])
-        return quad_transpose([v[0], v[1], v[2], v[3]], t, _select, _bfly)
+        return [v[0], v[1], v[2], v[3]]
+
+    def chunk_words(v, t, lane, chunk: int):
+        """`chunk_load`'s words -> word t of each of the chunk's groups (what the mma fragment takes)."""
+        if chunk == 1:
+            return v
+        if chunk == 2:
+            base = lane - t
+            return pair_transpose(v, t, _select, lambda x, src: cute.arch.shuffle_sync(x, offset=base + src))
+        return quad_transpose(v, t, _select, _bfly)
+
+    def chunk_view(w: cute.Tensor, chunk: int):
+        """`w` (int32 words [E, rows, words]) divided for `chunk_load`."""
+        return w if chunk == 1 else cute.zipped_divide(w, (1, 1, chunk))
 
     def _group_mma(wa, wb, xs, bf16_activations: bool):
         """(row g, row g + 8) partial dot products of one MX group, before its scale (every column holds the same
@@ -185,11 +226,14 @@ if HAVE_CUTE:
     class MoEW13Act:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS, hoist: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
-            quads (`quad_split`), read with 16-byte loads (`quad_words`)."""
+            quads (`quad_split`), read with 16-byte loads (`quad_words`). The weights and scales of a warp's first
+            `hoist` quads are all copied into shared memory (`cp.async`) before any arithmetic (`w13_hoist`), so they
+            are one round trip, not one each: loads into registers would not do, ptxas sinks them to their use."""
             self.I, self.used, self.topk = inter, used, topk
             self.warps, self.per_warp = quad_split(latent, max_warps)
+            self.hoist = min(hoist, self.per_warp)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -209,27 +253,68 @@ if HAVE_CUTE:
             pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
-            self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx)
+            self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx, self.allocate_stage(smem))
+
+        def allocate_stage(self, smem):
+            """`tile`'s shared memory for the hoisted quads: weight words [word, lane, (quad, w1 | w3), warp],
+            scale words [1, lane, (quad, w1 | w3), warp] and the warp's activations [word, 16-byte chunk, warp]
+            (16-byte stand-ins without hoisting)."""
+            if self.hoist == 0:
+                return (smem.allocate_tensor(Int32, cute.make_layout((4, 1)), 16),) * 3
+            shape = (32, 2 * self.hoist, self.warps)
+            return (smem.allocate_tensor(Int32, cute.make_layout((4, *shape)), 16),
+                    smem.allocate_tensor(Int32, cute.make_layout((1, *shape)), 16),
+                    smem.allocate_tensor(Int32, cute.make_layout((4, self.x_chunks(), self.warps)), 16))
+
+        def x_chunks(self) -> int:
+            """16-byte activation chunks (8 bf16) in a warp's K slice: 4 per MX group."""
+            return self.per_warp * QUAD * 4
 
         @cute.jit
         def tile(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor,
-                 red: cute.Tensor, bx, p, tidx):
+                 red: cute.Tensor, bx, p, tidx, stage):
             """Intermediate rows bx * ROWS13 .. of pair p: the whole kernel but for its shared memory `red`
-            [2 ROWS13, warps] fp32 (`MoEExperts` runs it as its first stage)."""
-            warp, _, g, t = mma_lanes(tidx)
+            [2 ROWS13, warps] fp32 and `stage` (`allocate_stage`; `MoEExperts` runs it as its first stage)."""
+            warp, lane, g, t = mma_lanes(tidx)
             j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
+            sW, sS, sX = stage
+            if cutlass.const_expr(self.hoist > 0):
+                # the first `hoist` quads' weights and scales and the warp's activations, all in flight at once
+                gS = cute.zipped_divide(w_scale, (1, 1, 1))
+                for it in cutlass.range_constexpr(self.hoist):
+                    G0 = (warp * self.per_warp + it) * QUAD
+                    for h, row in enumerate((j, self.I + j)):
+                        copy_async_16(gW[(None, (e, row, G0 + t))], sW[(None, lane, 2 * it + h, warp)])
+                        copy_async_4(gS[(None, (e, row, G0 // QUAD))], sS[(None, lane, 2 * it + h, warp)])
+                c0 = warp * self.x_chunks()
+                for r in cutlass.range_constexpr(-(-self.x_chunks() // 32)):
+                    c = r * 32 + lane
+                    if c < self.x_chunks():
+                        copy_async_16(gX[(None, (b, c0 + c))], sX[(None, c, warp)])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_warp()  # the activation chunks came through the warp's other lanes
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
-                u1 = quad_words(gW, e, j, G0, t)
-                u3 = quad_words(gW, e, self.I + j, G0, t)
-                sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
-                sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                if cutlass.const_expr(it < self.hoist):
+                    v1, v3 = load4(sW[(None, lane, 2 * it, warp)]), load4(sW[(None, lane, 2 * it + 1, warp)])
+                    u1 = chunk_words([v1[0], v1[1], v1[2], v1[3]], t, lane, QUAD)
+                    u3 = chunk_words([v3[0], v3[1], v3[2], v3[3]], t, lane, QUAD)
+                    sw1, sw3 = sS[0, lane, 2 * it, warp], sS[0, lane, 2 * it + 1, warp]
+                else:
+                    u1 = quad_words(gW, e, j, G0, t)
+                    u3 = quad_words(gW, e, self.I + j, G0, t)
+                    sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
+                    sw3 = w_scale[e, self.I + j, G0 // QUAD]
                 for i in cutlass.range_constexpr(QUAD):
-                    xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                    if cutlass.const_expr(self.hoist > 0):
+                        xs = load4(sX[(None, (it * QUAD + i) * 4 + t, warp)])
+                    else:
+                        xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
                     d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
                     acc1 = acc1 + d1 * mx_scale(byte_of(sw1, i))
                     acc3 = acc3 + d3 * mx_scale(byte_of(sw3, i))
@@ -252,7 +337,11 @@ if HAVE_CUTE:
         (expert, group) items before the first activation: in `MoEExperts` the wait for the activations goes in
         between."""
 
-        def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True):
+        def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
+                     chunk: int = 1, scale_words: bool = False):
+            """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
+            (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
+            chunk's four scale bytes are one load."""
             self.topk = topk
             self.scaled = scaled
             self.warps = warps
@@ -261,8 +350,19 @@ if HAVE_CUTE:
             # early loads save once the grid is several waves (at TP8 batch 8: 89 against 54 us, NOTES v15)
             self.early = early
             self.groups = used // GROUP
-            self.items = topk * self.groups
+            self.chunk = chunk
+            self.scale_words = scale_words and chunk == QUAD
+            self.chunks = self.groups // chunk
+            self.items = topk * self.chunks
             self.per_warp = -(-self.items // warps)
+            self.early_items = W2_EARLY_ITEMS // chunk
+
+        def scales(self, w_scale: cute.Tensor, e, row, G0):
+            """The scale bytes of one row's chunk from group G0: one word load with `scale_words`, else a byte each."""
+            if self.scale_words:
+                word = w_scale[e, row, G0 // QUAD]
+                return [byte_of(word, i) for i in range(QUAD)]
+            return [w_scale[e, row, G0 + i] for i in range(self.chunk)]
 
         @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -298,33 +398,38 @@ if HAVE_CUTE:
             warp, lane, g, t = mma_lanes(tidx)
             ra = bx * ROWS2 + g
             rb = ra + ROWS2 // 2
-            items = []  # per item: (its expert slot k, group G, whether it is one, row ra's word, row rb's word)
+            C = self.chunk
+            gW = chunk_view(w, C)
+            items = []  # per item: (its expert slot k, first group G0, whether it is one, row ra's and rb's loads)
             for it in cutlass.range_constexpr(self.per_warp):
                 item = warp * self.per_warp + it
                 valid = item < self.items  # the last warp's last items may lie past the end: weight 0
                 item = _select(valid, item, self.items - 1)
-                k = item // self.groups
-                G = item % self.groups
+                k = item // self.chunks
+                G0 = item % self.chunks * C
                 e = ids[b, k]
-                if cutlass.const_expr(it < W2_EARLY_ITEMS):
-                    items.append((k, G, valid, w[e, ra, G * 4 + t], w[e, rb, G * 4 + t]))
+                if cutlass.const_expr(it < self.early_items):
+                    items.append((k, G0, valid, chunk_load(gW, e, ra, G0, t, C), chunk_load(gW, e, rb, G0, t, C)))
                 else:
-                    items.append((k, G, valid, None, None))
+                    items.append((k, G0, valid, None, None))
             if cutlass.const_expr(target >= 0):
                 wait_count(counter, 2 + b, target, tidx)
             if cutlass.const_expr(late):
                 pdl_wait(True)
             acc_a = Float32(0.0)
             acc_b = Float32(0.0)
-            for k, G, valid, wa, wb in items:
+            for k, G0, valid, va, vb in items:
                 e = ids[b, k]
-                if cutlass.const_expr(wa is None):
-                    wa, wb = w[e, ra, G * 4 + t], w[e, rb, G * 4 + t]
-                xs = load4(gA[(None, (b * self.topk + k, G * 4 + t))])
-                da, db = _group_mma(wa, wb, [xs[0], xs[1], xs[2], xs[3]], False)
+                if cutlass.const_expr(va is None):
+                    va, vb = chunk_load(gW, e, ra, G0, t, C), chunk_load(gW, e, rb, G0, t, C)
+                wa, wb = chunk_words(va, t, lane, C), chunk_words(vb, t, lane, C)
                 wt = Float32(cutlass.select_(valid, weights[b, k], Float32(0.0)))
-                acc_a = acc_a + da * (wt * mx_scale(w_scale[e, ra, G]))
-                acc_b = acc_b + db * (wt * mx_scale(w_scale[e, rb, G]))
+                ka, kb = self.scales(w_scale, e, ra, G0), self.scales(w_scale, e, rb, G0)
+                for i in cutlass.range_constexpr(C):
+                    xs = load4(gA[(None, (b * self.topk + k, (G0 + i) * 4 + t))])
+                    da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
+                    acc_a = acc_a + da * (wt * mx_scale(ka[i]))
+                    acc_b = acc_b + db * (wt * mx_scale(kb[i]))
             if t == 0:
                 red[g, warp] = acc_a
                 red[ROWS2 // 2 + g, warp] = acc_b
@@ -353,8 +458,8 @@ if HAVE_CUTE:
         leave."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
-                     split: int = 1):
-            super().__init__(latent, inter, used, topk)
+                     split: int = 1, hoist: int = 0):
+            super().__init__(latent, inter, used, topk, hoist=hoist)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
                                          warps=self.warps, split=split)
             self.tiles = used // ROWS13
@@ -382,21 +487,22 @@ if HAVE_CUTE:
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
             pre = self.shared.allocate_preload(smem)
+            stage = self.allocate_stage(smem)
             if bidx < self.n_shared:
                 self.shared.project(gGU, gH, s_act, s_act, s_act, Int32(self.S), red, tidx, bidx, pre)
             else:
                 pdl_launch_dependents(self.pdl)
                 pdl_wait(self.pdl)
                 q = bidx - self.n_shared
-                self.tile(gX, ids, gW, w_scale, act, red, q % self.tiles, q // self.tiles, tidx)
+                self.tile(gX, ids, gW, w_scale, act, red, q % self.tiles, q // self.tiles, tidx, stage)
 
     class MoEW2SumShared(MoEW2Sum):
         """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, one row per warp) in CTAs of
         its own after the expert CTAs (batch 1)."""
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
-                     early: bool = True):
-            super().__init__(used, topk, scaled, early=early)
+                     early: bool = True, chunk: int = 1, scale_words: bool = False):
+            super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps)
             self.tiles = latent // ROWS2
             self.H = hidden
@@ -435,9 +541,10 @@ if HAVE_CUTE:
         (`cute_common.take_ticket`): no kernel boundary between the two, and the w2 weight loads overlap the w13
         stage. counter[2 + b] counts token b's finished w13 CTAs, counter[1] the finished w2 CTAs."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool,
+                     chunk: int = 1, scale_words: bool = False):
             self.w13 = MoEW13Act(latent, inter, used, topk)
-            self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps)
+            self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words)
             self.B, self.topk = batch, topk
             self.tiles13, self.tiles2 = used // ROWS13, latent // ROWS2
             self.n13, self.n2 = self.tiles13 * batch * topk, self.tiles2 * batch
@@ -467,10 +574,11 @@ if HAVE_CUTE:
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.w13.warps)), 16)
             slot = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            stage = self.w13.allocate_stage(smem)
             ticket = take_ticket(counter, slot, tidx)
             if ticket < self.n13:
                 p = ticket // self.tiles13
-                self.w13.tile(gX, ids, gW, w13_scale, act, red, ticket % self.tiles13, p, tidx)
+                self.w13.tile(gX, ids, gW, w13_scale, act, red, ticket % self.tiles13, p, tidx, stage)
                 count_done(counter, 2 + p // self.topk, tidx)
             else:
                 q = ticket - self.n13
@@ -518,10 +626,36 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def w2_scales(w2_scale: torch.Tensor) -> torch.Tensor:
+    """w2's scales as int32 words where each row's bytes are a multiple of 4 (TP16 padded, TP8), else as bytes."""
+    return _words(w2_scale) if w2_scale.shape[-1] % 4 == 0 else w2_scale
+
+
+def w2_chunk(used: int) -> int:
+    """MX groups per weight load in the per-pair w2 kernel (`KIMI_DECODE_W2_CHUNK`: "auto", the default, or 1, 2,
+    4): 4 (16-byte loads) where a row's used groups are a multiple of 4 (TP8: 12), else 2 (8 bytes; TP16: 6), else
+    1 (4 bytes, one word per lane and group: the form before chunks). A chunk that does not divide them is refused."""
+    groups = used // GROUP
+    raw = env_choice("KIMI_DECODE_W2_CHUNK", "auto", ("auto", "1", "2", "4"))
+    if raw == "auto":
+        return next(c for c in (QUAD, 2, 1) if groups % c == 0)
+    if groups % int(raw):
+        raise ValueError(f"KIMI_DECODE_W2_CHUNK={raw} does not divide the {groups} MX groups of a w2 row")
+    return int(raw)
+
+
+def w2_layout(used: int, w2_scale: torch.Tensor) -> tuple[int, bool]:
+    """(`w2_chunk`, whether the w2 kernel reads its scales as int32 words: chunks of 4 on rows of whole words)."""
+    chunk = w2_chunk(used)
+    return chunk, chunk == QUAD and w2_scale.shape[-1] % 4 == 0
+
+
 def _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled):
-    """The w2 kernel's tensors; without `scaled` = (norm_w, bf16 out), `out` stands in for both (never read)."""
+    """The w2 kernel's tensors (the scales as words where `w2_layout` says so); without `scaled` = (norm_w, bf16
+    out), `out` stands in for both (never read)."""
     norm_w, scaled_out = scaled if scaled is not None else (out[0], out)
-    return (_words(act), ids, weights, _words(w2), w2_scale, out, ssq, norm_w, scaled_out)
+    scales = w2_scales(w2_scale) if w2_layout(act.shape[1], w2_scale)[1] else w2_scale
+    return (_words(act), ids, weights, _words(w2), scales, out, ssq, norm_w, scaled_out)
 
 
 def _w13_args(latent, ids, w13, w13_scale, act):
@@ -551,6 +685,20 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
     return int(raw)
 
 
+HOIST_ALL = "all"
+
+
+def w13_hoist(tokens: int) -> int:
+    """How many of a warp's quads the w13 kernel loads (weights and scales) before its first arithmetic
+    (`KIMI_DECODE_W13_HOIST`: "auto", the default, "all" or a count; 0 is the form before, each quad's loads with its
+    arithmetic). auto: all at one token, where each CTA runs once and every quad loaded in turn is one more round trip
+    to memory; none above, where other CTAs hide it and the registers cost CTAs per SM."""
+    raw = env_choice("KIMI_DECODE_W13_HOIST", "auto", ("auto", HOIST_ALL, *(str(n) for n in range(17))))
+    if raw == "auto":
+        raw = HOIST_ALL if tokens == 1 else "0"
+    return 1 << 10 if raw == HOIST_ALL else int(raw)
+
+
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
@@ -560,39 +708,44 @@ def w2_early(tokens: int) -> bool:
 
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
                 counters=None, shared=None, shared_act_ready: bool = False):
-    L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
-    early = w2_early(ids.shape[0])
+    L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
+    early = w2_early(B)
+    chunk, scale_words = w2_layout(used, w2_scale)
+    hoist = w13_hoist(B)
+
+    def plain_w13():
+        a13 = _w13_args(latent, ids, w13, w13_scale, act)
+        cap = w13_warps(used, B, k)
+        op = MoEW13Act(L, I, used, k, cap, hoist)
+        return compile_kernel(("moe_w13_act", used, cap, op.hoist, *signature(*a13)), op,
+                              *(fake_like(t, align=16) for t in a13))
+
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
         gate_up, hx, s_act, down, s_out = shared
         H, S = hx.shape[1], s_act.shape[1]
         if shared_act_ready:
-            a13 = _w13_args(latent, ids, w13, w13_scale, act)
-            cap = w13_warps(used, ids.shape[0], k)
-            f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
-                                 *(fake_like(t, align=16) for t in a13))
+            f13 = plain_w13()
         else:
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
-            f13 = compile_kernel(("moe_w13_act_shared", used, split, *signature(*a13)),
-                                 MoEW13ActShared(L, I, used, k, H, S, split), *(fake_like(t, align=16) for t in a13))
+            op = MoEW13ActShared(L, I, used, k, H, S, split, hoist)
+            f13 = compile_kernel(("moe_w13_act_shared", used, split, op.hoist, *signature(*a13)), op,
+                                 *(fake_like(t, align=16) for t in a13))
         a2 = (*_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, *signature(*a2)),
-                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early),
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, *signature(*a2)),
+                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
-        op = MoEExperts(L, I, used, k, ids.shape[0], scaled is not None)
-        return compile_kernel(("moe_experts", used, scaled is not None, *signature(*args)), op,
+        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words)
+        return compile_kernel(("moe_experts", used, scaled is not None, chunk, *signature(*args)), op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    a13 = _w13_args(latent, ids, w13, w13_scale, act)
-    cap = w13_warps(used, ids.shape[0], k)
-    f13 = compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
-                         *(fake_like(t, align=16) for t in a13))
     a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, *signature(*a2)),
-                        MoEW2Sum(used, k, scaled is not None, early=early), *(fake_like(t, align=16) for t in a2))
-    return f13, f2
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, *signature(*a2)),
+                        MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words),
+                        *(fake_like(t, align=16) for t in a2))
+    return plain_w13(), f2
 
 
 def few_shared_rows(shared_inter: int) -> bool:

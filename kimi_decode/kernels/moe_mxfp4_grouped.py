@@ -28,7 +28,8 @@ import os
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
-from .moe_mxfp4 import GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, quad_split
+from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, quad_split,
+                        w2_scales)
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
@@ -236,16 +237,11 @@ def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act,
         raise ValueError(f"grouped MoE MXFP4: act must be [{P}, {used}] and the per-pair output [{P}, {L}]")
 
 
-def _w2_scales(w2_scale: torch.Tensor) -> torch.Tensor:
-    """w2's scales as int32 words where each row's bytes are a multiple of 4 (TP16 padded, TP8), else as bytes."""
-    return _words(w2_scale) if w2_scale.shape[-1] % 4 == 0 else w2_scale
-
-
 def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out):
     """The two kernels' tensors, as compiled and launched: codes, activations and (where rows allow) scales as int32
     words."""
     a13 = (_words(latent), _words(w13), _words(w13_scale), *align, act)
-    a2 = (_words(act), weights, _words(w2), _w2_scales(w2_scale), *align, pair_out)
+    a2 = (_words(act), weights, _words(w2), w2_scales(w2_scale), *align, pair_out)
     return a13, a2
 
 
