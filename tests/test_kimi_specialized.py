@@ -159,20 +159,59 @@ def test_w2_chunk_under_auto_takes_the_widest_load_that_divides_the_row(monkeypa
         w2_chunk(384)
 
 
-def test_w13_hoist_under_auto_stages_every_quad_at_one_token_only(monkeypatch):
+def test_w13_hoist_is_off_by_default_and_all_is_clamped_to_the_warps_quads(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4 import MoEW13Act, w13_hoist
 
     monkeypatch.delenv("KIMI_DECODE_W13_HOIST", raising=False)
-    assert w13_hoist(8) == 0
-    # "all" (auto at one token) is clamped to the warp's quads: 4 of 7 warps, 7 of 4 (K3's 28 quads)
-    assert MoEW13Act(3584, 256, 192, 16, 7, w13_hoist(1)).hoist == 4
-    assert MoEW13Act(3584, 384, 384, 16, 4, w13_hoist(1)).hoist == 7
+    assert w13_hoist() == 0 and MoEW13Act(3584, 256, 192, 16, 7, w13_hoist()).hoist == 0
+    # "all" is clamped to the warp's quads: 4 on 7 warps, 7 on 4 (K3's 28 quads)
+    monkeypatch.setenv("KIMI_DECODE_W13_HOIST", "all")
+    assert MoEW13Act(3584, 256, 192, 16, 7, w13_hoist()).hoist == 4
+    assert MoEW13Act(3584, 384, 384, 16, 4, w13_hoist()).hoist == 7
     monkeypatch.setenv("KIMI_DECODE_W13_HOIST", "2")
-    assert w13_hoist(1) == w13_hoist(8) == 2
-    for raw in ("17", "some", "-1"):
+    assert MoEW13Act(3584, 384, 384, 16, 4, w13_hoist()).hoist == 2
+    for raw in ("17", "some", "-1", "auto"):
         monkeypatch.setenv("KIMI_DECODE_W13_HOIST", raw)
         with pytest.raises(ValueError, match="KIMI_DECODE_W13_HOIST"):
-            w13_hoist(1)
+            w13_hoist()
+
+
+def _run_ptx_bits(asm: str, regs: dict) -> dict:
+    """A few integer PTX instructions (shl, shr, and, or, prmt on 32-bit values) run on int64 tensors of words."""
+    def val(x):
+        x = x.strip()
+        return regs[x] if x in regs else torch.tensor(int(x, 0), dtype=torch.int64)
+
+    def prmt(a, b, sel):  # byte k of the result is byte (sel >> 4k) & 7 of {b, a}
+        src = a | (b << 32)
+        return sum(((src >> (8 * ((int(sel) >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+
+    ops = {"shl.b32": lambda a, n: (a << int(n)) & 0xFFFFFFFF, "shr.u32": lambda a, n: a >> int(n),
+           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "prmt.b32": prmt}
+    for ins in filter(None, (i.strip() for i in asm.split(";"))):
+        op, args = ins.split(None, 1)
+        dst, *srcs = args.split(",")
+        regs[dst.strip()] = ops[op](*(val(x) for x in srcs))
+    return regs
+
+
+def test_mxfp4_dequant_ptx_gives_each_code_times_2_to_the_minus_14_as_fp16():
+    """The expert kernels' e2m1 -> fp16 PTX (`_DEQUANT`), run bit for bit on random words: register k holds codes k
+    (low half) and k + 4 (high half) of the word as fp16, each exactly its e2m1 value times 2**-14."""
+    from kimi_decode.kernels.moe_mxfp4 import _DEQUANT, F16_SHIFT
+    from kimi_decode.quant import _e2m1_table
+
+    g = torch.Generator().manual_seed(7)
+    words = torch.randint(0, 2**32, (4096,), generator=g, dtype=torch.int64)
+    words[:16] = torch.arange(16) * 0x11111111  # every code in every place
+    regs = _run_ptx_bits(_DEQUANT.format(w="w", h="h"), {"w": words, "z": torch.tensor(0, dtype=torch.int64)})
+    table = _e2m1_table("cpu", torch.float64) * 2.0**-F16_SHIFT
+    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=1)
+    for k in range(4):
+        halves = torch.stack([regs[f"h{k}"] & 0xFFFF, regs[f"h{k}"] >> 16], dim=1).to(torch.int16)
+        got = halves.view(torch.float16).double()
+        want = table[codes[:, [k, k + 4]]]
+        assert torch.equal(got, want), k
 
 
 def test_pair_transpose_gives_each_lane_its_word_of_both_groups():

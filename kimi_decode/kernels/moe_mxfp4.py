@@ -17,11 +17,11 @@ about the order of k). `moe_w13_act` (and the grouped kernels) load 16 bytes per
 groups, and exchange words within each quad of lanes (`quad_transpose`), since a 4-byte load per lane touches 8 rows
 for 16 bytes each and bounds the kernel by load instructions. `moe_w2_sum`, whose rows are short (6 groups at TP16,
 12 at TP8), loads chunks of 4 groups the same way where they divide the row, else pairs (8 bytes per lane,
-`pair_transpose`), else the word itself (`w2_chunk`). At one token the w13 kernel issues all of a warp's weight
-loads before its first arithmetic (`w13_hoist`). The warps of a CTA split the K groups between them and add their
-partial sums through shared memory. The activation operand carries
-the same token in all 8 mma columns, so column 0 (lanes with t = 0) holds the result. Only the expert rows the math
-needs are read: padded intermediate rows (TP16 stores 256, uses 192) are skipped.
+`pair_transpose`), else the word itself (`w2_chunk`). The w13 kernel can stage its quads in shared memory first
+(`w13_hoist`, off by default: measured slower). The warps of a CTA split the K groups between them and add their
+partial sums through shared memory. The activation operand carries the same token in all 8 mma columns, so column
+0 (lanes with t = 0) holds the result. Only the expert rows the math needs are read: padded intermediate rows (TP16
+stores 256, uses 192) are skipped.
 """
 from __future__ import annotations
 
@@ -48,12 +48,16 @@ W2_EARLY_ITEMS = 14
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 
 # e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
-# (i, i + 4) for i = 0..3, each as value * 2**-14: magnitude bits to fp16 bits 9-11 (lo) / 25-27 (hi), sign to 15 / 31.
+# (i, i + 4) for i = 0..3, each as value * 2**-14: its magnitude bits at fp16 bits 9-11 (lo) / 25-27 (hi), its sign at
+# 15 / 31, every other bit 0. Each byte of the word holds an even code (low nibble) and an odd one (high nibble); two
+# masks and shifts put every even code's fields, then every odd code's, at the bit places an fp16's high byte wants
+# (magnitude in bits 1-3, sign in bit 7), and a byte permute (`prmt`, zero bytes from z) moves two of those bytes into
+# the high bytes of each fp16 pair: 11 instructions per word, bit-for-bit the values of the 20 of shifts and masks
+# per register this replaced.
 _DEQUANT = """
-    shl.b32 t0, {w}, 9;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 12; and.b32 t1, t1, 0x80008000; or.b32 {h}0, t0, t1;
-    shl.b32 t0, {w}, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 8;  and.b32 t1, t1, 0x80008000; or.b32 {h}1, t0, t1;
-    shl.b32 t0, {w}, 1;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 4;  and.b32 t1, t1, 0x80008000; or.b32 {h}2, t0, t1;
-    shr.u32 t0, {w}, 3;  and.b32 t0, t0, 0x0E000E00;  and.b32 t1, {w}, 0x80008000; or.b32 {h}3, t0, t1;
+    shl.b32 t0, {w}, 1;  and.b32 t0, t0, 0x0E0E0E0E;  shl.b32 t1, {w}, 4;  and.b32 t1, t1, 0x80808080;  or.b32 t0, t0, t1;
+    shr.u32 t1, {w}, 3;  and.b32 t1, t1, 0x0E0E0E0E;  and.b32 t2, {w}, 0x80808080;  or.b32 t1, t1, t2;
+    prmt.b32 {h}0, t0, z, 0x2404;  prmt.b32 {h}2, t0, z, 0x3414;  prmt.b32 {h}1, t1, z, 0x2404;  prmt.b32 {h}3, t1, z, 0x3414;
 """
 # Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
 # (x0,x4) (x1,x5) (x2,x6) (x3,x7), matching the dequantised codes. From bf16 pairs: widen to fp32, round to fp16.
@@ -79,7 +83,7 @@ _MMA_PAIR = (" mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3
              " {z, z, z, z};\n"
              " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {ha2, hb2, ha3, hb3}, {b2, b3},"
              " {e0, e1, e2, e3};\n}")
-_MMA_REGS = "{\n .reg .b32 t0, t1, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
+_MMA_REGS = "{\n .reg .b32 t0, t1, t2, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
 
 
 def _group_mma_asm(bf16_activations: bool) -> str:
@@ -688,14 +692,12 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
 HOIST_ALL = "all"
 
 
-def w13_hoist(tokens: int) -> int:
-    """How many of a warp's quads the w13 kernel loads (weights and scales) before its first arithmetic
-    (`KIMI_DECODE_W13_HOIST`: "auto", the default, "all" or a count; 0 is the form before, each quad's loads with its
-    arithmetic). auto: all at one token, where each CTA runs once and every quad loaded in turn is one more round trip
-    to memory; none above, where other CTAs hide it and the registers cost CTAs per SM."""
-    raw = env_choice("KIMI_DECODE_W13_HOIST", "auto", ("auto", HOIST_ALL, *(str(n) for n in range(17))))
-    if raw == "auto":
-        raw = HOIST_ALL if tokens == 1 else "0"
+def w13_hoist() -> int:
+    """How many of a warp's quads the w13 kernel stages in shared memory (weights, scales, activations) before its
+    first arithmetic (`KIMI_DECODE_W13_HOIST`: a count or "all"; the default 0 loads each quad with its arithmetic,
+    and ptxas then issues a quad's loads only after the quad before it). Off by default: staging every quad made the
+    batch-1 layer 1.5 us (TP16) and 1.9 us (TP8) slower on the H200 (benchmarks/NOTES.md, v17)."""
+    raw = env_choice("KIMI_DECODE_W13_HOIST", "0", (HOIST_ALL, *(str(n) for n in range(17))))
     return 1 << 10 if raw == HOIST_ALL else int(raw)
 
 
@@ -711,7 +713,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early = w2_early(B)
     chunk, scale_words = w2_layout(used, w2_scale)
-    hoist = w13_hoist(B)
+    hoist = w13_hoist()
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
