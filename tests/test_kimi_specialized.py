@@ -214,6 +214,17 @@ def test_mxfp4_dequant_ptx_gives_each_code_times_2_to_the_minus_14_as_fp16():
         assert torch.equal(got, want), k
 
 
+def test_w13_stage_places_are_distinct_and_their_reads_free_of_bank_conflicts():
+    """Staged w13 weights: each lane's 16-byte chunk has its own place within the slice's 36, and for each group i
+    the 32 lanes (g, t) reading word t of group i (from lane (g, i)) hit 32 different 4-byte banks."""
+    from kimi_decode.kernels.moe_mxfp4 import STAGE_PLACES, stage_place
+
+    places = {stage_place(g, t) for g in range(8) for t in range(4)}
+    assert len(places) == 32 and max(places) < STAGE_PLACES
+    for i in range(4):
+        assert len({(4 * stage_place(g, i) + t) % 32 for g in range(8) for t in range(4)}) == 32
+
+
 def test_pair_transpose_gives_each_lane_its_word_of_both_groups():
     """The w2 kernel's 8-byte form on 4 simulated lanes: lane t loaded words 2 (t % 2) and 2 (t % 2) + 1 of group
     t // 2 and must end with word t of groups 0 and 1."""

@@ -45,6 +45,8 @@ QUAD = 4  # MX groups per 16-byte weight load (`quad_words`)
 # the wait for them): 14 is all of a TP16 warp's (16 experts x 6 groups over 7 warps) at 72 registers; all of TP8's
 # 28 would need 252. With chunks of C groups per load (`w2_chunk`) that is 14 // C chunks.
 W2_EARLY_ITEMS = 14
+# 16-byte places of one staged row slice in the w13 kernel (`stage_place`): 32 lanes' chunks and 4 of padding
+STAGE_PLACES = 36
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 
 # e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
@@ -129,6 +131,12 @@ def quad_transpose(v, t, select, bfly):
     plo, phi = select(b, p1, p0), select(b, p0, p1)
     qlo, qhi = select(b, q1, q0), select(b, q0, q1)
     return [select(c, qlo, plo), select(c, qhi, phi), select(c, plo, qlo), select(c, phi, qhi)]
+
+
+def stage_place(g, t):
+    """Where lane (g, t) of the w13 kernel stages its 16-byte chunk (group t of a quad, row g): 9 t + g, so that the
+    reads of word t of group i by lanes (g, t), for one i, fall on 32 different banks (word 4 (9 i + g) + t)."""
+    return 9 * t + g
 
 
 def pair_transpose(v, t, select, fetch):
@@ -260,13 +268,13 @@ if HAVE_CUTE:
             self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx, self.allocate_stage(smem))
 
         def allocate_stage(self, smem):
-            """`tile`'s shared memory for the hoisted quads: weight words [word, lane, (quad, w1 | w3), warp],
-            scale words [1, lane, (quad, w1 | w3), warp] and the warp's activations [word, 16-byte chunk, warp]
-            (16-byte stand-ins without hoisting)."""
+            """`tile`'s shared memory for the hoisted quads: weight words [word, place, (quad, w1 | w3), warp]
+            (`stage_place`), scale words [1, lane, (quad, w1 | w3), warp] and the warp's activations [word, 16-byte
+            chunk, warp] (16-byte stand-ins without hoisting)."""
             if self.hoist == 0:
                 return (smem.allocate_tensor(Int32, cute.make_layout((4, 1)), 16),) * 3
             shape = (32, 2 * self.hoist, self.warps)
-            return (smem.allocate_tensor(Int32, cute.make_layout((4, *shape)), 16),
+            return (smem.allocate_tensor(Int32, cute.make_layout((4, STAGE_PLACES, *shape[1:])), 16),
                     smem.allocate_tensor(Int32, cute.make_layout((1, *shape)), 16),
                     smem.allocate_tensor(Int32, cute.make_layout((4, self.x_chunks(), self.warps)), 16))
 
@@ -292,7 +300,7 @@ if HAVE_CUTE:
                 for it in cutlass.range_constexpr(self.hoist):
                     G0 = (warp * self.per_warp + it) * QUAD
                     for h, row in enumerate((j, self.I + j)):
-                        copy_async_16(gW[(None, (e, row, G0 + t))], sW[(None, lane, 2 * it + h, warp)])
+                        copy_async_16(gW[(None, (e, row, G0 + t))], sW[(None, stage_place(g, t), 2 * it + h, warp)])
                         copy_async_4(gS[(None, (e, row, G0 // QUAD))], sS[(None, lane, 2 * it + h, warp)])
                 c0 = warp * self.x_chunks()
                 for r in cutlass.range_constexpr(-(-self.x_chunks() // 32)):
@@ -305,9 +313,9 @@ if HAVE_CUTE:
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
                 if cutlass.const_expr(it < self.hoist):
-                    v1, v3 = load4(sW[(None, lane, 2 * it, warp)]), load4(sW[(None, lane, 2 * it + 1, warp)])
-                    u1 = chunk_words([v1[0], v1[1], v1[2], v1[3]], t, lane, QUAD)
-                    u3 = chunk_words([v3[0], v3[1], v3[2], v3[3]], t, lane, QUAD)
+                    # word t of groups G0..G0+3 straight from the lanes (g, 0..3) that copied them: no shuffles
+                    u1 = [sW[t, stage_place(g, i), 2 * it, warp] for i in range(QUAD)]
+                    u3 = [sW[t, stage_place(g, i), 2 * it + 1, warp] for i in range(QUAD)]
                     sw1, sw3 = sS[0, lane, 2 * it, warp], sS[0, lane, 2 * it + 1, warp]
                 else:
                     u1 = quad_words(gW, e, j, G0, t)
