@@ -159,23 +159,6 @@ def test_w2_chunk_under_auto_takes_the_widest_load_that_divides_the_row(monkeypa
         w2_chunk(384)
 
 
-def test_w13_hoist_is_off_by_default_and_all_is_clamped_to_the_warps_quads(monkeypatch):
-    from kimi_decode.kernels.moe_mxfp4 import MoEW13Act, w13_hoist
-
-    monkeypatch.delenv("KIMI_DECODE_W13_HOIST", raising=False)
-    assert w13_hoist() == 0 and MoEW13Act(3584, 256, 192, 16, 7, w13_hoist()).hoist == 0
-    # "all" is clamped to the warp's quads: 4 on 7 warps, 7 on 4 (K3's 28 quads)
-    monkeypatch.setenv("KIMI_DECODE_W13_HOIST", "all")
-    assert MoEW13Act(3584, 256, 192, 16, 7, w13_hoist()).hoist == 4
-    assert MoEW13Act(3584, 384, 384, 16, 4, w13_hoist()).hoist == 7
-    monkeypatch.setenv("KIMI_DECODE_W13_HOIST", "2")
-    assert MoEW13Act(3584, 384, 384, 16, 4, w13_hoist()).hoist == 2
-    for raw in ("17", "some", "-1", "auto"):
-        monkeypatch.setenv("KIMI_DECODE_W13_HOIST", raw)
-        with pytest.raises(ValueError, match="KIMI_DECODE_W13_HOIST"):
-            w13_hoist()
-
-
 def _run_ptx_bits(asm: str, regs: dict) -> dict:
     """A few integer PTX instructions (shl, shr, and, or, prmt on 32-bit values) run on int64 tensors of words."""
     def val(x):
@@ -212,17 +195,6 @@ def test_mxfp4_dequant_ptx_gives_each_code_times_2_to_the_minus_14_as_fp16():
         got = halves.view(torch.float16).double()
         want = table[codes[:, [k, k + 4]]]
         assert torch.equal(got, want), k
-
-
-def test_w13_stage_places_are_distinct_and_their_reads_free_of_bank_conflicts():
-    """Staged w13 weights: each lane's 16-byte chunk has its own place within the slice's 36, and for each group i
-    the 32 lanes (g, t) reading word t of group i (from lane (g, i)) hit 32 different 4-byte banks."""
-    from kimi_decode.kernels.moe_mxfp4 import STAGE_PLACES, stage_place
-
-    places = {stage_place(g, t) for g in range(8) for t in range(4)}
-    assert len(places) == 32 and max(places) < STAGE_PLACES
-    for i in range(4):
-        assert len({(4 * stage_place(g, i) + t) % 32 for g in range(8) for t in range(4)}) == 32
 
 
 def test_pair_transpose_gives_each_lane_its_word_of_both_groups():
@@ -470,16 +442,14 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch, pad, chunk, hoist", [(16, 1, True, "1", "0"), (16, 8, False, "2", "2"),
-                                                          (8, 1, True, "1", "3"), (8, 8, True, "4", "all")])
-def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk_and_w13_hoist(sm90a_pdl, monkeypatch, tp, batch, pad, chunk,
-                                                                      hoist):
-    """The w2 kernel's 4-, 8- and 16-byte loads and the w13 kernel with none, some or all of its quads staged in
-    shared memory, in the plain, shared-experts and one-kernel forms, under PDL."""
+@pytest.mark.parametrize("tp, batch, pad, chunk", [(16, 1, True, "1"), (16, 8, False, "2"), (8, 1, True, "1"),
+                                                   (8, 8, True, "4")])
+def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk(sm90a_pdl, monkeypatch, tp, batch, pad, chunk):
+    """The w2 kernel's 4-, 8- and 16-byte weight loads, in the plain, shared-experts and one-kernel forms, under
+    PDL."""
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
 
     monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", chunk)
-    monkeypatch.setenv("KIMI_DECODE_W13_HOIST", hoist)
     s = shard("k3", tp=tp, pad_experts=pad)
     L, bf = s.model.moe_latent, torch.bfloat16
     scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))

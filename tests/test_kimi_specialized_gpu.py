@@ -320,14 +320,11 @@ def test_moe_mxfp4_with_fewer_w13_warps_matches_float64(monkeypatch, warps, tp, 
     _check_moe_mxfp4(tp, True, batch)
 
 
-@pytest.mark.parametrize("tp, pad, batch, chunk, hoist", [(16, True, 1, "1", "0"), (16, False, 8, "2", "all"),
-                                                          (8, True, 1, "1", "2"), (8, True, 8, "4", "all"),
-                                                          (16, True, 8, "1", "3")])
-def test_moe_mxfp4_at_each_w2_chunk_and_w13_hoist_matches_float64(monkeypatch, tp, pad, batch, chunk, hoist):
-    """The w2 kernel with 4-, 8- and 16-byte weight loads (KIMI_DECODE_W2_CHUNK) and the w13 kernel with none, some
-    or all of its quads staged in shared memory (KIMI_DECODE_W13_HOIST)."""
+@pytest.mark.parametrize("tp, pad, batch, chunk", [(16, True, 1, "1"), (16, False, 8, "2"), (8, True, 1, "1"),
+                                                   (8, True, 8, "4"), (16, True, 8, "1")])
+def test_moe_mxfp4_at_each_w2_chunk_matches_float64(monkeypatch, tp, pad, batch, chunk):
+    """The w2 kernel with 4-, 8- and 16-byte weight loads (KIMI_DECODE_W2_CHUNK)."""
     monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", chunk)
-    monkeypatch.setenv("KIMI_DECODE_W13_HOIST", hoist)
     _check_moe_mxfp4(tp, pad, batch)
 
 
@@ -721,7 +718,7 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
                                  {"KIMI_DECODE_W13_WARPS": "4"}, {"KIMI_DECODE_GEMV_PRELOAD": "0"},
                                  {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "smem"},
                                  {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"},
-                                 {"KIMI_DECODE_W2_CHUNK": "1"}, {"KIMI_DECODE_W13_HOIST": "all"}])
+                                 {"KIMI_DECODE_W2_CHUNK": "1"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
@@ -730,8 +727,8 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
     after the wait, or one KDA thread per state column, or the MoE tail's residual read after its weights, or the
     w13 kernel on 4 warps, or the GEMVs with part or all of their rows copied into shared memory before the wait,
     or the output projection's rows all in shared memory instead of its first rows in registers, also with the KDA
-    kernel letting it launch only after reading its inputs, or the w2 kernel's weights one word per load, or the w13
-    kernel's quads all staged in shared memory first: the A/B switches."""
+    kernel letting it launch only after reading its inputs, or the w2 kernel's weights one word per load: the A/B
+    switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

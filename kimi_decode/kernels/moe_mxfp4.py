@@ -17,9 +17,8 @@ about the order of k). `moe_w13_act` (and the grouped kernels) load 16 bytes per
 groups, and exchange words within each quad of lanes (`quad_transpose`), since a 4-byte load per lane touches 8 rows
 for 16 bytes each and bounds the kernel by load instructions. `moe_w2_sum`, whose rows are short (6 groups at TP16,
 12 at TP8), loads chunks of 4 groups the same way where they divide the row, else pairs (8 bytes per lane,
-`pair_transpose`), else the word itself (`w2_chunk`). The w13 kernel can stage its quads in shared memory first
-(`w13_hoist`, off by default: measured slower). The warps of a CTA split the K groups between them and add their
-partial sums through shared memory. The activation operand carries the same token in all 8 mma columns, so column
+`pair_transpose`), else the word itself (`w2_chunk`). The warps of a CTA split the K groups between them and add
+their partial sums through shared memory. The activation operand carries the same token in all 8 mma columns, so column
 0 (lanes with t = 0) holds the result. Only the expert rows the math needs are read: padded intermediate rows (TP16
 stores 256, uses 192) are skipped.
 """
@@ -32,7 +31,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
-    from .cute_common import (copy_async_4, copy_async_16, count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
+    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
                               pdl_wait, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
@@ -45,8 +44,6 @@ QUAD = 4  # MX groups per 16-byte weight load (`quad_words`)
 # the wait for them): 14 is all of a TP16 warp's (16 experts x 6 groups over 7 warps) at 72 registers; all of TP8's
 # 28 would need 252. With chunks of C groups per load (`w2_chunk`) that is 14 // C chunks.
 W2_EARLY_ITEMS = 14
-# 16-byte places of one staged row slice in the w13 kernel (`stage_place`): 32 lanes' chunks and 4 of padding
-STAGE_PLACES = 36
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 
 # e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
@@ -131,12 +128,6 @@ def quad_transpose(v, t, select, bfly):
     plo, phi = select(b, p1, p0), select(b, p0, p1)
     qlo, qhi = select(b, q1, q0), select(b, q0, q1)
     return [select(c, qlo, plo), select(c, qhi, phi), select(c, plo, qlo), select(c, phi, qhi)]
-
-
-def stage_place(g, t):
-    """Where lane (g, t) of the w13 kernel stages its 16-byte chunk (group t of a quad, row g): 9 t + g, so that the
-    reads of word t of group i by lanes (g, t), for one i, fall on 32 different banks (word 4 (9 i + g) + t)."""
-    return 9 * t + g
 
 
 def pair_transpose(v, t, select, fetch):
@@ -238,14 +229,11 @@ if HAVE_CUTE:
     class MoEW13Act:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS, hoist: int = 0):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
-            quads (`quad_split`), read with 16-byte loads (`quad_words`). The weights and scales of a warp's first
-            `hoist` quads are all copied into shared memory (`cp.async`) before any arithmetic (`w13_hoist`), so they
-            are one round trip, not one each: loads into registers would not do, ptxas sinks them to their use."""
+            quads (`quad_split`), read with 16-byte loads (`quad_words`)."""
             self.I, self.used, self.topk = inter, used, topk
             self.warps, self.per_warp = quad_split(latent, max_warps)
-            self.hoist = min(hoist, self.per_warp)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -265,68 +253,27 @@ if HAVE_CUTE:
             pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
-            self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx, self.allocate_stage(smem))
-
-        def allocate_stage(self, smem):
-            """`tile`'s shared memory for the hoisted quads: weight words [word, place, (quad, w1 | w3), warp]
-            (`stage_place`), scale words [1, lane, (quad, w1 | w3), warp] and the warp's activations [word, 16-byte
-            chunk, warp] (16-byte stand-ins without hoisting)."""
-            if self.hoist == 0:
-                return (smem.allocate_tensor(Int32, cute.make_layout((4, 1)), 16),) * 3
-            shape = (32, 2 * self.hoist, self.warps)
-            return (smem.allocate_tensor(Int32, cute.make_layout((4, STAGE_PLACES, *shape[1:])), 16),
-                    smem.allocate_tensor(Int32, cute.make_layout((1, *shape)), 16),
-                    smem.allocate_tensor(Int32, cute.make_layout((4, self.x_chunks(), self.warps)), 16))
-
-        def x_chunks(self) -> int:
-            """16-byte activation chunks (8 bf16) in a warp's K slice: 4 per MX group."""
-            return self.per_warp * QUAD * 4
+            self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx)
 
         @cute.jit
         def tile(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor,
-                 red: cute.Tensor, bx, p, tidx, stage):
+                 red: cute.Tensor, bx, p, tidx):
             """Intermediate rows bx * ROWS13 .. of pair p: the whole kernel but for its shared memory `red`
-            [2 ROWS13, warps] fp32 and `stage` (`allocate_stage`; `MoEExperts` runs it as its first stage)."""
-            warp, lane, g, t = mma_lanes(tidx)
+            [2 ROWS13, warps] fp32 (`MoEExperts` runs it as its first stage)."""
+            warp, _, g, t = mma_lanes(tidx)
             j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
-            sW, sS, sX = stage
-            if cutlass.const_expr(self.hoist > 0):
-                # the first `hoist` quads' weights and scales and the warp's activations, all in flight at once
-                gS = cute.zipped_divide(w_scale, (1, 1, 1))
-                for it in cutlass.range_constexpr(self.hoist):
-                    G0 = (warp * self.per_warp + it) * QUAD
-                    for h, row in enumerate((j, self.I + j)):
-                        copy_async_16(gW[(None, (e, row, G0 + t))], sW[(None, stage_place(g, t), 2 * it + h, warp)])
-                        copy_async_4(gS[(None, (e, row, G0 // QUAD))], sS[(None, lane, 2 * it + h, warp)])
-                c0 = warp * self.x_chunks()
-                for r in cutlass.range_constexpr(-(-self.x_chunks() // 32)):
-                    c = r * 32 + lane
-                    if c < self.x_chunks():
-                        copy_async_16(gX[(None, (b, c0 + c))], sX[(None, c, warp)])
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_warp()  # the activation chunks came through the warp's other lanes
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
-                if cutlass.const_expr(it < self.hoist):
-                    # word t of groups G0..G0+3 straight from the lanes (g, 0..3) that copied them: no shuffles
-                    u1 = [sW[t, stage_place(g, i), 2 * it, warp] for i in range(QUAD)]
-                    u3 = [sW[t, stage_place(g, i), 2 * it + 1, warp] for i in range(QUAD)]
-                    sw1, sw3 = sS[0, lane, 2 * it, warp], sS[0, lane, 2 * it + 1, warp]
-                else:
-                    u1 = quad_words(gW, e, j, G0, t)
-                    u3 = quad_words(gW, e, self.I + j, G0, t)
-                    sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
-                    sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                u1 = quad_words(gW, e, j, G0, t)
+                u3 = quad_words(gW, e, self.I + j, G0, t)
+                sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
+                sw3 = w_scale[e, self.I + j, G0 // QUAD]
                 for i in cutlass.range_constexpr(QUAD):
-                    if cutlass.const_expr(self.hoist > 0):
-                        xs = load4(sX[(None, (it * QUAD + i) * 4 + t, warp)])
-                    else:
-                        xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                    xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
                     d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
                     acc1 = acc1 + d1 * mx_scale(byte_of(sw1, i))
                     acc3 = acc3 + d3 * mx_scale(byte_of(sw3, i))
@@ -470,8 +417,8 @@ if HAVE_CUTE:
         leave."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
-                     split: int = 1, hoist: int = 0):
-            super().__init__(latent, inter, used, topk, hoist=hoist)
+                     split: int = 1):
+            super().__init__(latent, inter, used, topk)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
                                          warps=self.warps, split=split)
             self.tiles = used // ROWS13
@@ -499,14 +446,13 @@ if HAVE_CUTE:
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
             pre = self.shared.allocate_preload(smem)
-            stage = self.allocate_stage(smem)
             if bidx < self.n_shared:
                 self.shared.project(gGU, gH, s_act, s_act, s_act, Int32(self.S), red, tidx, bidx, pre)
             else:
                 pdl_launch_dependents(self.pdl)
                 pdl_wait(self.pdl)
                 q = bidx - self.n_shared
-                self.tile(gX, ids, gW, w_scale, act, red, q % self.tiles, q // self.tiles, tidx, stage)
+                self.tile(gX, ids, gW, w_scale, act, red, q % self.tiles, q // self.tiles, tidx)
 
     class MoEW2SumShared(MoEW2Sum):
         """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, one row per warp) in CTAs of
@@ -586,11 +532,10 @@ if HAVE_CUTE:
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.w13.warps)), 16)
             slot = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-            stage = self.w13.allocate_stage(smem)
             ticket = take_ticket(counter, slot, tidx)
             if ticket < self.n13:
                 p = ticket // self.tiles13
-                self.w13.tile(gX, ids, gW, w13_scale, act, red, ticket % self.tiles13, p, tidx, stage)
+                self.w13.tile(gX, ids, gW, w13_scale, act, red, ticket % self.tiles13, p, tidx)
                 count_done(counter, 2 + p // self.topk, tidx)
             else:
                 q = ticket - self.n13
@@ -697,18 +642,6 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
     return int(raw)
 
 
-HOIST_ALL = "all"
-
-
-def w13_hoist() -> int:
-    """How many of a warp's quads the w13 kernel stages in shared memory (weights, scales, activations) before its
-    first arithmetic (`KIMI_DECODE_W13_HOIST`: a count or "all"; the default 0 loads each quad with its arithmetic,
-    and ptxas then issues a quad's loads only after the quad before it). Off by default: staging every quad made the
-    batch-1 layer 1.5 us (TP16) and 1.9 us (TP8) slower on the H200 (benchmarks/NOTES.md, v17)."""
-    raw = env_choice("KIMI_DECODE_W13_HOIST", "0", (HOIST_ALL, *(str(n) for n in range(17))))
-    return 1 << 10 if raw == HOIST_ALL else int(raw)
-
-
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
@@ -721,13 +654,11 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early = w2_early(B)
     chunk, scale_words = w2_layout(used, w2_scale)
-    hoist = w13_hoist()
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        op = MoEW13Act(L, I, used, k, cap, hoist)
-        return compile_kernel(("moe_w13_act", used, cap, op.hoist, *signature(*a13)), op,
+        return compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
                               *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
@@ -738,9 +669,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         else:
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
-            op = MoEW13ActShared(L, I, used, k, H, S, split, hoist)
-            f13 = compile_kernel(("moe_w13_act_shared", used, split, op.hoist, *signature(*a13)), op,
-                                 *(fake_like(t, align=16) for t in a13))
+            f13 = compile_kernel(("moe_w13_act_shared", used, split, *signature(*a13)),
+                                 MoEW13ActShared(L, I, used, k, H, S, split), *(fake_like(t, align=16) for t in a13))
         a2 = (*_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
         f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words),
