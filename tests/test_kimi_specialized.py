@@ -703,6 +703,22 @@ def test_moe_mxfp4_refuses_tensors_past_32_bit_offsets():
                  torch.empty(m.top_k, I, dtype=torch.float16), torch.empty(1, L))
 
 
+def test_moe_mxfp4_refuses_activations_of_another_width_than_the_used_rows():
+    """act must be [pairs, used]: the w2 kernel's chunks and its scale view are chosen from `used`."""
+    from kimi_decode.kernels import moe_mxfp4 as M
+
+    s = shard("k3", tp=16)
+    m, used = s.model, s.expert_inter_used
+    args = list(_moe_args(s, 1))
+    meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in args]
+    latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out = meta[:9]
+    M.check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out)
+    for bad in (torch.empty(m.top_k, used + 32, dtype=torch.float16, device="meta"),
+                torch.empty(m.top_k + 1, used, dtype=torch.float16, device="meta")):
+        with pytest.raises(ValueError, match=f"act must be \\[{m.top_k}, {used}\\]"):
+            M.check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, bad, out)
+
+
 def _moe_on_meta(tp: int, latent: int | None = None):
     """A K3 MoE block's tensors at a shard's real shapes (or another latent width), on the meta device (no memory)."""
     from kimi_decode.weights import MoEWeights

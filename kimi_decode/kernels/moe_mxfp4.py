@@ -573,6 +573,8 @@ def check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out)
         raise ValueError("MoE MXFP4: ids must be int32 [batch, top_k]")
     if latent.dtype != torch.bfloat16 or act.dtype != torch.float16 or out.dtype != torch.float32:
         raise ValueError("MoE MXFP4: latent bf16, act fp16 and out fp32 expected")
+    if act.shape != (ids.numel(), used):  # the w2 kernel's chunks and scale view follow `used`
+        raise ValueError(f"MoE MXFP4: act must be [{ids.numel()}, {used}] (pairs, used expert rows)")
     for t in (latent, ids, w13, w13_scale, w2, w2_scale, act, out):
         if not t.is_contiguous():
             raise ValueError("MoE MXFP4: inputs must be contiguous")
@@ -653,7 +655,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                 counters=None, shared=None, shared_act_ready: bool = False):
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early = w2_early(B)
-    chunk, scale_words = w2_layout(used, w2_scale)
+    w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
+    chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
@@ -671,7 +674,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
             split = rider_split(S, quad_split(L)[0])
             f13 = compile_kernel(("moe_w13_act_shared", used, split, *signature(*a13)),
                                  MoEW13ActShared(L, I, used, k, H, S, split), *(fake_like(t, align=16) for t in a13))
-        a2 = (*_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
+        a2 = (*w2_args, down, s_act, s_out)
         f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words),
                             *(fake_like(t, align=16) for t in a2))
@@ -681,10 +684,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words)
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, *signature(*args)), op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    a2 = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, *signature(*a2)),
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, *signature(*w2_args)),
                         MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words),
-                        *(fake_like(t, align=16) for t in a2))
+                        *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
 

@@ -233,8 +233,8 @@ def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act,
         raise ValueError("grouped MoE MXFP4: the alignment must be four contiguous int32 [pairs]")
     if not weights.is_contiguous():
         raise ValueError("grouped MoE MXFP4: inputs must be contiguous")
-    if act.shape != (P, used) or pair_out.shape != (P, L):
-        raise ValueError(f"grouped MoE MXFP4: act must be [{P}, {used}] and the per-pair output [{P}, {L}]")
+    if pair_out.shape != (P, L):  # act's shape is `check_expert_args`'
+        raise ValueError(f"grouped MoE MXFP4: the per-pair output must be [{P}, {L}]")
 
 
 def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out):
