@@ -189,6 +189,15 @@ def test_pdl_steps_replay_in_a_graph_like_eager(monkeypatch, tp):
     _check_graph_replays_like_eager(tp)
 
 
+@pytest.mark.parametrize("tp", [16, 8])
+def test_early_w13_steps_replay_in_a_graph_like_eager(monkeypatch, tp):
+    """The w13 kernel launched early under PDL, waiting for the entry kernel's routed flag (reset by every entry
+    kernel, so each layer and each replay waits for its own routing): replays give the eager steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    monkeypatch.setenv("KIMI_DECODE_W13_EARLY", "1")
+    _check_graph_replays_like_eager(tp)
+
+
 def _check_graph_replays_like_eager(tp):
     from kimi_decode.slice import DecodeSlice
 
@@ -318,6 +327,20 @@ def test_moe_mxfp4_with_fewer_w13_warps_matches_float64(monkeypatch, warps, tp, 
     """The w13 kernel with K split over fewer warps (KIMI_DECODE_W13_WARPS): 4 of 7 quads or 2 of 14 per warp."""
     monkeypatch.setenv("KIMI_DECODE_W13_WARPS", warps)
     _check_moe_mxfp4(tp, True, batch)
+
+
+@pytest.mark.parametrize("x_once", ["0", "1"])
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 3), (16, 8), (8, 8)])
+def test_moe_mxfp4_with_the_w13_activations_converted_once_or_per_lane_matches_float64(monkeypatch, x_once, tp,
+                                                                                      batch):
+    """The w13 kernel's activation operands made once per warp in shared memory, or by every lane
+    (KIMI_DECODE_W13_X_ONCE), in the two-kernel and one-kernel forms and, at one token, with the shared experts'
+    GEMVs in the expert kernels."""
+    monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", x_once)
+    _check_moe_mxfp4(tp, True, batch)
+    test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, True, batch)
+    if batch == 1:
+        test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, True, False)
 
 
 @pytest.mark.parametrize("tp, pad, batch, chunk", [(16, True, 1, "1"), (16, False, 8, "2"), (8, True, 1, "1"),
@@ -718,7 +741,8 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
                                  {"KIMI_DECODE_W13_WARPS": "4"}, {"KIMI_DECODE_GEMV_PRELOAD": "0"},
                                  {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "smem"},
                                  {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"},
-                                 {"KIMI_DECODE_W2_CHUNK": "1"}])
+                                 {"KIMI_DECODE_W2_CHUNK": "1"}, {"KIMI_DECODE_W13_EARLY": "1"},
+                                 {"KIMI_DECODE_W13_X_ONCE": "1"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
@@ -727,7 +751,8 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
     after the wait, or one KDA thread per state column, or the MoE tail's residual read after its weights, or the
     w13 kernel on 4 warps, or the GEMVs with part or all of their rows copied into shared memory before the wait,
     or the output projection's rows all in shared memory instead of its first rows in registers, also with the KDA
-    kernel letting it launch only after reading its inputs, or the w2 kernel's weights one word per load: the A/B
+    kernel letting it launch only after reading its inputs, or the w2 kernel's weights one word per load, or the w13
+    kernel launched early on the entry kernel's routed flag, or its activations converted once per warp: the A/B
     switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)

@@ -31,8 +31,8 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
-    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
-                              pdl_wait, situ_glu, take_ticket, wait_count)
+    from .cute_common import (bulk_prefetch_l2, count_done, last_cta, load4, mma_lanes, pdl_launch_dependents,
+                              pdl_reads_ahead, pdl_wait, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -229,11 +229,47 @@ if HAVE_CUTE:
     class MoEW13Act:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
+                     x_once: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
-            quads (`quad_split`), read with 16-byte loads (`quad_words`)."""
+            quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
+            its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
+            every lane converting its 8 activations of every group (8 lanes of a warp hold the same ones)."""
             self.I, self.used, self.topk = inter, used, topk
             self.warps, self.per_warp = quad_split(latent, max_warps)
+            self.x_once = x_once
+            self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
+
+        def alloc_x(self, smem):
+            """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
+            when the activations are converted in registers)."""
+            n = self.units * self.warps if self.x_once else 1
+            return smem.allocate_tensor(Int32, cute.make_layout((4, n)), 16)
+
+        @cute.jit
+        def stage_x(self, gX: cute.Tensor, xbuf: cute.Tensor, b, warp, lane):
+            """Unit u = 4 i + t of this warp: activations 8t..8t+7 of its group i, as the four fp16x2 operands of
+            `operand_mma`, lane u % 32 converting units u, u + 32, ...; then a warp barrier (each warp reads only
+            its own units)."""
+            Gw = warp * (self.per_warp * QUAD)
+            for r in cutlass.range_constexpr(-(-self.units // 32)):
+                u = lane + 32 * r
+                if cutlass.const_expr((r + 1) * 32 <= self.units):
+                    self._stage_unit(gX, xbuf, b, Gw, warp * self.units + u, u)
+                else:
+                    if u < self.units:
+                        self._stage_unit(gX, xbuf, b, Gw, warp * self.units + u, u)
+            cute.arch.sync_warp()
+
+        @cute.jit
+        def _stage_unit(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, slot, u):
+            xs = load4(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))])
+            ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
+            dst = xbuf[None, slot]
+            r = cute.make_rmem_tensor_like(dst)
+            for i in cutlass.range_constexpr(4):
+                r[i] = ops[i]
+            cute.autovec_copy(r, dst)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -253,17 +289,20 @@ if HAVE_CUTE:
             pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
-            self.tile(gX, ids, gW, w_scale, act, red, bx, p, tidx)
+            xbuf = self.alloc_x(smem)
+            self.tile(gX, ids, gW, w_scale, act, red, xbuf, bx, p, tidx)
 
         @cute.jit
         def tile(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor,
-                 red: cute.Tensor, bx, p, tidx):
-            """Intermediate rows bx * ROWS13 .. of pair p: the whole kernel but for its shared memory `red`
-            [2 ROWS13, warps] fp32 (`MoEExperts` runs it as its first stage)."""
-            warp, _, g, t = mma_lanes(tidx)
+                 red: cute.Tensor, xbuf: cute.Tensor, bx, p, tidx):
+            """Intermediate rows bx * ROWS13 .. of pair p: the whole kernel but for its shared memory, `red`
+            [2 ROWS13, warps] fp32 and `xbuf` (`alloc_x`) (`MoEExperts` runs it as its first stage)."""
+            warp, lane, g, t = mma_lanes(tidx)
             j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
+            if cutlass.const_expr(self.x_once):
+                self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
             for it in cutlass.range_constexpr(self.per_warp):
@@ -273,8 +312,13 @@ if HAVE_CUTE:
                 sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
                 sw3 = w_scale[e, self.I + j, G0 // QUAD]
                 for i in cutlass.range_constexpr(QUAD):
-                    xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                    d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
+                    if cutlass.const_expr(self.x_once):
+                        bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
+                        c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]])
+                        d1, d3 = c[0], c[2]
+                    else:
+                        xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                        d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
                     acc1 = acc1 + d1 * mx_scale(byte_of(sw1, i))
                     acc3 = acc3 + d3 * mx_scale(byte_of(sw3, i))
             if t == 0:
@@ -288,6 +332,50 @@ if HAVE_CUTE:
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
+
+    class MoEW13ActEarly(MoEW13Act):
+        """`MoEW13Act` launched under PDL while the MoE entry kernel still streams: each CTA waits for the entry
+        kernel's routed flag (set once the ids are written, `moe_entry`'s `routed`), asks L2 for its 16 weight rows
+        and their scales with bulk prefetches (`bulk_prefetch_l2`: the SM's copy engine fetches, no registers are
+        held), and only then waits for the latent; its weight loads then hit L2. The prefetch is a hint: the tile
+        reads the ids and the weights again after the wait, so results never depend on it."""
+
+        def __init__(self, latent: int, inter: int, used: int, topk: int, experts: int, max_warps: int = WARPS,
+                     x_once: bool = False):
+            super().__init__(latent, inter, used, topk, max_warps, x_once)
+            self.E = experts
+            self.row_bytes, self.scale_bytes = latent // 2, latent // GROUP
+
+        @cute.jit
+        def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
+                     act: cute.Tensor, routed: cute.Tensor, stream):
+            P = act.shape[0]
+            gX = cute.zipped_divide(x, (1, 4))
+            gW = cute.zipped_divide(w, (1, 1, 4))
+            self.kernel(gX, ids, gW, w_scale, act, routed).launch(
+                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
+
+        @cute.kernel
+        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
+                   act: cute.Tensor, routed: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, p, _ = cute.arch.block_idx()
+            pdl_launch_dependents(self.pdl)
+            wait_count(routed, 0, 1, tidx)
+            if tidx < 4 * ROWS13:  # 16 weight rows (w1 then w3), then their 16 scale rows
+                e = ids[p // self.topk, p % self.topk]
+                e = _select(e < 0, Int32(0), _select(e >= self.E, Int32(self.E - 1), e))  # the hint stays in bounds
+                r = tidx % (2 * ROWS13)
+                row = bx * ROWS13 + r % ROWS13 + (r // ROWS13) * self.I
+                if tidx < 2 * ROWS13:
+                    bulk_prefetch_l2(gW[(None, (e, row, 0))], self.row_bytes)
+                else:
+                    bulk_prefetch_l2(w_scale[e, row, None], self.scale_bytes)
+            pdl_wait(self.pdl)
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
+            xbuf = self.alloc_x(smem)
+            self.tile(gX, ids, gW, w_scale, act, red, xbuf, bx, p, tidx)
 
     class MoEW2Sum:
         """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used]); with `scaled`, also
@@ -417,8 +505,8 @@ if HAVE_CUTE:
         leave."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
-                     split: int = 1):
-            super().__init__(latent, inter, used, topk)
+                     split: int = 1, x_once: bool = False):
+            super().__init__(latent, inter, used, topk, x_once=x_once)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
                                          warps=self.warps, split=split)
             self.tiles = used // ROWS13
@@ -446,13 +534,14 @@ if HAVE_CUTE:
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
             pre = self.shared.allocate_preload(smem)
+            xbuf = self.alloc_x(smem)
             if bidx < self.n_shared:
                 self.shared.project(gGU, gH, s_act, s_act, s_act, Int32(self.S), red, tidx, bidx, pre)
             else:
                 pdl_launch_dependents(self.pdl)
                 pdl_wait(self.pdl)
                 q = bidx - self.n_shared
-                self.tile(gX, ids, gW, w_scale, act, red, q % self.tiles, q // self.tiles, tidx)
+                self.tile(gX, ids, gW, w_scale, act, red, xbuf, q % self.tiles, q // self.tiles, tidx)
 
     class MoEW2SumShared(MoEW2Sum):
         """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, one row per warp) in CTAs of
@@ -500,8 +589,8 @@ if HAVE_CUTE:
         stage. counter[2 + b] counts token b's finished w13 CTAs, counter[1] the finished w2 CTAs."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool,
-                     chunk: int = 1, scale_words: bool = False):
-            self.w13 = MoEW13Act(latent, inter, used, topk)
+                     chunk: int = 1, scale_words: bool = False, x_once: bool = False):
+            self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once)
             self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words)
             self.B, self.topk = batch, topk
             self.tiles13, self.tiles2 = used // ROWS13, latent // ROWS2
@@ -532,10 +621,11 @@ if HAVE_CUTE:
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.w13.warps)), 16)
             slot = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            xbuf = self.w13.alloc_x(smem)
             ticket = take_ticket(counter, slot, tidx)
             if ticket < self.n13:
                 p = ticket // self.tiles13
-                self.w13.tile(gX, ids, gW, w13_scale, act, red, ticket % self.tiles13, p, tidx)
+                self.w13.tile(gX, ids, gW, w13_scale, act, red, xbuf, ticket % self.tiles13, p, tidx)
                 count_done(counter, 2 + p // self.topk, tidx)
             else:
                 q = ticket - self.n13
@@ -644,6 +734,22 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
     return int(raw)
 
 
+def w13_x_once(tokens: int) -> bool:
+    """Whether the w13 kernel's warps convert the activations to mma operands once, through shared memory
+    (`MoEW13Act.stage_x`), rather than every lane each of its groups' (`KIMI_DECODE_W13_X_ONCE`: "auto", the default,
+    from 2 tokens on, where the kernel is bound by its integer pipe; "1" / "0": always / never)."""
+    raw = env_choice("KIMI_DECODE_W13_X_ONCE", "auto", ("auto", "0", "1"))
+    return tokens > 1 if raw == "auto" else raw == "1"
+
+
+def w13_early(tokens: int) -> bool:
+    """Whether, after the MoE entry kernel at one token under PDL, the w13 kernel is launched early and asks L2 for its
+    weights once the ids are out (`MoEW13ActEarly`; `KIMI_DECODE_W13_EARLY`: "auto", the default, off; "1" / "0":
+    wherever it applies / never)."""
+    raw = env_choice("KIMI_DECODE_W13_EARLY", "auto", ("auto", "0", "1"))
+    return tokens == 1 and raw == "1"
+
+
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
@@ -652,16 +758,22 @@ def w2_early(tokens: int) -> bool:
 
 
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
-                counters=None, shared=None, shared_act_ready: bool = False):
+                counters=None, shared=None, shared_act_ready: bool = False, routed=None):
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
-    early = w2_early(B)
+    early, x_once = w2_early(B), w13_x_once(B)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        return compile_kernel(("moe_w13_act", used, cap, *signature(*a13)), MoEW13Act(L, I, used, k, cap),
+        if routed is not None:  # launched early under PDL, its weights asked of L2 once the entry kernel has routed
+            a13 = (*a13, routed)
+            return compile_kernel(("moe_w13_act_early", used, cap, x_once, *signature(*a13)),
+                                  MoEW13ActEarly(L, I, used, k, w13.shape[0], cap, x_once),
+                                  *(fake_like(t, align=4 if t is routed else 16) for t in a13))
+        return compile_kernel(("moe_w13_act", used, cap, x_once, *signature(*a13)),
+                              MoEW13Act(L, I, used, k, cap, x_once),
                               *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
@@ -672,8 +784,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         else:
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
-            f13 = compile_kernel(("moe_w13_act_shared", used, split, *signature(*a13)),
-                                 MoEW13ActShared(L, I, used, k, H, S, split), *(fake_like(t, align=16) for t in a13))
+            f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, *signature(*a13)),
+                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once),
+                                 *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words),
@@ -681,8 +794,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
-        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words)
-        return compile_kernel(("moe_experts", used, scaled is not None, chunk, *signature(*args)), op,
+        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once)
+        return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, *signature(*args)), op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
     f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, *signature(*w2_args)),
                         MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words),
@@ -717,7 +830,7 @@ def _check_shared(shared, B: int) -> None:
 
 
 def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
-              scaled=None, counters=None, shared=None, shared_act_ready: bool = False):
+              scaled=None, counters=None, shared=None, shared_act_ready: bool = False, routed=None):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
@@ -728,7 +841,10 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     (`MoEExperts`), else two. `shared=(gate_up, x, act, down, out)` at batch 1 (bf16: x [1, H], act [1, S], out
     [1, H]): the shared experts as well, out = down @ SiTU-GLU(x @ gate_up.T), their GEMVs in CTAs of their own in
     the two expert kernels (not with `counters`); with `shared_act_ready` their act is already computed (by
-    `moe_entry`) and only the down-projection rides along, in the w2 kernel."""
+    `moe_entry`) and only the down-projection rides along, in the w2 kernel. `routed` (int32, element 0 used; the two
+    kernel form with a plain w13 kernel, that is without `counters` and with the shared experts' act ready or no
+    shared experts): the flag `moe_entry` sets once the ids are written; the w13 kernel waits for it, then asks L2
+    for its weights, then waits for the previous kernel (`MoEW13ActEarly`)."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -742,14 +858,21 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         if (norm_w.shape != (L,) or norm_w.dtype != torch.float32 or not norm_w.is_contiguous()
                 or y.shape != (B, L) or y.dtype != torch.bfloat16 or not y.is_contiguous()):
             raise ValueError(f"MoE MXFP4: scaled output needs an fp32 [{L}] norm weight and a bf16 [{B}, {L}] tensor")
+    if routed is not None and (counters is not None or (shared is not None and not shared_act_ready)
+                               or routed.dtype != torch.int32 or routed.numel() < 1 or not routed.is_contiguous()):
+        raise ValueError("MoE MXFP4: the routed flag (a contiguous int32 tensor) goes with the plain w13 kernel: "
+                         "two kernels, no shared-expert gate/up in it")
+    flag = (routed,) if routed is not None else ()
+    align = lambda t: 4 if t is routed else 16  # noqa: E731
     if shared is not None:
         if counters is not None:
             raise ValueError("MoE MXFP4: the shared experts ride along in the two-kernel form only")
         _check_shared(shared, B)
         f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
-                              shared=shared, shared_act_ready=shared_act_ready)
+                              shared=shared, shared_act_ready=shared_act_ready, routed=routed)
         gate_up, hx, s_act, down, s_out = shared
-        launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(() if shared_act_ready else (gate_up, hx, s_act)))
+        launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(flag if shared_act_ready else (gate_up, hx, s_act)),
+               align=align)
         launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
         return out
     if counters is not None:
@@ -760,7 +883,8 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         launch(fn, *_chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters),
                align=lambda t: 4 if t is counters else 16)
         return out
-    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled)
-    launch(f13, *_w13_args(latent, ids, w13, w13_scale, act))
+    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
+                          routed=routed)
+    launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *flag, align=align)
     launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
     return out
