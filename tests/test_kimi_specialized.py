@@ -463,19 +463,18 @@ def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk(sm90a_pdl, monkeypatch, t
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch, x_once", [(16, 1, "1"), (8, 1, "1"), (16, 8, "0"), (8, 3, "0")])
-def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(sm90a_pdl, monkeypatch, tp, batch,
-                                                                                x_once):
-    """The w13 kernels with the activation operands made once per warp in shared memory (the default from 2 tokens
-    on) and per lane (the default at one token): the plain, one-kernel and shared-experts forms, each its own
-    compiled variant; at one token also the early w13 kernel, which waits for the entry kernel's routed flag."""
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
+def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(sm90a_pdl, monkeypatch, tp, batch):
+    """The w13 kernels with the activation operands made once per warp in shared memory (the default) and per lane
+    (KIMI_DECODE_W13_X_ONCE=0): the plain, one-kernel and shared-experts forms, each its own compiled variant; at
+    one token also the early w13 kernel, which waits for the entry kernel's routed flag."""
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
 
     s = shard("k3", tp=tp, pad_experts=True)
     L, bf = s.model.moe_latent, torch.bfloat16
     args = _moe_args(s, batch)
     f13, _ = compile_moe(*args)
-    monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", x_once)
+    monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", "0")
     g13, _ = compile_moe(*args)
     assert g13 is not f13  # the other form
     assert compile_moe(*args, counters=torch.zeros(2 + batch, dtype=torch.int32)) is not None
@@ -492,13 +491,13 @@ def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(
 
 
 def test_w13_activation_and_early_settings(monkeypatch):
-    """KIMI_DECODE_W13_X_ONCE: under auto from 2 tokens on; KIMI_DECODE_W13_EARLY: under auto off, "1" at one token
+    """KIMI_DECODE_W13_X_ONCE: under auto at every batch; KIMI_DECODE_W13_EARLY: under auto off, "1" at one token
     only; other values are refused by name."""
     from kimi_decode.kernels.moe_mxfp4 import w13_early, w13_x_once
 
     for name in ("KIMI_DECODE_W13_X_ONCE", "KIMI_DECODE_W13_EARLY"):
         monkeypatch.delenv(name, raising=False)
-    assert [w13_x_once(b) for b in (1, 2, 8)] == [False, True, True]
+    assert [w13_x_once(b) for b in (1, 2, 8)] == [True, True, True]
     assert [w13_early(b) for b in (1, 8)] == [False, False]
     monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", "1")
     monkeypatch.setenv("KIMI_DECODE_W13_EARLY", "1")
@@ -703,6 +702,23 @@ def test_attn_res_compiles_for_sm90a(sm90a_pdl, batch):
                             use_partial=True, eps=1e-5)[0] is not None
     assert compile_attn_res(*_attn_res_args(batch, hidden=256, num_blocks=3), n_blocks=2, commit=False,
                             delta_mode=1, use_partial=True, eps=1e-5)[0] is not None
+
+
+@needs_cute
+def test_attn_res_reads_blocks_before_the_wait_as_a_variant_of_its_own(sm90a, monkeypatch):
+    """KIMI_DECODE_ATTN_RES_EARLY: "1" (the default) and "0" compile apart under PDL; other values are refused."""
+    from kimi_decode.kernels.attn_res import compile_attn_res
+
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    flags = dict(n_blocks=3, commit=False, delta_mode=1, use_partial=True, eps=1e-5)
+    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_EARLY", raising=False)
+    early, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_EARLY", "0")
+    late, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+    assert early is not None and late is not None and early is not late
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_EARLY", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_ATTN_RES_EARLY"):
+        compile_attn_res(*_attn_res_args(1, delta=True), **flags)
 
 
 @needs_cute

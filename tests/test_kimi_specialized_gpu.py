@@ -580,11 +580,17 @@ def _attn_res_float64(blocks, partial, delta, w, n_blocks, commit, delta_mode, u
     return blocks, partial, R.rms_norm(R.attn_res_mix(cands, w, eps), w.input_norm, eps)
 
 
+@pytest.mark.parametrize("pdl, early", [("0", "1"), ("1", "1"), ("1", "0")])
 @pytest.mark.parametrize("batch, hidden, strided", [(1, 7168, False), (8, 7168, True), (64, 7168, False),
                                                     (1, 256, False)])
-def test_attn_res_matches_float64(batch, hidden, strided):
+def test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, early):
+    """Every AttnRes form against float64, outputs (and the blocks and partial it writes) poisoned; without PDL, and
+    under it with the committed blocks read before the wait (the default) or after it."""
     from kimi_decode.kernels.attn_res import attn_res
     from kimi_decode.weights import AttnResWeights
+
+    monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_EARLY", early)
 
     eps = 1e-5
     for i, (n_blocks, commit, delta_mode, use_partial) in enumerate(ATTN_RES_FLAGS):

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_wait
+    from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait
 
 VEC = 4  # fp32 per 16-byte access
 MAX_THREADS = 512
@@ -41,6 +41,12 @@ def plan(hidden: int) -> tuple[int, int]:
     chunks = -(-n4 // MAX_THREADS)
     threads = -(-n4 // chunks)
     return -(-threads // 32) * 32, chunks
+
+
+def blocks_early() -> bool:
+    """Whether the AttnRes kernel under PDL reads the committed blocks before its wait (`KIMI_DECODE_ATTN_RES_EARLY`:
+    "1", the default, or "0": after it, with the partial)."""
+    return env_choice("KIMI_DECODE_ATTN_RES_EARLY", "1", ("0", "1")) == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -89,6 +95,7 @@ if HAVE_CUTE:
             self.H, self.NB, self.commit, self.delta_mode, self.use_partial = (
                 hidden, n_blocks, bool(commit), int(delta_mode), bool(use_partial))
             self.eps = float(eps)
+            self.blocks_early = blocks_early()
             self.T, self.K = plan(hidden)
             self.W = self.T // 32
             self.n4 = hidden // VEC
@@ -140,6 +147,20 @@ if HAVE_CUTE:
                     smem.allocate_tensor(Float32, cute.make_layout(self.NCP), 16),
                     smem.allocate_tensor(Float32, cute.make_layout(self.W4), 16))
 
+        def plain_blocks(self, gB: cute.Tensor, b, j, k: int, vals: cute.Tensor, acc: cute.Tensor, qk: cute.Tensor,
+                         tmp: cute.Tensor):
+            """Slice j (this thread's k-th) of the blocks that are read only: into `vals` where they stay resident,
+            else straight into their partial sums (dot with query * key_norm, sum of squares)."""
+            P = self.P  # a plain helper, traced inline: Python loops and conditions on constants
+            for s in range(self.NB - int(self.commit)):
+                if s >= self.NC - self.R:
+                    _load4(gB[(None, (b, s, j))], vals[(None, k, s - (self.NC - self.R))])
+                else:
+                    _load4(gB[(None, (b, s, j))], tmp)
+                    for e in range(VEC):
+                        acc[s] = acc[s] + tmp[e] * qk[e, k]
+                        acc[P // 2 + s] = acc[P // 2 + s] + tmp[e] * tmp[e]
+
         @cute.jit
         def body(self, gB: cute.Tensor, gP: cute.Tensor, gD: cute.Tensor, gQ: cute.Tensor, gK: cute.Tensor,
                  gN: cute.Tensor, gO: cute.Tensor, b: Int32, tidx: Int32, red: cute.Tensor, sW: cute.Tensor,
@@ -165,13 +186,21 @@ if HAVE_CUTE:
                     _load4(gN[(None, j)], nrm[(None, k)])
                     for e in cutlass.range_constexpr(VEC):
                         qk[e, k] = qk[e, k] * tmp[e]
-            pdl_wait(pdl)
-
-            # residual update / commit, then the candidates' partial sums
             vals = cute.make_rmem_tensor((VEC, K, self.R), Float32)
             vals.fill(0.0)
             acc = cute.make_rmem_tensor((P,), Float32)
             acc.fill(0.0)
+            # the committed blocks were written by AttnRes steps two or more kernels back: under PDL with the trigger
+            # after the wait they are read (and the older ones' partial sums formed) before it
+            early = cutlass.const_expr(pdl and self.blocks_early and pdl_reads_ahead())
+            if cutlass.const_expr(early):
+                for k in cutlass.range_constexpr(K):
+                    j = tidx + T * k
+                    if self.exact or j < self.n4:
+                        self.plain_blocks(gB, b, j, k, vals, acc, qk, tmp)
+            pdl_wait(pdl)
+
+            # residual update / commit, then the candidates' partial sums
             dl = cute.make_rmem_tensor((VEC,), BFloat16)
             for k in cutlass.range_constexpr(K):
                 j = tidx + T * k
@@ -204,15 +233,8 @@ if HAVE_CUTE:
                                     vals[e, k, r_new] = vals[e, k, r_old]
                             else:
                                 _load4(gP[(None, (b, j))], vals[(None, k, r_new)])
-                    # plain blocks
-                    for s in cutlass.range_constexpr(self.NB - int(self.commit)):
-                        if cutlass.const_expr(s >= self.NC - self.R):
-                            _load4(gB[(None, (b, s, j))], vals[(None, k, s - (self.NC - self.R))])
-                        else:
-                            _load4(gB[(None, (b, s, j))], tmp)
-                            for e in cutlass.range_constexpr(VEC):
-                                acc[s] = acc[s] + tmp[e] * qk[e, k]
-                                acc[P // 2 + s] = acc[P // 2 + s] + tmp[e] * tmp[e]
+                    if cutlass.const_expr(not early):
+                        self.plain_blocks(gB, b, j, k, vals, acc, qk, tmp)
                     for r in cutlass.range_constexpr(self.R):
                         s = self.NC - self.R + r
                         for e in cutlass.range_constexpr(VEC):
@@ -339,7 +361,8 @@ def _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks,
     if not delta_mode:
         delta = out  # not read; any bf16 [B, H] tensor of the right layout keeps the signature fixed
     args = (blocks, partial, delta, query, key_norm, input_norm, out)
-    key = ("attn_res", int(n_blocks), bool(commit), int(delta_mode), bool(use_partial), float(eps), *signature(*args))
+    key = ("attn_res", int(n_blocks), bool(commit), int(delta_mode), bool(use_partial), float(eps), blocks_early(),
+           *signature(*args))
     fn = compile_kernel(key, AttnRes(partial.shape[1], n_blocks, commit, delta_mode, use_partial, eps),
                         *(fake_like(t, align=_align(t)) for t in args))
     return fn, args

@@ -737,9 +737,11 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
 def w13_x_once(tokens: int) -> bool:
     """Whether the w13 kernel's warps convert the activations to mma operands once, through shared memory
     (`MoEW13Act.stage_x`), rather than every lane each of its groups' (`KIMI_DECODE_W13_X_ONCE`: "auto", the default,
-    from 2 tokens on, where the kernel is bound by its integer pipe; "1" / "0": always / never)."""
+    at every batch; "1" / "0": always / never). On the H200 (NOTES, v18) once per warp was faster at both shards,
+    batch 8 by 4 / 8 us per layer (TP16 / TP8), where the kernel is bound by its integer pipe, and batch 1 by 0.3 /
+    1.6 us."""
     raw = env_choice("KIMI_DECODE_W13_X_ONCE", "auto", ("auto", "0", "1"))
-    return tokens > 1 if raw == "auto" else raw == "1"
+    return raw != "0"
 
 
 def w13_early(tokens: int) -> bool:
