@@ -466,8 +466,7 @@ def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk(sm90a_pdl, monkeypatch, t
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
 def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(sm90a_pdl, monkeypatch, tp, batch):
     """The w13 kernels with the activation operands made once per warp in shared memory (the default) and per lane
-    (KIMI_DECODE_W13_X_ONCE=0): the plain, one-kernel and shared-experts forms, each its own compiled variant; at
-    one token also the early w13 kernel, which waits for the entry kernel's routed flag."""
+    (KIMI_DECODE_W13_X_ONCE=0): the plain, one-kernel and shared-experts forms, each its own compiled variant."""
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
 
     s = shard("k3", tp=tp, pad_experts=True)
@@ -483,43 +482,22 @@ def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(
         shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
                   torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
         assert all(f is not None for f in compile_moe(*args, shared=shared))
-        routed = torch.zeros(1, dtype=torch.int32)
-        e13, e2 = compile_moe(*args, routed=routed)
-        assert e13 is not g13 and e2 is compile_moe(*args)[1]  # an early w13 kernel; the same w2 kernel
-        r13, _ = compile_moe(*args, shared=shared, shared_act_ready=True, routed=routed)
-        assert r13 is e13
 
 
-def test_w13_activation_and_early_settings(monkeypatch):
-    """KIMI_DECODE_W13_X_ONCE: under auto at every batch; KIMI_DECODE_W13_EARLY: under auto off, "1" at one token
-    only; other values are refused by name."""
-    from kimi_decode.kernels.moe_mxfp4 import w13_early, w13_x_once
+def test_w13_activation_setting(monkeypatch):
+    """KIMI_DECODE_W13_X_ONCE: once per warp at every batch under auto (and "1"), per lane with "0"; other values are
+    refused by name."""
+    from kimi_decode.kernels.moe_mxfp4 import w13_x_once
 
-    for name in ("KIMI_DECODE_W13_X_ONCE", "KIMI_DECODE_W13_EARLY"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KIMI_DECODE_W13_X_ONCE", raising=False)
     assert [w13_x_once(b) for b in (1, 2, 8)] == [True, True, True]
-    assert [w13_early(b) for b in (1, 8)] == [False, False]
     monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", "1")
-    monkeypatch.setenv("KIMI_DECODE_W13_EARLY", "1")
-    assert w13_x_once(1) and w13_early(1) and not w13_early(2)
+    assert w13_x_once(1)
     monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", "0")
-    assert not w13_x_once(8)
-    for name, fn in (("KIMI_DECODE_W13_X_ONCE", w13_x_once), ("KIMI_DECODE_W13_EARLY", w13_early)):
-        monkeypatch.setenv(name, "yes")
-        with pytest.raises(ValueError, match=name):
-            fn(1)
-
-
-def test_moe_mxfp4_refuses_a_routed_flag_without_the_plain_w13_kernel():
-    from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
-
-    s = shard("k3", tp=16, pad_experts=True)
-    latent, ids, weights, w13, w13s, w2, w2s, act, out, ssq, used = _moe_args(s, 1)
-    flag = torch.zeros(1, dtype=torch.int32)
-    for kw in ({"counters": torch.zeros(3, dtype=torch.int32), "routed": flag},
-               {"routed": torch.zeros(1, dtype=torch.int64)}):
-        with pytest.raises(ValueError, match="routed flag"):
-            moe_mxfp4(latent, ids, weights, w13, w13s, w2, w2s, used, act=act, out=out, ssq=ssq, **kw)
+    assert not w13_x_once(1) and not w13_x_once(8)
+    monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_W13_X_ONCE"):
+        w13_x_once(1)
 
 
 def test_moe_mxfp4_refuses_shared_experts_that_do_not_chain():
@@ -1004,15 +982,7 @@ def test_moe_entry_compiles_for_sm90a(sm90a_pdl):
         assert compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5) is not None
         for S in (384, 768):  # with the shared experts' gate/up GEMV (TP16, TP8)
             glu = (torch.empty(2 * S, K, dtype=bf), torch.empty(1, S, dtype=bf))
-            plain = compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5, glu=glu)
-            # with the routed flag the early w13 kernel waits for: its own variant
-            routed = torch.zeros(1, dtype=torch.int32)
-            flagged = compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5, glu=glu, routed=routed)
-            assert plain is not None and flagged is not None and flagged is not plain
-    bf = torch.bfloat16
-    with pytest.raises(ValueError, match="routed flag"):
-        compile_moe_entry(*_router_args(1), torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584, dtype=bf), 2.5,
-                          routed=torch.zeros(1))
+            assert compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5, glu=glu) is not None
 
 
 def test_moe_entry_refuses_a_down_projection_that_does_not_chain():

@@ -476,21 +476,16 @@ class LatencySpecializedBackend(AutoBackend):
         pending, self._pending_route = self._pending_route, None
         # the shared experts' gate/up in the entry kernel, or (with their down-projection) in the expert kernels
         glu_in_entry = shared is not None and pending is not None and self._glu_in_entry
-        routed = None
         if pending is not None:  # the router and the latent down-projection in one kernel
             from ..kernels.moe_entry import moe_entry
-            from ..kernels.moe_mxfp4 import w13_early
 
             rx, logits, rids, rweights = pending
             if rx is not x or rids is not ids or rweights is not weights:
                 raise RuntimeError("latency_specialized: a deferred router must route the routed experts' input")
-            if (w13_early(x.shape[0]) and cute_common.pdl_enabled() and not self._experts_one_on
-                    and (shared is None or glu_in_entry)):  # the w13 kernel starts on the entry kernel's flag
-                routed = self._counter("routed", x.device)
             latent = moe_entry(w.router, x, logits, w.router_bias, ids, weights, self._counter("router", x.device),
                                w.down, self._empty(x.shape[0], w.down.shape[0], device=x.device),
                                scaling=shard.model.routed_scaling,
-                               glu=(shared[0], shared[2]) if glu_in_entry else None, routed=routed)
+                               glu=(shared[0], shared[2]) if glu_in_entry else None)
         else:
             latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
         self.join("router", ids, weights)
@@ -514,7 +509,7 @@ class LatencySpecializedBackend(AutoBackend):
         counters = self._counter("experts", x.device, EXPERT_COUNTERS) if self._experts_one_on else None
         return moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, act=act, out=out,
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
-                         counters=counters, shared=shared, shared_act_ready=glu_in_entry, routed=routed)
+                         counters=counters, shared=shared, shared_act_ready=glu_in_entry)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if not (self._mlp_fast and self._cute_rows(routed.shape[0])):

@@ -20,7 +20,7 @@ from .router_topk import THREADS, _check as _check_router
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
-    from .cute_common import count_done, last_cta
+    from .cute_common import last_cta
     from .gemv import SmallBatchGemv
     from .router_topk import RouterTopK
 
@@ -29,13 +29,12 @@ if HAVE_CUTE:
         grid, after the other two (it also reads only x, and its result is needed two kernels later)."""
 
         def __init__(self, M: int, E: int, K: int, topk: int, scaling: float, latent: int, shared_inter: int = 0,
-                     preload: int = 0, signal: bool = False):
+                     preload: int = 0):
             self.router = RouterTopK(M, E, K, topk, scaling, preload)
             self.down = SmallBatchGemv(M, latent, K, accumulate=False, addend=False, preload=preload)
             self.glu = SmallBatchGemv(M, max(shared_inter, 1), K, accumulate=False, addend=False, glu=True,
                                       preload=preload)
             self.M, self.E, self.L, self.S = M, E, latent, shared_inter
-            self.signal = signal  # count the routed flag up once the ids are written (`moe_entry`'s `routed`)
             self.n_router = -(-E // self.router.rows)  # the grid's first CTAs
             self.n_down = -(-latent // self.down.rows)
             self.n_glu = -(-shared_inter // self.glu.rows)
@@ -43,29 +42,22 @@ if HAVE_CUTE:
         @cute.jit
         def __call__(self, mWr: cute.Tensor, mX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor,
                      mIds: cute.Tensor, mWts: cute.Tensor, mCnt: cute.Tensor, mWd: cute.Tensor, mLat: cute.Tensor,
-                     mWgu: cute.Tensor, mAct: cute.Tensor, mRouted: cute.Tensor, stream):
+                     mWgu: cute.Tensor, mAct: cute.Tensor, stream):
             self.router.pdl = self.down.pdl = self.glu.pdl = self.pdl
             gWr = cute.zipped_divide(mWr, (1, VEC))
             gWd = cute.zipped_divide(mWd, (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
             gWgu = cute.zipped_divide(mWgu, (1, VEC))
-            self.kernel(gWr, gX, mL, mBias, mIds, mWts, mCnt, gWd, mLat, gWgu, mAct, mRouted).launch(
+            self.kernel(gWr, gX, mL, mBias, mIds, mWts, mCnt, gWd, mLat, gWgu, mAct).launch(
                 grid=[self.n_router + self.n_down + self.n_glu, 1, 1], block=[THREADS, 1, 1], stream=stream,
                 use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gWr: cute.Tensor, gX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
                    mWts: cute.Tensor, mCnt: cute.Tensor, gWd: cute.Tensor, mLat: cute.Tensor, gWgu: cute.Tensor,
-                   mAct: cute.Tensor, mRouted: cute.Tensor):
+                   mAct: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
-            if cutlass.const_expr(self.signal):
-                # the flag back at 0 before this CTA lets the next kernel launch (whose CTAs wait for it to be 1):
-                # the kernels that read it last time have finished (they are two or more launches back)
-                if bidx == 0:
-                    if tidx == 0:
-                        mRouted[0] = Int32(0)
-                        cute.arch.fence_acq_rel_gpu()
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
             cand_v = smem.allocate_tensor(Float32, cute.make_layout(self.router.cands), 16)
@@ -79,8 +71,6 @@ if HAVE_CUTE:
                 if last_cta(mCnt, flag, tidx, self.n_router) != 0:
                     for m in cutlass.range(self.M):
                         self.router.route(mL, mBias, mIds, mWts, cand_v, cand_i, chosen, m, tidx)
-                    if cutlass.const_expr(self.signal):
-                        count_done(mRouted, 0, tidx)  # the ids are written: the expert CTAs may read them
             else:
                 if cutlass.const_expr(self.n_glu == 0):
                     self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, bidx - self.n_router, pre)
@@ -108,41 +98,29 @@ def _check(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu
                          f"bf16 output [{M}, L]")
 
 
-def _args(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu, routed=None) -> tuple:
-    """The kernel's tensors; without `glu`, the down-projection's stand in for the gate/up ones (never read), and
-    without `routed` the counter for the flag (never touched)."""
+def _args(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu) -> tuple:
+    """The kernel's tensors; without `glu`, the down-projection's stand in for the gate/up ones (never read)."""
     gate_up, act = glu if glu is not None else (w_down, latent)
-    return (w_router, x, logits, bias, ids, weights, counter, w_down, latent, gate_up, act,
-            routed if routed is not None else counter)
+    return (w_router, x, logits, bias, ids, weights, counter, w_down, latent, gate_up, act)
 
 
-def _check_routed(routed) -> None:
-    if routed is not None and (routed.dtype != torch.int32 or routed.numel() < 1 or not routed.is_contiguous()):
-        raise ValueError("moe_entry: the routed flag must be a contiguous int32 tensor of at least one element")
-
-
-def compile_moe_entry(w_router, x, logits, bias, ids, weights, counter, w_down, latent, scaling: float, glu=None,
-                      routed=None):
+def compile_moe_entry(w_router, x, logits, bias, ids, weights, counter, w_down, latent, scaling: float, glu=None):
     _check(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu)
-    _check_routed(routed)
-    args = _args(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu, routed)
+    args = _args(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu)
     S = glu[1].shape[1] if glu is not None else 0
     preload = preload_setting()
-    key = ("moe_entry", float(scaling), S, preload, routed is not None, *signature(*args))
-    op = MoEEntry(x.shape[0], w_router.shape[0], x.shape[1], ids.shape[1], scaling, w_down.shape[0], S, preload,
-                  routed is not None)
-    return compile_kernel(key, op, *(fake_like(t, align=4 if t is counter or t is routed else 16) for t in args))
+    key = ("moe_entry", float(scaling), S, preload, *signature(*args))
+    op = MoEEntry(x.shape[0], w_router.shape[0], x.shape[1], ids.shape[1], scaling, w_down.shape[0], S, preload)
+    return compile_kernel(key, op, *(fake_like(t, align=4 if t is counter else 16) for t in args))
 
 
 def moe_entry(w_router: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor, counter: torch.Tensor, w_down: torch.Tensor, latent: torch.Tensor, *,
-              scaling: float, glu: tuple | None = None, routed: torch.Tensor | None = None) -> torch.Tensor:
+              scaling: float, glu: tuple | None = None) -> torch.Tensor:
     """`router_topk` (ids, weights and logits of x's rows, `counter` one int32 at 0 that no other kernel uses at the
     same time) and latent = x @ w_down.T (bf16), in one kernel on the current stream; returns latent. `glu=(gate_up,
-    act)`: also act = SiTU-GLU(x @ gate.T, x @ up.T) (the shared experts' first half; bf16 act [M, S]). `routed`
-    (int32, its element 0 used): set to 0 as the kernel starts and to 1 once the ids are written, for an expert
-    kernel launched early under PDL (`moe_mxfp4`'s `routed`) that asks L2 for its weights before its wait."""
-    args = _args(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu, routed)
-    fn = compile_moe_entry(w_router, x, logits, bias, ids, weights, counter, w_down, latent, scaling, glu, routed)
-    launch(fn, *args, align=lambda t: 4 if t is counter or t is routed else 16)
+    act)`: also act = SiTU-GLU(x @ gate.T, x @ up.T) (the shared experts' first half; bf16 act [M, S])."""
+    args = _args(w_router, x, logits, bias, ids, weights, counter, w_down, latent, glu)
+    fn = compile_moe_entry(w_router, x, logits, bias, ids, weights, counter, w_down, latent, scaling, glu)
+    launch(fn, *args, align=lambda t: 4 if t is counter else 16)
     return latent

@@ -31,8 +31,8 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
-    from .cute_common import (bulk_prefetch_l2, count_done, last_cta, load4, mma_lanes, pdl_launch_dependents,
-                              pdl_reads_ahead, pdl_wait, situ_glu, take_ticket, wait_count)
+    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
+                              pdl_wait, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -332,50 +332,6 @@ if HAVE_CUTE:
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
-
-    class MoEW13ActEarly(MoEW13Act):
-        """`MoEW13Act` launched under PDL while the MoE entry kernel still streams: each CTA waits for the entry
-        kernel's routed flag (set once the ids are written, `moe_entry`'s `routed`), asks L2 for its 16 weight rows
-        and their scales with bulk prefetches (`bulk_prefetch_l2`: the SM's copy engine fetches, no registers are
-        held), and only then waits for the latent; its weight loads then hit L2. The prefetch is a hint: the tile
-        reads the ids and the weights again after the wait, so results never depend on it."""
-
-        def __init__(self, latent: int, inter: int, used: int, topk: int, experts: int, max_warps: int = WARPS,
-                     x_once: bool = False):
-            super().__init__(latent, inter, used, topk, max_warps, x_once)
-            self.E = experts
-            self.row_bytes, self.scale_bytes = latent // 2, latent // GROUP
-
-        @cute.jit
-        def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
-                     act: cute.Tensor, routed: cute.Tensor, stream):
-            P = act.shape[0]
-            gX = cute.zipped_divide(x, (1, 4))
-            gW = cute.zipped_divide(w, (1, 1, 4))
-            self.kernel(gX, ids, gW, w_scale, act, routed).launch(
-                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
-
-        @cute.kernel
-        def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
-                   act: cute.Tensor, routed: cute.Tensor):
-            tidx, _, _ = cute.arch.thread_idx()
-            bx, p, _ = cute.arch.block_idx()
-            pdl_launch_dependents(self.pdl)
-            wait_count(routed, 0, 1, tidx)
-            if tidx < 4 * ROWS13:  # 16 weight rows (w1 then w3), then their 16 scale rows
-                e = ids[p // self.topk, p % self.topk]
-                e = _select(e < 0, Int32(0), _select(e >= self.E, Int32(self.E - 1), e))  # the hint stays in bounds
-                r = tidx % (2 * ROWS13)
-                row = bx * ROWS13 + r % ROWS13 + (r // ROWS13) * self.I
-                if tidx < 2 * ROWS13:
-                    bulk_prefetch_l2(gW[(None, (e, row, 0))], self.row_bytes)
-                else:
-                    bulk_prefetch_l2(w_scale[e, row, None], self.scale_bytes)
-            pdl_wait(self.pdl)
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
-            xbuf = self.alloc_x(smem)
-            self.tile(gX, ids, gW, w_scale, act, red, xbuf, bx, p, tidx)
 
     class MoEW2Sum:
         """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used]); with `scaled`, also
@@ -744,14 +700,6 @@ def w13_x_once(tokens: int) -> bool:
     return raw != "0"
 
 
-def w13_early(tokens: int) -> bool:
-    """Whether, after the MoE entry kernel at one token under PDL, the w13 kernel is launched early and asks L2 for its
-    weights once the ids are out (`MoEW13ActEarly`; `KIMI_DECODE_W13_EARLY`: "auto", the default, off; "1" / "0":
-    wherever it applies / never)."""
-    raw = env_choice("KIMI_DECODE_W13_EARLY", "auto", ("auto", "0", "1"))
-    return tokens == 1 and raw == "1"
-
-
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
@@ -760,7 +708,7 @@ def w2_early(tokens: int) -> bool:
 
 
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
-                counters=None, shared=None, shared_act_ready: bool = False, routed=None):
+                counters=None, shared=None, shared_act_ready: bool = False):
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early, x_once = w2_early(B), w13_x_once(B)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
@@ -769,11 +717,6 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        if routed is not None:  # launched early under PDL, its weights asked of L2 once the entry kernel has routed
-            a13 = (*a13, routed)
-            return compile_kernel(("moe_w13_act_early", used, cap, x_once, *signature(*a13)),
-                                  MoEW13ActEarly(L, I, used, k, w13.shape[0], cap, x_once),
-                                  *(fake_like(t, align=4 if t is routed else 16) for t in a13))
         return compile_kernel(("moe_w13_act", used, cap, x_once, *signature(*a13)),
                               MoEW13Act(L, I, used, k, cap, x_once),
                               *(fake_like(t, align=16) for t in a13))
@@ -832,7 +775,7 @@ def _check_shared(shared, B: int) -> None:
 
 
 def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
-              scaled=None, counters=None, shared=None, shared_act_ready: bool = False, routed=None):
+              scaled=None, counters=None, shared=None, shared_act_ready: bool = False):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
@@ -843,10 +786,7 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     (`MoEExperts`), else two. `shared=(gate_up, x, act, down, out)` at batch 1 (bf16: x [1, H], act [1, S], out
     [1, H]): the shared experts as well, out = down @ SiTU-GLU(x @ gate_up.T), their GEMVs in CTAs of their own in
     the two expert kernels (not with `counters`); with `shared_act_ready` their act is already computed (by
-    `moe_entry`) and only the down-projection rides along, in the w2 kernel. `routed` (int32, element 0 used; the two
-    kernel form with a plain w13 kernel, that is without `counters` and with the shared experts' act ready or no
-    shared experts): the flag `moe_entry` sets once the ids are written; the w13 kernel waits for it, then asks L2
-    for its weights, then waits for the previous kernel (`MoEW13ActEarly`)."""
+    `moe_entry`) and only the down-projection rides along, in the w2 kernel."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -860,21 +800,14 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         if (norm_w.shape != (L,) or norm_w.dtype != torch.float32 or not norm_w.is_contiguous()
                 or y.shape != (B, L) or y.dtype != torch.bfloat16 or not y.is_contiguous()):
             raise ValueError(f"MoE MXFP4: scaled output needs an fp32 [{L}] norm weight and a bf16 [{B}, {L}] tensor")
-    if routed is not None and (counters is not None or (shared is not None and not shared_act_ready)
-                               or routed.dtype != torch.int32 or routed.numel() < 1 or not routed.is_contiguous()):
-        raise ValueError("MoE MXFP4: the routed flag (a contiguous int32 tensor) goes with the plain w13 kernel: "
-                         "two kernels, no shared-expert gate/up in it")
-    flag = (routed,) if routed is not None else ()
-    align = lambda t: 4 if t is routed else 16  # noqa: E731
     if shared is not None:
         if counters is not None:
             raise ValueError("MoE MXFP4: the shared experts ride along in the two-kernel form only")
         _check_shared(shared, B)
         f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
-                              shared=shared, shared_act_ready=shared_act_ready, routed=routed)
+                              shared=shared, shared_act_ready=shared_act_ready)
         gate_up, hx, s_act, down, s_out = shared
-        launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(flag if shared_act_ready else (gate_up, hx, s_act)),
-               align=align)
+        launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(() if shared_act_ready else (gate_up, hx, s_act)))
         launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
         return out
     if counters is not None:
@@ -885,8 +818,7 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         launch(fn, *_chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters),
                align=lambda t: 4 if t is counters else 16)
         return out
-    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
-                          routed=routed)
-    launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *flag, align=align)
+    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled)
+    launch(f13, *_w13_args(latent, ids, w13, w13_scale, act))
     launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
     return out
