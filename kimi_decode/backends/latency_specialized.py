@@ -31,8 +31,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   then the generic path's top-k kernel;
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
-  registers and reading its weights in chunks of 2 or 4 MX groups (`KIMI_DECODE_W2_CHUNK=1`: a word per load)
-  (`kernels/moe_mxfp4.py`; with `KIMI_DECODE_EXPERTS_ONE_KERNEL=1` both as the two stages of one kernel
+  registers and reading its weights in chunks of 2 or 4 MX groups (`KIMI_DECODE_W2_CHUNK=1`: a word per load), the
+  first one with each warp's activation operands made once in shared memory (`KIMI_DECODE_W13_X_ONCE=0`: by every
+  lane) (`kernels/moe_mxfp4.py`; with `KIMI_DECODE_EXPERTS_ONE_KERNEL=1` both as the two stages of one kernel
   whose w2 CTAs load their weights and then wait for their token's activations, `MoEExperts`. Off by default: with
   it and the shared experts' one kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since
   CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are

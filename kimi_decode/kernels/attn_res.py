@@ -9,8 +9,9 @@ Same function as the Triton `_attn_res_kernel` (and the torch twin in `AutoBacke
 
 The Triton kernel is latency-bound (one block-wide reduction per candidate, in sequence). Here every thread owns
 `CHUNKS` 16-byte slices of the row (`THREADS` threads per row), so:
-  1. the weights (query * key_norm, input_norm) are loaded before the PDL wait; then every candidate slice is read
-     once, and each thread forms all its partial sums (dot and sum of squares per candidate) in registers;
+  1. the weights (query * key_norm, input_norm) are loaded before the PDL wait, and so are the committed blocks,
+     which AttnRes steps two or more kernels back wrote (`blocks_early`); then every candidate slice is read once, and
+     each thread forms all its partial sums (dot and sum of squares per candidate) in registers;
   2. all of them are reduced at once: a transposing butterfly inside each warp (P - 1 shuffles for P values instead of
      5 P), one shared-memory step, a barrier, then warp 0 alone adds the warps' sums, takes the softmax and writes the
      weights to shared memory (a second barrier) -- doing it redundantly in every warp would cost more shuffle and
