@@ -193,7 +193,7 @@ if HAVE_CUTE:
             acc.fill(0.0)
             # the committed blocks were written by AttnRes steps two or more kernels back: under PDL with the trigger
             # after the wait they are read (and the older ones' partial sums formed) before it
-            early = cutlass.const_expr(pdl and self.blocks_early and pdl_reads_ahead())
+            early = bool(pdl and self.blocks_early and pdl_reads_ahead())  # a trace-time constant
             if cutlass.const_expr(early):
                 for k in cutlass.range_constexpr(K):
                     j = tidx + T * k
