@@ -396,6 +396,26 @@ def test_oproj_early_modes_fall_back_where_the_rows_do_not_fit(monkeypatch):
 
 
 @needs_cute
+def test_oproj_split_form_needs_its_scratch(monkeypatch):
+    """The split AttnRes form refuses a missing, too small or non-fp32 scratch, and an unknown form by name."""
+    from kimi_decode.kernels.oproj_attn_res import compile_oproj_attn_res
+
+    def call(parts):
+        args = _attn_res_args(1, delta=True)
+        compile_oproj_attn_res(torch.empty(7168, 768, dtype=torch.bfloat16), torch.empty(1, 768, dtype=torch.bfloat16),
+                               args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=4,
+                               delta_mode=1, eps=1e-5, ctas=132, parts=parts)
+
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_RES", "split")
+    for bad in (None, torch.zeros(132 * 16 - 1), torch.zeros(132 * 16, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="needs `parts`"):
+            call(bad)
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_RES", "first")
+    with pytest.raises(ValueError, match="KIMI_DECODE_OPROJ_RES must be one of last, split"):
+        call(torch.zeros(132 * 32))
+
+
+@needs_cute
 def test_gemv_refuses_bad_shapes():
     from kimi_decode.kernels.gemv import gemv
 
@@ -1043,19 +1063,25 @@ def test_router_topk_refuses_what_it_cannot_route():
 
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("early", ["smem", "1", "0"])
-def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early):
+@pytest.mark.parametrize("early, res", [("smem", "last"), ("1", "last"), ("0", "last"), ("1", "split"),
+                                        ("smem", "split")])
+def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, res):
     from kimi_decode.kernels.oproj_attn_res import compile_oproj_attn_res
 
     monkeypatch.setenv("KIMI_DECODE_OPROJ_EARLY", early)
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_RES", res)
     s = shard("k3", tp=tp)
     H, K = s.model.hidden, s.kda_dim
-    for n_blocks, delta_mode in ((0, 2), (4, 1)):
-        args = _attn_res_args(1, delta=True)  # blocks, partial, delta, query, key_norm, input_norm, out
-        fn, _ = compile_oproj_attn_res(torch.empty(H, K, dtype=torch.bfloat16), torch.empty(1, K, dtype=torch.bfloat16),
-                                       args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32),
-                                       n_blocks=n_blocks, delta_mode=delta_mode, eps=1e-5, ctas=132)
+    for n_blocks, delta_mode in ((0, 2), (4, 1), (15, 1)):
+        args = _attn_res_args(1, delta=True, num_blocks=15)  # blocks, partial, delta, query, key_norm, input_norm, out
+        fn, cargs = compile_oproj_attn_res(torch.empty(H, K, dtype=torch.bfloat16),
+                                           torch.empty(1, K, dtype=torch.bfloat16), args[2], args[0], args[1],
+                                           *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=n_blocks,
+                                           delta_mode=delta_mode, eps=1e-5, ctas=132, parts=torch.zeros(132 * 32))
         assert fn is not None
+        # the score sums' scratch: a [ctas, P] view in the split form, the partial standing in otherwise
+        width = {0: 2, 4: 16, 15: 32}[n_blocks]  # a dot and a sum of squares per candidate, to a power of two
+        assert cargs[-1].shape == ((132, width) if res == "split" else (1, H))
     with pytest.raises(ValueError, match="one sequence"):
         args = _attn_res_args(2, delta=True)
         compile_oproj_attn_res(torch.empty(H, K, dtype=torch.bfloat16), torch.empty(2, K, dtype=torch.bfloat16),

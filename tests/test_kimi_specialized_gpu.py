@@ -738,7 +738,8 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
                                  {"KIMI_DECODE_W13_WARPS": "4"}, {"KIMI_DECODE_GEMV_PRELOAD": "0"},
                                  {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "smem"},
                                  {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"},
-                                 {"KIMI_DECODE_W2_CHUNK": "1"}, {"KIMI_DECODE_W13_X_ONCE": "0"}])
+                                 {"KIMI_DECODE_W2_CHUNK": "1"}, {"KIMI_DECODE_W13_X_ONCE": "0"},
+                                 {"KIMI_DECODE_OPROJ_RES": "split"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
@@ -748,7 +749,8 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
     w13 kernel on 4 warps, or the GEMVs with part or all of their rows copied into shared memory before the wait,
     or the output projection's rows all in shared memory instead of its first rows in registers, also with the KDA
     kernel letting it launch only after reading its inputs, or the w2 kernel's weights one word per load, or the w13
-    kernel's activations converted by every lane: the A/B switches."""
+    kernel's activations converted by every lane, or the AttnRes step after the output projection split between its
+    CTAs: the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)
@@ -758,17 +760,21 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
 
 @pytest.mark.parametrize("K", [768, 1536])
 @pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1), (8, 1)])
-@pytest.mark.parametrize("pdl, early", [("0", "smem"), ("1", "smem"), ("1", "1"), ("1", "0")])
-def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pdl, early):
+@pytest.mark.parametrize("pdl, early, res", [("0", "smem", "last"), ("1", "smem", "last"), ("1", "1", "last"),
+                                             ("1", "0", "last"), ("0", "1", "split"), ("1", "1", "split"),
+                                             ("1", "smem", "split")])
+def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pdl, early, res):
     """The output projection + AttnRes kernel (TP16 / TP8 projection widths) against float64: the projection a, the
-    updated partial and the AttnRes output, with a, out (and partial when it is set) poisoned first; run twice (the
-    completion counter resets itself) and replayed in a CUDA graph. Without PDL, and under it with the weights
-    copied into shared memory before the wait, the first rows loaded into registers, or all loaded after it."""
+    updated partial and the AttnRes output, with a, out, the score-sum scratch (and partial when it is set) poisoned
+    first; run twice (the completion counter resets itself) and replayed in a CUDA graph. Without PDL, and under it
+    with the weights copied into shared memory before the wait, the first rows loaded into registers, or all loaded
+    after it; the AttnRes step all in the last CTA, or split between every CTA and the last."""
     from kimi_decode.kernels.oproj_attn_res import oproj_attn_res
     from kimi_decode.weights import AttnResWeights
 
     monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
     monkeypatch.setenv("KIMI_DECODE_OPROJ_EARLY", early)
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_RES", res)
     H, eps = 7168, 1e-5
     g = torch.Generator(device="cuda").manual_seed(K + 10 * n_blocks + delta_mode)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -785,15 +791,17 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
     a = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
     partial = partial0.clone()
+    parts = torch.empty(132 * 32, device="cuda")
 
     def reset():
         a.fill_(float("nan"))
         out.fill_(float("nan"))
+        parts.fill_(float("nan"))
         partial.copy_(partial0 if delta_mode == 1 else torch.full_like(partial0, float("nan")))
 
     def run():
         oproj_attn_res(w_o, o, a, blocks, partial, w.query, w.key_norm, w.input_norm, out, counter,
-                       n_blocks=n_blocks, delta_mode=delta_mode, eps=eps)
+                       n_blocks=n_blocks, delta_mode=delta_mode, eps=eps, parts=parts)
 
     def check():
         torch.cuda.synchronize()

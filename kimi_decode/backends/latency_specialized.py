@@ -178,7 +178,7 @@ class LatencySpecializedBackend(AutoBackend):
                          int(os.environ.get("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS)))
         self._tc_plain = os.environ.get("KIMI_DECODE_TC_PLAIN", "0") == "1"  # plain projections on tensor cores too
         self._streams: dict[tuple, torch.cuda.Stream] = {}
-        self._counters: dict[tuple, torch.Tensor] = {}  # self-resetting completion counters of last-CTA kernels
+        self._counters: dict[tuple, torch.Tensor] = {}  # last-CTA kernels' self-resetting counters, o_proj's scratch
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
         self._scaled = None  # bf16(routed sum * latent norm weight), from the expert kernel to the tail
@@ -188,6 +188,7 @@ class LatencySpecializedBackend(AutoBackend):
                 self._stream(name, device)
             for name in COUNTERS:
                 self._counter(name, device)
+            self._o_proj_parts(device)
             self._counter("experts", device, EXPERT_COUNTERS)
             self._counter("shared", device, SHARED_COUNTERS)
             for name in ("main", *BRANCHES):
@@ -276,6 +277,17 @@ class LatencySpecializedBackend(AutoBackend):
             self._counters[key] = torch.zeros(n, dtype=torch.int32, device=device)
         return self._counters[key]
 
+    def _o_proj_parts(self, device: torch.device) -> torch.Tensor:
+        """Scratch for the output projection + AttnRes kernel's per-CTA score sums (`KIMI_DECODE_OPROJ_RES=split`):
+        32 fp32 per SM, enough for 16 candidates. Made with the counters, outside any capture."""
+        from ..kernels.cute_common import sm_count
+        from ..kernels.oproj_attn_res import parts_width
+
+        key = (device, "o_proj.parts")
+        if key not in self._counters:
+            self._counters[key] = torch.zeros(sm_count(device) * parts_width(15), dtype=torch.float32, device=device)
+        return self._counters[key]
+
     def _tc_counters(self, device: torch.device) -> torch.Tensor:
         """The tensor-core projection's counters for the stream in use: kernels on one stream run one after another
         and share a set; the branches' streams, which run beside the main one, have their own."""
@@ -360,7 +372,7 @@ class LatencySpecializedBackend(AutoBackend):
             out = self._empty(*res.partial.shape, device=res.partial.device)
             return oproj_attn_res(w_o, o, a, res.blocks, res.partial, w.query, w.key_norm, w.input_norm, out,
                                   self._counter("o_proj", o.device), n_blocks=n_blocks, delta_mode=delta_mode,
-                                  eps=eps)
+                                  eps=eps, parts=self._o_proj_parts(o.device))
         if not self._res_fast:
             return super().attn_res(res, w, n_blocks=n_blocks, commit=commit, delta=delta, delta_mode=delta_mode,
                                     use_partial=use_partial, eps=eps)

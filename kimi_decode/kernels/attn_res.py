@@ -242,6 +242,15 @@ if HAVE_CUTE:
                             acc[s] = acc[s] + vals[e, k, r] * qk[e, k]
                             acc[P // 2 + s] = acc[P // 2 + s] + vals[e, k, r] * vals[e, k, r]
 
+            wts = self.softmax_weights(acc, tidx, lane, warp, red, sW, red2)
+            self.mix_and_store(gB, gO, b, tidx, lane, warp, vals, wts, nrm, tmp, red2)
+
+        @cute.jit
+        def softmax_weights(self, acc: cute.Tensor, tidx: Int32, lane: Int32, warp: Int32, red: cute.Tensor,
+                            sW: cute.Tensor, red2: cute.Tensor) -> cute.Tensor:
+            """The softmax weights of the candidates, in every thread's registers, from each thread's partial sums
+            `acc` (dots at [0, P/2), sums of squares at [P/2, P)); also zeroes red2's padding for `mix_and_store`."""
+            NC, P = self.NC, self.P
             # one block reduction of all 2 NC sums: transposing butterfly, shared memory, warp 0 finishes
             tot = _warp_transpose_sum([acc[i] for i in range(P)], lane)
             if lane % (32 // P) == 0:
@@ -270,7 +279,14 @@ if HAVE_CUTE:
             wts4 = cute.zipped_divide(wts, (VEC,))
             for i in cutlass.range_constexpr(self.NCP // VEC):
                 cute.autovec_copy(sW4[(None, i)], wts4[(None, i)])
+            return wts
 
+        @cute.jit
+        def mix_and_store(self, gB: cute.Tensor, gO: cute.Tensor, b: Int32, tidx: Int32, lane: Int32, warp: Int32,
+                          vals: cute.Tensor, wts: cute.Tensor, nrm: cute.Tensor, tmp: cute.Tensor, red2: cute.Tensor):
+            """out = bf16(mix * rstd(mix) * input_norm) for this thread's slices: the mix of the resident candidates
+            `vals` (the R newest) and the plain blocks read again, weighted by `wts`."""
+            K, T = self.K, self.T
             # the mix (in place of the newest candidate's registers) and its sum of squares
             mss = Float32(0.0)
             for k in cutlass.range_constexpr(K):
