@@ -397,7 +397,8 @@ def test_oproj_early_modes_fall_back_where_the_rows_do_not_fit(monkeypatch):
 
 @needs_cute
 def test_oproj_split_form_needs_its_scratch(monkeypatch):
-    """The split AttnRes form refuses a missing, too small or non-fp32 scratch, and an unknown form by name."""
+    """The split AttnRes form (the default) refuses a missing, too small or non-fp32 scratch, and an unknown form by
+    name."""
     from kimi_decode.kernels.oproj_attn_res import compile_oproj_attn_res
 
     def call(parts):
@@ -406,7 +407,10 @@ def test_oproj_split_form_needs_its_scratch(monkeypatch):
                                args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=4,
                                delta_mode=1, eps=1e-5, ctas=132, parts=parts)
 
-    monkeypatch.setenv("KIMI_DECODE_OPROJ_RES", "split")
+    from kimi_decode.kernels.oproj_attn_res import res_mode
+
+    monkeypatch.delenv("KIMI_DECODE_OPROJ_RES", raising=False)
+    assert res_mode() == "split"  # the default
     for bad in (None, torch.zeros(132 * 16 - 1), torch.zeros(132 * 16, dtype=torch.int32)):
         with pytest.raises(ValueError, match="needs `parts`"):
             call(bad)
@@ -502,6 +506,40 @@ def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(
         shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
                   torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
         assert all(f is not None for f in compile_moe(*args, shared=shared))
+
+
+@needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
+    """The w2 kernel's shared down-projection CTAs at 16, 8 and 4 lanes per row: each its own variant, with 2, 4 and
+    8 rows per warp (so 2, 4 and 8 times fewer CTAs)."""
+    from kimi_decode.kernels.moe_mxfp4 import MoEW2SumShared, compile_moe
+
+    s = shard("k3", tp=tp, pad_experts=True)
+    L, H, S, bf = s.model.moe_latent, s.model.hidden, s_inter(tp), torch.bfloat16
+    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+    seen = set()
+    for lanes in ("32", "16", "8", "4"):
+        monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", lanes)
+        _, f2 = compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)
+        assert f2 is not None and f2 not in seen
+        seen.add(f2)
+        op = MoEW2SumShared(s.expert_inter_used, s.model.top_k, False, L, H, S, row_lanes=int(lanes))
+        assert op.n_shared == -(-H // (op.warps * (32 // int(lanes))))
+
+
+def test_shared_down_lanes_setting(monkeypatch):
+    """KIMI_DECODE_SHARED_DOWN_LANES: 32 lanes per row under auto, the value given otherwise; others refused."""
+    from kimi_decode.kernels.moe_mxfp4 import shared_down_lanes
+
+    monkeypatch.delenv("KIMI_DECODE_SHARED_DOWN_LANES", raising=False)
+    assert shared_down_lanes(384) == 32
+    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "8")
+    assert shared_down_lanes(384) == 8
+    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "2")
+    with pytest.raises(ValueError, match="KIMI_DECODE_SHARED_DOWN_LANES must be one of auto, 32, 16, 8, 4"):
+        shared_down_lanes(384)
 
 
 def test_w13_activation_setting(monkeypatch):

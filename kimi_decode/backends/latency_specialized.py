@@ -53,8 +53,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
   the fork).
 - the KDA output projection at batch 1 inside the AttnRes kernel after it (`kernels/oproj_attn_res.py`: the
-  projection's CTAs, then the last one runs the AttnRes step; the kernel launches under the `attn_res` stage, so the
-  `o_proj` stage has no kernel of its own there; `KIMI_DECODE_FUSED_O_RES=0`: two kernels);
+  projection's CTAs, each also doing the AttnRes step's per-element part for its rows, then the last one the
+  softmax and the mix (`KIMI_DECODE_OPROJ_RES=last`: all of the step in the last CTA); the kernel launches under the
+  `attn_res` stage, so the `o_proj` stage has no kernel of its own there; `KIMI_DECODE_FUSED_O_RES=0`: two kernels);
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).

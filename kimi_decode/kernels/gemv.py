@@ -70,12 +70,14 @@ if HAVE_CUTE:
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, parts: int = 0, eps: float = 0.0,
                      scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None,
-                     epi_early: bool = False, preload: int = 0):
+                     epi_early: bool = False, preload: int = 0, row_lanes: int = 32):
             """`warps` per CTA: WARPS for this kernel; a kernel that runs `project` in CTAs of its own size (the
             expert kernels, with the shared experts' GEMV CTAs beside theirs) passes that, and may set the warps
             per output row (`split`, a divisor of `warps`; else `split_for`'s). `preload`: slices per lane and row
             copied into shared memory before the PDL wait (under PDL only; the kernel allocates the buffer with
-            `allocate_preload`)."""
+            `allocate_preload`). `row_lanes` (32, 16, 8 or 4; below 32 without split-K): lanes per output row, so
+            a warp takes 32 // row_lanes rows side by side, for rows too short to keep a whole warp's loads busy
+            (the shared experts' down-projection: 384 or 768 of K)."""
             self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
             self.parts, self.eps, self.scaled = parts, eps, scaled
             self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
@@ -83,8 +85,11 @@ if HAVE_CUTE:
             self.epi_early = epi_early  # with `accumulate`: y (and the addend) read before the weight loop
             self.split = split if split is not None else split_for(2 * N if glu else N, K, warps)
             assert warps % self.split == 0
-            self.rows = warps // self.split  # output rows per CTA
-            self.iters = -(-(-(-K // (32 * VEC))) // self.split)  # iterations of one K slice
+            assert row_lanes in (32, 16, 8, 4) and (row_lanes == 32 or self.split == 1)
+            self.row_lanes = row_lanes
+            self.per_warp = 32 // row_lanes  # output rows side by side in a warp
+            self.rows = warps // self.split * self.per_warp  # output rows per CTA
+            self.iters = -(-(-(-K // (row_lanes * VEC))) // self.split)  # iterations of one K slice
             self.preload = min(preload, self.iters)
 
         def preloaded(self) -> int:
@@ -129,20 +134,26 @@ if HAVE_CUTE:
             allocator)."""
             lane = tidx % 32
             warp = tidx // 32
-            n = bidx * self.rows + warp // self.split
+            RL = self.row_lanes
+            rl = lane  # the lane's place in its row's lanes
+            if cutlass.const_expr(RL == 32):
+                n = bidx * self.rows + warp // self.split
+            else:
+                rl = lane % RL
+                n = bidx * self.rows + warp * self.per_warp + lane // RL
             part = warp % self.split
             P = self.preloaded()
             pdl_launch_dependents(self.pdl)
             if cutlass.const_expr(self.pdl):  # the weights do not depend on the previous kernel: start them
                 if n < N:
                     for it in cutlass.range_constexpr(gemv_prefetch_iters()):
-                        kk = (part * self.iters + it) * 32 + lane
+                        kk = (part * self.iters + it) * RL + rl
                         if kk * VEC < self.K:
                             prefetch_l2(gW[(None, (n, kk))])
             if cutlass.const_expr(P > 0):
                 if n < N:
                     for it in cutlass.range_constexpr(P):
-                        kk = (part * self.iters + it) * 32 + lane
+                        kk = (part * self.iters + it) * RL + rl
                         if kk * VEC < self.K:
                             copy_async_16(gW[(None, (n, kk))], sPre[(None, lane, it, warp)])
                             if cutlass.const_expr(self.glu):
@@ -167,7 +178,7 @@ if HAVE_CUTE:
             pre = cute.make_rmem_tensor((2 * self.M,), Float32)
             if cutlass.const_expr(self.accumulate and self.epi_early):
                 if n < N:
-                    if lane == 0:
+                    if rl == 0:
                         if part == 0:
                             for m in cutlass.range_constexpr(self.M):
                                 pre[m] = mY[m, n]
@@ -175,7 +186,7 @@ if HAVE_CUTE:
                                     pre[self.M + m] = mAdd[m, n].to(Float32)
             if n < N:
                 for it in cutlass.range(P, self.iters, unroll=4):
-                    kk = (part * self.iters + it) * 32 + lane
+                    kk = (part * self.iters + it) * RL + rl
                     if kk * VEC < self.K:
                         w = _regs(gW[(None, (n, kk))]).load().to(Float32)
                         u = w
@@ -186,7 +197,7 @@ if HAVE_CUTE:
                 cute.arch.cp_async_wait_group(0)
                 if n < N:
                     for it in cutlass.range_constexpr(P):
-                        kk = (part * self.iters + it) * 32 + lane
+                        kk = (part * self.iters + it) * RL + rl
                         if kk * VEC < self.K:
                             w = sPre[(None, lane, it, warp)].load().to(Float32)
                             u = w
@@ -194,9 +205,9 @@ if HAVE_CUTE:
                                 u = sPre[(None, lane, it, self.warps + warp)].load().to(Float32)
                             self.add_slice(acc, acc_up, w, u, gX, kk)
             for m in cutlass.range_constexpr(self.M):
-                acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
+                acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b, threads_in_group=RL)
                 if cutlass.const_expr(self.glu):
-                    acc_up[m] = cute.arch.warp_reduction(acc_up[m], lambda a, b: a + b)
+                    acc_up[m] = cute.arch.warp_reduction(acc_up[m], lambda a, b: a + b, threads_in_group=RL)
             if cutlass.const_expr(self.split > 1):
                 if lane == 0:
                     for m in cutlass.range_constexpr(self.M):
@@ -214,7 +225,7 @@ if HAVE_CUTE:
                                 total_up = total_up + red[warp + i, self.M + m]
                         acc[m] = total
                         acc_up[m] = total_up
-            if n < N and lane == 0 and part == 0:
+            if n < N and rl == 0 and part == 0:
                 for m in cutlass.range_constexpr(self.M):
                     if cutlass.const_expr(self.glu):
                         acc[m] = situ_glu(acc[m], acc_up[m])

@@ -500,13 +500,14 @@ if HAVE_CUTE:
                 self.tile(gX, ids, gW, w_scale, act, red, xbuf, q % self.tiles, q // self.tiles, tidx)
 
     class MoEW2SumShared(MoEW2Sum):
-        """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, one row per warp) in CTAs of
-        its own after the expert CTAs (batch 1)."""
+        """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, `row_lanes` lanes per row:
+        32 // row_lanes rows per warp) in CTAs of its own after the expert CTAs (batch 1)."""
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
-                     early: bool = True, chunk: int = 1, scale_words: bool = False):
+                     early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words)
-            self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps)
+            self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
+                                         row_lanes=row_lanes)
             self.tiles = latent // ROWS2
             self.H = hidden
             self.n_shared = -(-hidden // self.shared.rows)
@@ -700,6 +701,17 @@ def w13_x_once(tokens: int) -> bool:
     return raw != "0"
 
 
+SHARED_DOWN_LANES = ("32", "16", "8", "4")
+
+
+def shared_down_lanes(shared_inter: int) -> int:
+    """Lanes per output row of the shared experts' down-projection CTAs in the w2 kernel
+    (`KIMI_DECODE_SHARED_DOWN_LANES`: "auto", the default, or 32 / 16 / 8 / 4; a row of K = `shared_inter` is
+    shared_inter / 8 16-byte slices). auto: 32, one row per warp."""
+    raw = env_choice("KIMI_DECODE_SHARED_DOWN_LANES", "auto", ("auto", *SHARED_DOWN_LANES))
+    return 32 if raw == "auto" else int(raw)
+
+
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
@@ -733,8 +745,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                                  MoEW13ActShared(L, I, used, k, H, S, split, x_once),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, *signature(*a2)),
-                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words),
+        lanes = shared_down_lanes(S)
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, *signature(*a2)),
+                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
