@@ -530,13 +530,13 @@ def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_
 
 
 def test_shared_down_lanes_setting(monkeypatch):
-    """KIMI_DECODE_SHARED_DOWN_LANES: 32 lanes per row under auto, the value given otherwise; others refused."""
+    """KIMI_DECODE_SHARED_DOWN_LANES: 8 lanes per row under auto, the value given otherwise; others refused."""
     from kimi_decode.kernels.moe_mxfp4 import shared_down_lanes
 
     monkeypatch.delenv("KIMI_DECODE_SHARED_DOWN_LANES", raising=False)
+    assert shared_down_lanes(384) == shared_down_lanes(768) == 8
+    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "32")
     assert shared_down_lanes(384) == 32
-    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "8")
-    assert shared_down_lanes(384) == 8
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "2")
     with pytest.raises(ValueError, match="KIMI_DECODE_SHARED_DOWN_LANES must be one of auto, 32, 16, 8, 4"):
         shared_down_lanes(384)
