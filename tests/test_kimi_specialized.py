@@ -529,6 +529,31 @@ def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_
         assert op.n_shared == -(-H // (op.warps * (32 // int(lanes))))
 
 
+@needs_cute
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
+def test_moe_w13_with_its_weights_asked_of_l2_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
+    """KIMI_DECODE_W13_PREFETCH=1: the w13 kernel's own variant, plain and (at one token) with the shared experts'
+    gate/up CTAs; "0" (the default) is the kernel without it; other values are refused by name."""
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe, w13_prefetch
+
+    s = shard("k3", tp=tp, pad_experts=True)
+    args = _moe_args(s, batch)
+    monkeypatch.delenv("KIMI_DECODE_W13_PREFETCH", raising=False)
+    assert not w13_prefetch(batch)
+    f13, _ = compile_moe(*args)
+    monkeypatch.setenv("KIMI_DECODE_W13_PREFETCH", "1")
+    g13, _ = compile_moe(*args)
+    assert g13 is not None and g13 is not f13
+    if batch == 1:
+        S, H, bf = s_inter(tp), s.model.hidden, torch.bfloat16
+        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        assert all(f is not None for f in compile_moe(*args, shared=shared))
+    monkeypatch.setenv("KIMI_DECODE_W13_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_W13_PREFETCH must be one of 0, 1"):
+        compile_moe(*args)
+
+
 def test_shared_down_lanes_setting(monkeypatch):
     """KIMI_DECODE_SHARED_DOWN_LANES: 8 lanes per row under auto, the value given otherwise; others refused."""
     from kimi_decode.kernels.moe_mxfp4 import shared_down_lanes

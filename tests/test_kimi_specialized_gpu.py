@@ -331,6 +331,16 @@ def test_moe_mxfp4_with_fewer_w13_warps_matches_float64(monkeypatch, warps, tp, 
     _check_moe_mxfp4(tp, True, batch)
 
 
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
+def test_moe_mxfp4_with_the_w13_weights_asked_of_l2_first_matches_float64(monkeypatch, tp, batch):
+    """The w13 kernel with each lane's quads asked of L2 once the expert id is known (KIMI_DECODE_W13_PREFETCH=1),
+    in the two-kernel form and, at one token, with the shared experts' GEMVs in the expert kernels."""
+    monkeypatch.setenv("KIMI_DECODE_W13_PREFETCH", "1")
+    _check_moe_mxfp4(tp, True, batch)
+    if batch == 1:
+        test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, True, False)
+
+
 @pytest.mark.parametrize("x_once", ["0", "1"])
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 3), (16, 8), (8, 8)])
 def test_moe_mxfp4_with_the_w13_activations_converted_once_or_per_lane_matches_float64(monkeypatch, x_once, tp,
@@ -750,7 +760,8 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
                                  {"KIMI_DECODE_GEMV_PRELOAD": "64"}, {"KIMI_DECODE_OPROJ_EARLY": "smem"},
                                  {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"},
                                  {"KIMI_DECODE_W2_CHUNK": "1"}, {"KIMI_DECODE_W13_X_ONCE": "0"},
-                                 {"KIMI_DECODE_OPROJ_RES": "last"}, {"KIMI_DECODE_SHARED_DOWN_LANES": "32"}])
+                                 {"KIMI_DECODE_OPROJ_RES": "last"}, {"KIMI_DECODE_SHARED_DOWN_LANES": "32"},
+                                 {"KIMI_DECODE_W13_PREFETCH": "1"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
@@ -761,7 +772,8 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
     or the output projection's rows all in shared memory instead of its first rows in registers, also with the KDA
     kernel letting it launch only after reading its inputs, or the w2 kernel's weights one word per load, or the w13
     kernel's activations converted by every lane, or the AttnRes step after the output projection all in its last
-    CTA, or the shared down-projection's rows one to a warp: the A/B switches."""
+    CTA, or the shared down-projection's rows one to a warp, or the w13 weights asked of L2 first: the A/B
+    switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

@@ -32,7 +32,7 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, f
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
-                              pdl_wait, situ_glu, take_ticket, wait_count)
+                              pdl_wait, prefetch_l2, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -230,12 +230,16 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False):
+                     x_once: bool = False, prefetch: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
-            every lane converting its 8 activations of every group (8 lanes of a warp hold the same ones)."""
+            every lane converting its 8 activations of every group (8 lanes of a warp hold the same ones).
+            `prefetch` (`w13_prefetch`): once the expert id is known, each lane asks L2 for its slices of all of the
+            warp's quads, so that their loads, which ptxas places after the activations' staging (the first) and the
+            previous quad's mma (the others), find them there or on their way."""
             self.I, self.used, self.topk = inter, used, topk
+            self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
             self.x_once = x_once
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
@@ -301,6 +305,11 @@ if HAVE_CUTE:
             j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
+            if cutlass.const_expr(self.prefetch):
+                for it in cutlass.range_constexpr(self.per_warp):
+                    G0 = (warp * self.per_warp + it) * QUAD
+                    prefetch_l2(gW[(None, (e, j, G0 + t))])
+                    prefetch_l2(gW[(None, (e, self.I + j, G0 + t))])
             if cutlass.const_expr(self.x_once):
                 self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
@@ -461,8 +470,8 @@ if HAVE_CUTE:
         leave."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
-                     split: int = 1, x_once: bool = False):
-            super().__init__(latent, inter, used, topk, x_once=x_once)
+                     split: int = 1, x_once: bool = False, prefetch: bool = False):
+            super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
                                          warps=self.warps, split=split)
             self.tiles = used // ROWS13
@@ -701,6 +710,12 @@ def w13_x_once(tokens: int) -> bool:
     return raw != "0"
 
 
+def w13_prefetch(tokens: int) -> bool:
+    """Whether the per-pair w13 kernel asks L2 for each warp's later quads once the expert id is known
+    (`KIMI_DECODE_W13_PREFETCH`: "0", the default, or "1")."""
+    return env_choice("KIMI_DECODE_W13_PREFETCH", "0", ("0", "1")) == "1"
+
+
 SHARED_DOWN_LANES = ("32", "16", "8", "4")
 
 
@@ -724,15 +739,15 @@ def w2_early(tokens: int) -> bool:
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
                 counters=None, shared=None, shared_act_ready: bool = False):
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
-    early, x_once = w2_early(B), w13_x_once(B)
+    early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch(B)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        return compile_kernel(("moe_w13_act", used, cap, x_once, *signature(*a13)),
-                              MoEW13Act(L, I, used, k, cap, x_once),
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, *signature(*a13)),
+                              MoEW13Act(L, I, used, k, cap, x_once, pf),
                               *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
@@ -743,8 +758,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         else:
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
-            f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, *signature(*a13)),
-                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once),
+            f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, pf, *signature(*a13)),
+                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         lanes = shared_down_lanes(S)
