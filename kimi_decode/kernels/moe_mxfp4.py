@@ -711,8 +711,9 @@ def w13_x_once(tokens: int) -> bool:
 
 
 def w13_prefetch(tokens: int) -> bool:
-    """Whether the per-pair w13 kernel asks L2 for each warp's later quads once the expert id is known
-    (`KIMI_DECODE_W13_PREFETCH`: "0", the default, or "1")."""
+    """Whether the per-pair w13 kernel asks L2 for each lane's quads once the expert id is known
+    (`KIMI_DECODE_W13_PREFETCH`: "0", the default, or "1"). On the H200 (NOTES, v19) "1" was slower: the kernel's
+    own time 9.0 -> 9.8 us at TP16 and 12.7 -> 15.8 at TP8, batch 1."""
     return env_choice("KIMI_DECODE_W13_PREFETCH", "0", ("0", "1")) == "1"
 
 
