@@ -539,7 +539,7 @@ def test_moe_w13_with_its_weights_asked_of_l2_compiles_for_sm90a(sm90a_pdl, monk
     s = shard("k3", tp=tp, pad_experts=True)
     args = _moe_args(s, batch)
     monkeypatch.delenv("KIMI_DECODE_W13_PREFETCH", raising=False)
-    assert not w13_prefetch(batch)
+    assert not w13_prefetch()
     f13, _ = compile_moe(*args)
     monkeypatch.setenv("KIMI_DECODE_W13_PREFETCH", "1")
     g13, _ = compile_moe(*args)
@@ -559,12 +559,12 @@ def test_shared_down_lanes_setting(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4 import shared_down_lanes
 
     monkeypatch.delenv("KIMI_DECODE_SHARED_DOWN_LANES", raising=False)
-    assert shared_down_lanes(384) == shared_down_lanes(768) == 8
+    assert shared_down_lanes() == 8
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "32")
-    assert shared_down_lanes(384) == 32
+    assert shared_down_lanes() == 32
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "2")
     with pytest.raises(ValueError, match="KIMI_DECODE_SHARED_DOWN_LANES must be one of auto, 32, 16, 8, 4"):
-        shared_down_lanes(384)
+        shared_down_lanes()
 
 
 def test_w13_activation_setting(monkeypatch):

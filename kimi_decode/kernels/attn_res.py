@@ -246,21 +246,34 @@ if HAVE_CUTE:
             self.mix_and_store(gB, gO, b, tidx, lane, warp, vals, wts, nrm, tmp, red2)
 
         @cute.jit
+        def sums_to_smem(self, acc: cute.Tensor, lane: Int32, warp: Int32, red: cute.Tensor):
+            """The first half of a block reduction of the P sums `acc` of every thread: a transposing butterfly in
+            each warp, its totals into `red` [P, WS], then a barrier; `summed(red, i)` adds up sum i."""
+            P = self.P
+            tot = _warp_transpose_sum([acc[i] for i in range(P)], lane)
+            if lane % (32 // P) == 0:
+                red[(lane // (32 // P)) * self.WS + warp] = tot
+            cute.arch.barrier()
+
+        def summed(self, red: cute.Tensor, i):
+            """Sum i (< P) over the warps, from `sums_to_smem`'s `red` (a plain function, inlined)."""
+            t = Float32(0.0)
+            for w in range(self.W):
+                t = t + red[i * self.WS + w]
+            return t
+
+        @cute.jit
         def softmax_weights(self, acc: cute.Tensor, tidx: Int32, lane: Int32, warp: Int32, red: cute.Tensor,
                             sW: cute.Tensor, red2: cute.Tensor) -> cute.Tensor:
             """The softmax weights of the candidates, in every thread's registers, from each thread's partial sums
             `acc` (dots at [0, P/2), sums of squares at [P/2, P)); also zeroes red2's padding for `mix_and_store`."""
             NC, P = self.NC, self.P
             # one block reduction of all 2 NC sums: transposing butterfly, shared memory, warp 0 finishes
-            tot = _warp_transpose_sum([acc[i] for i in range(P)], lane)
-            if lane % (32 // P) == 0:
-                red[(lane // (32 // P)) * self.WS + warp] = tot
-            cute.arch.barrier()
+            self.sums_to_smem(acc, lane, warp, red)
             if warp == 0:
                 t = Float32(0.0)
                 if lane < P:
-                    for w in cutlass.range_constexpr(self.W):
-                        t = t + red[lane * self.WS + w]
+                    t = self.summed(red, lane)
                 ssq = cute.arch.shuffle_sync_down(t, offset=P // 2)
                 valid = lane < NC
                 score = _sel(valid, t * cute.math.rsqrt(ssq * Float32(1.0 / self.H) + Float32(self.eps)),

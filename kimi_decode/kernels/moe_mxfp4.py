@@ -710,7 +710,7 @@ def w13_x_once(tokens: int) -> bool:
     return raw != "0"
 
 
-def w13_prefetch(tokens: int) -> bool:
+def w13_prefetch() -> bool:
     """Whether the per-pair w13 kernel asks L2 for each lane's quads once the expert id is known
     (`KIMI_DECODE_W13_PREFETCH`: "0", the default, or "1"). On the H200 (NOTES, v19) "1" was slower: the kernel's
     own time 9.0 -> 9.8 us at TP16 and 12.7 -> 15.8 at TP8, batch 1."""
@@ -720,10 +720,10 @@ def w13_prefetch(tokens: int) -> bool:
 SHARED_DOWN_LANES = ("32", "16", "8", "4")
 
 
-def shared_down_lanes(shared_inter: int) -> int:
+def shared_down_lanes() -> int:
     """Lanes per output row of the shared experts' down-projection CTAs in the w2 kernel
-    (`KIMI_DECODE_SHARED_DOWN_LANES`: "auto", the default, or 32 / 16 / 8 / 4; a row of K = `shared_inter` is
-    shared_inter / 8 16-byte slices). auto: 8, four rows per warp, each lane 6 (TP16) or 12 (TP8) slices of a row;
+    (`KIMI_DECODE_SHARED_DOWN_LANES`: "auto", the default, or 32 / 16 / 8 / 4; a row of K = the shared intermediate
+    width is K / 8 16-byte slices). auto: 8, four rows per warp, each lane 6 (TP16) or 12 (TP8) slices of a row;
     on the H200 (NOTES, v19) 0.7 / 1.0 us per layer faster than one row per warp at TP16 / TP8, and even with 4
     lanes per row."""
     raw = env_choice("KIMI_DECODE_SHARED_DOWN_LANES", "auto", ("auto", *SHARED_DOWN_LANES))
@@ -740,7 +740,7 @@ def w2_early(tokens: int) -> bool:
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
                 counters=None, shared=None, shared_act_ready: bool = False):
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
-    early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch(B)
+    early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch()
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
 
@@ -763,7 +763,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                                  MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
-        lanes = shared_down_lanes(S)
+        lanes = shared_down_lanes()
         f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes),
                             *(fake_like(t, align=16) for t in a2))

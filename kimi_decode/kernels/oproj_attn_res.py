@@ -35,7 +35,7 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, f
 if HAVE_CUTE:
     from cutlass import BFloat16, Float32, Int32
 
-    from .attn_res import AttnRes, _load4, _warp_transpose_sum
+    from .attn_res import AttnRes, _load4
     from .cute_common import copy_async_16, last_cta, pdl_launch_dependents, pdl_reads_ahead, pdl_wait
 
 VEC = 8  # bf16 per 16-byte load
@@ -61,7 +61,6 @@ if HAVE_CUTE:
         def __init__(self, hidden: int, K: int, ctas: int, n_blocks: int, delta_mode: int, eps: float,
                      early: str = "smem", split: bool = False):
             self.res = AttnRes(hidden, n_blocks, False, delta_mode, True, eps)
-            self.delta_mode = delta_mode
             self.res.pdl = False  # the fused kernel waits for the previous one itself
             self.H, self.K, self.ctas = hidden, K, ctas
             self.T = self.res.T
@@ -185,7 +184,7 @@ if HAVE_CUTE:
             nn = cutlass.min(n, self.H - 1)
             for s in range(self.res.NB):
                 cs[s] = mB[0, s, nn]
-            if self.delta_mode == 1:
+            if self.res.delta_mode == 1:
                 cs[self.res.NB] = mP[0, nn]
             qk[0] = mQ[nn] * mK[nn]
 
@@ -196,7 +195,7 @@ if HAVE_CUTE:
             of the score sums (dots at [0, P/2), sums of squares at [P/2, P)) into mParts[bidx]."""
             NB, NC, P = self.res.NB, self.res.NC, self.res.P
             a = mine.to(BFloat16).to(Float32)  # a as stored (bf16), as the "last" form reads it
-            if cutlass.const_expr(self.delta_mode == 1):
+            if cutlass.const_expr(self.res.delta_mode == 1):
                 cs[NB] = cs[NB] + a
             else:
                 cs[NB] = a
@@ -208,15 +207,9 @@ if HAVE_CUTE:
                     for s in cutlass.range_constexpr(NC):
                         acc[s] = cs[s] * qk[0]
                         acc[P // 2 + s] = cs[s] * cs[s]
-            tot = _warp_transpose_sum([acc[i] for i in range(P)], lane)
-            if lane % (32 // P) == 0:
-                red[(lane // (32 // P)) * self.res.WS + warp] = tot
-            cute.arch.barrier()
+            self.res.sums_to_smem(acc, lane, warp, red)
             if tidx < P:
-                t = Float32(0.0)
-                for w in cutlass.range_constexpr(self.W):
-                    t = t + red[tidx * self.res.WS + w]
-                mParts[bidx, tidx] = t
+                mParts[bidx, tidx] = self.res.summed(red, tidx)
 
         @cute.jit
         def finish(self, gB: cute.Tensor, gP: cute.Tensor, gN: cute.Tensor, gO: cute.Tensor, mParts: cute.Tensor,
