@@ -27,7 +27,8 @@
 # oprojlate (batch 1, the output projection's first rows after the wait), ab (latency_specialized once per setting
 # in AB_ENVS), capture-ab (a batch-1 capture per setting in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels, or NCU_KERNELS, at batch NCU_BATCH (default 1),
-# TP NCU_TP, default 8).
+# TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1). AB_LIMIT: seconds per ab
+# setting (default 70).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -210,8 +211,11 @@ for name in "$@"; do
       for setting in ${AB_ENVS:-}; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
         (IFS=','; for kv in $setting; do export "$kv"; done; IFS=$' \t\n'
-         bench "ab $setting" 70 "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 --batch ${AB_BATCHES:-1})
+         bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 \
+           --batch ${AB_BATCHES:-1})
       done ;;
+    chain)  # the layer's bytes as pure streaming reads in its kernel structure (benchmarks/stream_chain.py)
+      step chain 150 python3 benchmarks/stream_chain.py --tp 16 8 --batch ${CHAIN_BATCHES:-1} --json "$OUT/chain.json" ;;
     capture-ab)  # latency_specialized batch 1 captures at CAPTURE_TP (default 16) once per setting in AB_ENVS, for
       # benchmarks/per_kernel.py
       for setting in ${AB_ENVS:-}; do

@@ -637,6 +637,52 @@ def test_rmsnorm_compiles_for_sm90a(sm90a, batch):
         rmsnorm_rows(x, torch.empty(m.moe_latent), torch.empty(batch, m.moe_latent), 1e-5)
 
 
+@needs_cute
+@pytest.mark.parametrize("batch", [9, 16, 64])
+@pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
+def test_routed_norm_compiles_for_sm90a(sm90a, batch, hidden):
+    from kimi_decode.kernels import cute_common as cc
+    from kimi_decode.kernels.rmsnorm import RoutedNorm
+
+    m = shard("k3", tp=16).model
+    x = torch.empty(batch * m.top_k, m.moe_latent)
+    out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
+    res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
+    assert cc.compile_kernel(("rn", batch, hidden), RoutedNorm(m.moe_latent, 1e-5, m.top_k, hidden),
+                             *(cc.fake_like(t, align=16 if t is x else 4)
+                               for t in (x, torch.empty(m.moe_latent), out, res, add))) is not None
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(pairs=torch.empty(4, 3584)), "pairs \\[B, k, W\\]"),
+    (dict(out=torch.empty(4, 3584)), "bf16 out"),
+    (dict(pairs=torch.empty(4, 16, 3582), weight=torch.empty(3582), out=torch.empty(4, 3582, dtype=torch.bfloat16)),
+     "multiple of 4"),
+    (dict(out=torch.empty(5, 3584, dtype=torch.bfloat16)), "out \\[B, W\\]"),
+    (dict(residual=(torch.empty(4, 7168), torch.empty(4, 7168))), "residual"),
+    (dict(residual=(torch.empty(3, 7168), torch.empty(3, 7168, dtype=torch.bfloat16))), "residual"),
+])
+def test_routed_norm_refuses_what_it_cannot_take(bad, match):
+    from kimi_decode.kernels.rmsnorm import routed_norm
+
+    args = dict(pairs=torch.empty(4, 16, 3584), weight=torch.empty(3584),
+                out=torch.empty(4, 3584, dtype=torch.bfloat16), residual=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        routed_norm(args["pairs"], args["weight"], args["out"], 1e-5, residual=args["residual"])
+
+
+def test_routed_norm_setting_is_validated(monkeypatch):
+    from kimi_decode.backends.latency_specialized import routed_norm_on
+
+    assert routed_norm_on()
+    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM", "0")
+    assert not routed_norm_on()
+    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_ROUTED_NORM"):
+        routed_norm_on()
+
+
 def test_gemv_split_k_only_for_few_rows():
     from kimi_decode.kernels.gemv import WARPS, split_for
 

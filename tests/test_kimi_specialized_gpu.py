@@ -132,6 +132,17 @@ def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [16, 64])
+def test_specialized_layer_with_the_reduce_then_norm_tail_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_ROUTED_NORM=0: the grouped experts' pairs summed before the MoE tail, and the tail of before
+    (the norm kernel and the projection up to 16 rows, the generic tail above), as A/B runs time it."""
+    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM", "0")
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=3200 + tp + batch, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_specialized_layer_without_overlap_matches_reference(monkeypatch, tp, batch):
     """The MoE block's router and shared experts in order on one stream (KIMI_DECODE_OVERLAP=0), as A/B timing runs
@@ -483,6 +494,35 @@ def test_rmsnorm_rows_matches_float64(batch):
     xd = x.double()
     want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("batch, k, width", [(9, 16, 3584), (16, 16, 3584), (64, 16, 3584), (5, 3, 128),
+                                             (2, 1, 132)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "norm+residual"])
+def test_routed_norm_matches_float64(batch, k, width, with_residual):
+    """The MoE tail's norm of the grouped experts' per-pair outputs: the k pair rows of each token summed, RMSNorm
+    times its weight, bf16 (poisoned first), and with a residual the shared output added into it (other width), against
+    float64. At width 3584 (896 16-byte groups over 256 threads) the threads' last groups lie partly past the row, at
+    128 and 132 most threads hold none."""
+    from kimi_decode.kernels.rmsnorm import routed_norm
+
+    g = torch.Generator(device="cuda").manual_seed(800 + batch + k + width)
+    pairs = torch.randn(batch, k, width, device="cuda", generator=g) * 3
+    w = 1 + 0.1 * torch.randn(width, device="cuda", generator=g)
+    out = torch.full((batch, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    H = 2 * width + 8
+    res = torch.randn(batch, H, device="cuda", generator=g)
+    add = torch.randn(batch, H, device="cuda", generator=g).to(torch.bfloat16)
+    res0 = res.clone()
+    routed_norm(pairs, w, out, 1e-5, residual=(res, add) if with_residual else None)
+    x = pairs.double().sum(1)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert not out.isnan().any()
+    assert rel_err(out, want) < 1e-2
+    if with_residual:
+        assert rel_err(res, res0.double() + add.double()) < 1e-6
+    else:
+        assert torch.equal(res, res0)
 
 
 @pytest.mark.parametrize("tp", [16, 8])

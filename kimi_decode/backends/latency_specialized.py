@@ -41,9 +41,13 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   pairs at a time (`kernels/moe_mxfp4_grouped.py`);
 - the MoE tail: up to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes
   beside the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the
-  residual in its epilogue; at batches 9..16 (the grouped experts) or with a cross-rank all-reduce of the routed
-  sum in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`) before the projection; above 16 rows
-  the generic tail;
+  residual in its epilogue; with the grouped experts (batches 9..64) and no cross-rank all-reduce of the routed
+  sum in between, one kernel adds each token's k per-pair outputs and normalises them (`rmsnorm.routed_norm`), then
+  up to 16 rows the projection adds the result and the shared experts' output into the residual, above that the
+  norm's kernel adds the shared output and one cuBLAS GEMM accumulates into the residual (2 kernels where the generic
+  tail has 6; `KIMI_DECODE_ROUTED_NORM=0`: the routed sum reduced first and the tail as before); with the all-reduce
+  in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`) before the projection up to 16 rows, and
+  the generic tail above;
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
@@ -100,6 +104,13 @@ def grouped_from() -> int:
         raise ValueError(f"KIMI_DECODE_GROUPED_FROM must be a batch in 2..{GEMV_MAX_ROWS + 1}, not {raw!r}")
     return int(raw)
 
+def routed_norm_on() -> bool:
+    """KIMI_DECODE_ROUTED_NORM ("1", the default, or "0"): whether the MoE tail after the grouped experts sums their
+    per-pair outputs inside its RMSNorm kernel (`rmsnorm.routed_norm`); "0" keeps the reduce-then-norm tail, for
+    A/B runs."""
+    return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM", "1", ("0", "1")) == "1"
+
+
 FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and the rest of this class up to here
 # Projections by rows (benchmarks/NOTES.md, v10): below TC_MIN_ROWS the CUDA-core GEMV; from there the plain ones
 # on cuBLAS, as `auto` (its pipelined split-K GEMM streamed 2.7-3.3 TB/s from 4 rows on, our tensor-core kernel
@@ -140,6 +151,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._kda_fast = False
         self._mlp_fast = False
         self._fused_norm = False
+        self._pairs_to_tail = False
         self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
@@ -236,6 +248,9 @@ class LatencySpecializedBackend(AutoBackend):
         # per-pair expert kernels write its partial sums (below the grouped kernels' batches)
         self._grouped_from = grouped_from()
         self._fused_norm = self._mlp_fast and not reduced and batch < self._grouped_from
+        # above it the tail takes the grouped kernels' per-pair outputs and sums them in its norm kernel
+        self._pairs_to_tail = (self._mlp_fast and self._experts_fast and not reduced and batch >= self._grouped_from
+                               and routed_norm_on())
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
                             and not reduced)
@@ -512,7 +527,8 @@ class LatencySpecializedBackend(AutoBackend):
             align = self.expert_alignment(ids)
             return moe_mxfp4_grouped(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
-                                     pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device))
+                                     pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device),
+                                     summed=not self._pairs_to_tail)
         if self._mlp_fast:  # the expert kernels are latency-bound at small batch; the tail GEMV comes next
             self._prefetch(w.up)
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)
@@ -526,10 +542,20 @@ class LatencySpecializedBackend(AutoBackend):
                          counters=counters, shared=shared, shared_act_ready=glu_in_entry)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
-        if not (self._mlp_fast and self._cute_rows(routed.shape[0])):
+        if not (self._mlp_fast and (self._cute_rows(routed.shape[0]) or routed.dim() == 3)):
             return super().moe_tail(routed, shared, w, res, shard)
-        from ..kernels.rmsnorm import rmsnorm_rows
+        from ..kernels.rmsnorm import rmsnorm_rows, routed_norm
 
+        if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L]: summed in the norm's kernel
+            B, _, L = routed.shape
+            normed = self._empty(B, L, device=routed.device)
+            if self._cute_rows(B):
+                routed_norm(routed, w.latent_norm, normed, shard.model.rms_eps)
+                self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
+            else:
+                routed_norm(routed, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared))
+                torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
+            return
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
             self._project(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
                           row_scale=(self._ssq, shard.model.rms_eps))

@@ -257,11 +257,12 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
 
 
 def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, align, act=None,
-                      pair_out=None):
+                      pair_out=None, summed: bool = True):
     """Routed experts of one rank, each selected expert read once: latent [B, L] bf16, ids [B, k] int32, weights
     [B, k] fp32, `align` the four int32 [B*k] outputs of `moe_align(ids)` (order, segment start, length, expert)
-    -> [B, L] fp32, the weighted sum over each token's k experts. `act` [B*k, used] fp16 and `pair_out`
-    [B*k, L] fp32 may be given (overwritten)."""
+    -> [B, L] fp32, the weighted sum over each token's k experts, or without `summed` the routing-weighted outputs
+    per pair [B, k, L] (for a consumer that adds them itself, `rmsnorm.routed_norm`). `act` [B*k, used] fp16 and
+    `pair_out` [B*k, L] fp32 may be given (overwritten)."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -271,4 +272,4 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     launch(f13, *a13)
     launch(f2, *a2)
-    return pair_out.view(B, k, L).sum(1)
+    return pair_out.view(B, k, L).sum(1) if summed else pair_out.view(B, k, L)

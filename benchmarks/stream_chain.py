@@ -1,0 +1,219 @@
+"""How close to the HBM floor can a decode layer's bytes come on this GPU, read in the layer's kernel structure?
+
+A pure streaming read (each thread keeps `UNROLL` 16-byte loads in flight; no arithmetic but an XOR) stands in for
+each kernel of a `latency_specialized` KDA + MoE layer, reading exactly that kernel's bytes, cold in L2 (buffer
+copies rotate between replays). The chain is timed as one CUDA graph in four forms:
+
+- `fused`: all of the layer's bytes in one kernel (one stream of loads, no kernel boundary);
+- `serial`: one kernel per stage of the layer, each starting when the one before has ended;
+- `pdl-wait`: the same under programmatic dependent launch, each kernel waiting for the one before at its start
+  (the launch is hidden, the loads are not);
+- `pdl-early`: each kernel issues all its loads before it waits (weights do not depend on the kernel before, only
+  the activations do): the best a chain of these kernels can do.
+
+Medians of graph replays timed with CUDA events; % of floor = bytes / 4.3 TB/s over the time. Since the real kernels
+also compute and wait on dependent loads, these are upper bounds on what the layer's kernels can reach.
+
+    python benchmarks/stream_chain.py --tp 16 8 --batch 1 8 64 [--replays 100 --copies 3] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kimi_decode.config import shard  # noqa: E402
+from kimi_decode.kernels.cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, fake_like,  # noqa: E402
+                                             launch, signature, sm_count)
+
+HBM_BYTES_PER_S = 4.3e12
+THREADS = 256
+UNROLL = 8  # 16-byte loads in flight per thread: 32 KB per CTA
+CTAS_PER_SM = 4
+MODES = ("fused", "serial", "pdl-wait", "pdl-early")
+# distinct experts the benchmark's router selects at layer 1 (from `kimi_decode.bench`'s weight bytes, both shards)
+DISTINCT_SEEN = {1: 16, 8: 101, 64: 300}
+
+
+def plan(nbytes: int, sms: int) -> tuple[int, int]:
+    """(CTAs, iterations) of a read of at least `nbytes`: each CTA iteration reads THREADS x UNROLL x 16 bytes; at
+    most CTAS_PER_SM CTAs per SM, with as few iterations as cover the bytes."""
+    per_cta_iter = THREADS * UNROLL * 16
+    chunks = max(1, -(-nbytes // per_cta_iter))
+    iters = max(1, -(-chunks // (sms * CTAS_PER_SM)))
+    return -(-chunks // iters), iters
+
+
+if HAVE_CUTE:
+    from cutlass import Int32
+
+    from kimi_decode.kernels.cute_common import load4
+
+    class StreamRead:
+        """XOR of every 16-byte vector of `data` [vectors, 4] int32, one result per thread into `out`."""
+
+        def __init__(self, ctas: int, iters: int, mode: str):
+            self.ctas, self.iters, self.mode = ctas, iters, mode
+
+        @cute.jit
+        def __call__(self, data: cute.Tensor, out: cute.Tensor, stream):
+            self.kernel(data, out).launch(grid=[self.ctas, 1, 1], block=[THREADS, 1, 1], stream=stream,
+                                          use_pdl=self.mode != "serial")
+
+        @cute.kernel
+        def kernel(self, data: cute.Tensor, out: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            if cutlass.const_expr(self.mode != "serial"):
+                cute.arch.griddepcontrol_launch_dependents()
+            if cutlass.const_expr(self.mode == "pdl-wait"):
+                cute.arch.griddepcontrol_wait()
+            first = bidx * (THREADS * UNROLL) + tidx
+            acc = Int32(0)
+            for it in cutlass.range(self.iters, unroll=1):
+                base = first + it * (self.ctas * THREADS * UNROLL)
+                vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
+                for v in vals:
+                    acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
+            if cutlass.const_expr(self.mode == "pdl-early"):
+                cute.arch.griddepcontrol_wait()
+            out[bidx * THREADS + tidx] = acc
+
+
+def compile_read(data: torch.Tensor, out: torch.Tensor, ctas: int, iters: int, mode: str):
+    """The read of `data` ([ctas x iters x THREADS x UNROLL, 4] int32) by `ctas` CTAs in `mode`, compiled once."""
+    if mode not in MODES[1:]:
+        raise ValueError(f"mode must be one of {MODES[1:]}, not {mode!r}")
+    if data.shape != (ctas * iters * THREADS * UNROLL, 4) or out.shape != (ctas * THREADS,):
+        raise ValueError("data must be [ctas * iters * THREADS * UNROLL, 4] and out [ctas * THREADS]")
+    return compile_kernel(("stream_read", ctas, iters, mode, *signature(data, out)),
+                          StreamRead(ctas, iters, mode), fake_like(data), fake_like(out))
+
+
+def distinct_experts(batch: int, experts: int = 896, top_k: int = 16) -> int:
+    """Distinct experts a batch reads: as the benchmark's routing selects them where seen, else the expectation under
+    uniform routing."""
+    if batch in DISTINCT_SEEN:
+        return DISTINCT_SEEN[batch]
+    return round(experts * (1 - (1 - top_k / experts) ** batch))
+
+
+def stages(tp: int, batch: int, distinct: int | None = None) -> list[tuple[str, int]]:
+    """The bytes each kernel of a `latency_specialized` KDA + MoE layer (layer 1: one completed block) must move at
+    this shard and batch, reading `distinct` experts (default `distinct_experts`)."""
+    s = shard("k3", tp=tp)
+    m = s.model
+    H, L = m.hidden, m.moe_latent
+    inter, shared = s.expert_inter_used, s.shared_inter
+    heads, dim = s.kda_heads, s.kda_dim
+    candidates = 2 * batch * H * 4  # the completed block and the partial, fp32
+    if distinct is None:
+        distinct = distinct_experts(batch, m.num_experts, m.top_k)
+    expert13 = 2 * inter * (L // 2 + L // 32)
+    expert2 = L * (inter // 2 + inter // 32)
+    return [
+        ("attn_res", candidates + 2 * H * 4),
+        ("in_proj", s.kda_in_proj_rows * H * 2),
+        ("kda", 2 * batch * heads * 128 * 128 * 4 + dim * 128 * 2),
+        ("o_proj+attn_res", H * dim * 2 + candidates + 2 * H * 4),
+        ("entry", (m.num_experts + L + 2 * shared) * H * 2),
+        ("w13", distinct * expert13),
+        ("w2+shared_down", distinct * expert2 + H * shared * 2),
+        ("tail", H * L * 2),
+    ]
+
+
+class Chain:
+    """The stages' reads in one mode, `copies` buffer sets, one CUDA graph per set."""
+
+    def __init__(self, sizes: list[int], mode: str, copies: int, sms: int):
+        if mode == "fused":
+            sizes = [sum(sizes)]
+        self.bytes = 0
+        self.graphs = []
+        kernel_mode = "serial" if mode == "fused" else mode
+        for _ in range(copies):
+            reads = []
+            for n in sizes:
+                ctas, iters = plan(n, sms)
+                data = torch.randint(-2**31, 2**31 - 1, (ctas * iters * THREADS * UNROLL, 4), dtype=torch.int32,
+                                     device="cuda")
+                out = torch.empty(ctas * THREADS, dtype=torch.int32, device="cuda")
+                reads.append((compile_read(data, out, ctas, iters, kernel_mode), data, out))
+            self.bytes = sum(d.numel() * 4 for _, d, _ in reads)
+            for fn, data, out in reads:  # warm-up (and module load) outside the capture
+                launch(fn, data, out)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for fn, data, out in reads:
+                    launch(fn, data, out)
+            self.graphs.append((g, reads))
+
+    def time_us(self, replays: int, warmup: int = 5) -> float:
+        for r in range(warmup):
+            self.graphs[r % len(self.graphs)][0].replay()
+        # the GPU busy while the replays are queued: each event pair then times the GPU's work, not the launches
+        torch.cuda._sleep(100_000_000)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+        for r, (a, b) in enumerate(events):
+            a.record()
+            self.graphs[r % len(self.graphs)][0].replay()
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[16, 8])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--copies", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--no-alone", dest="alone", action="store_false", help="skip timing each stage alone")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not HAVE_CUTE:
+        print("stream_chain: needs a CUDA device and nvidia-cutlass-dsl", file=sys.stderr)
+        return 2
+    sms = sm_count()
+    rows = []
+    for tp in args.tp:
+        for batch in args.batch:
+            st = stages(tp, batch)
+            sizes = [n for _, n in st]
+            for name, n in st if args.alone else []:  # each stage alone: its own ceiling
+                c = Chain([n], "serial", args.copies, sms)
+                us = c.time_us(args.replays)
+                rows.append({"tp": tp, "batch": batch, "what": name, "mode": "alone", "kernels": 1,
+                             "bytes": c.bytes, "us": round(us, 2),
+                             "pct_floor": round(100 * c.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)})
+                del c
+            for mode in args.modes:
+                c = Chain(sizes, mode, args.copies, sms)
+                us = c.time_us(args.replays)
+                rows.append({"tp": tp, "batch": batch, "what": "layer", "mode": mode,
+                             "kernels": 1 if mode == "fused" else len(sizes), "bytes": c.bytes, "us": round(us, 2),
+                             "pct_floor": round(100 * c.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)})
+                del c
+            torch.cuda.empty_cache()
+    print(f"{'tp':>3}{'batch':>6}  {'what':<16}{'mode':<10}{'kernels':>8}{'MB':>9}{'us':>9}{'% floor':>9}")
+    for r in rows:
+        print(f"{r['tp']:>3}{r['batch']:>6}  {r['what']:<16}{r['mode']:<10}{r['kernels']:>8}"
+              f"{r['bytes'] / 1e6:>9.2f}{r['us']:>9.2f}{r['pct_floor']:>9.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name(), "sms": sms,
+                                                        "threads": THREADS, "unroll": UNROLL},
+                                               "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
