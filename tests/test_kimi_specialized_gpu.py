@@ -502,8 +502,8 @@ def test_rmsnorm_rows_matches_float64(batch):
 def test_routed_norm_matches_float64(batch, k, width, with_residual):
     """The MoE tail's norm of the grouped experts' per-pair outputs: the k pair rows of each token summed, RMSNorm
     times its weight, bf16 (poisoned first), and with a residual the shared output added into it (other width), against
-    float64. At width 3584 (896 16-byte groups over 256 threads) the threads' last groups lie partly past the row, at
-    128 and 132 most threads hold none."""
+    float64. At every width some of the 1024 threads hold no 16-byte group of the row (896 groups at 3584, 32 and 33
+    at 128 and 132), and the residual's 7176 / 264 / 272 columns end partway through the threads' last pass."""
     from kimi_decode.kernels.rmsnorm import routed_norm
 
     g = torch.Generator(device="cuda").manual_seed(800 + batch + k + width)

@@ -4,11 +4,11 @@ Each thread keeps its slice of the row in registers between the sum of squares a
 read once; the block sum goes through warp shuffles and one shared-memory step.
 
 `routed_norm` is the same norm for the grouped expert kernels' output, which comes per (token, expert) pair: each CTA
-first adds its token's k pair rows (16-byte loads, all of a thread's loads independent, the terms added in a fixed
-order, so the result does not depend on timing), and optionally adds the shared experts' output into the residual
-(`residual += addend`, another width), so that the MoE tail above the tensor-core projection's rows is this kernel and
-one cuBLAS GEMM accumulating into the residual, where the generic tail runs six kernels (sum over k, norm, cast,
-GEMM, two adds).
+first adds its token's k pair rows (1024 threads, a 16-byte group of the row each, all of its k loads independent,
+the terms added in a fixed order, so the result does not depend on timing), and optionally adds the shared experts'
+output into the residual (`residual += addend`, another width), so that the MoE tail above the tensor-core
+projection's rows is this kernel and one cuBLAS GEMM accumulating into the residual, where the generic tail runs six
+kernels (sum over k, norm, cast, GEMM, two adds).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_wait
 
 THREADS = 256
+ROUTED_THREADS = 1024  # `RoutedNorm`: a 3584-wide row is 896 16-byte groups, one per thread, all k loads in flight
 
 if HAVE_CUTE:
     from cutlass import Float32
@@ -73,14 +74,14 @@ if HAVE_CUTE:
         def __init__(self, width: int, eps: float, terms: int, hidden: int):
             self.W, self.eps, self.terms, self.H = width, eps, terms, hidden
             self.groups = width // 4  # 16-byte groups of a row
-            self.per_thread = -(-self.groups // THREADS)
-            self.per_thread_h = -(-hidden // THREADS)
+            self.per_thread = -(-self.groups // ROUTED_THREADS)
+            self.per_thread_h = -(-hidden // ROUTED_THREADS)
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add: cute.Tensor,
                      stream):
             gX = cute.zipped_divide(x, (1, 4))  # ((1, 4), (pairs, W / 4))
-            self.kernel(gX, w, out, res, add).launch(grid=[out.shape[0], 1, 1], block=[THREADS, 1, 1],
+            self.kernel(gX, w, out, res, add).launch(grid=[out.shape[0], 1, 1], block=[ROUTED_THREADS, 1, 1],
                                                      stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
@@ -89,10 +90,19 @@ if HAVE_CUTE:
             row, _, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
+            # the residual's new values first, all loads before any store (a store between them would keep the
+            # compiler from issuing the next loads early: one round trip per element)
+            upd = cute.make_rmem_tensor((max(self.per_thread_h, 1),), Float32)
+            if cutlass.const_expr(self.H > 0):
+                for i in cutlass.range_constexpr(self.per_thread_h):
+                    c = tidx + ROUTED_THREADS * i
+                    upd[i] = Float32(0.0)
+                    if c < self.H:
+                        upd[i] = res[row, c] + add[row, c].to(Float32)
             acc = cute.make_rmem_tensor((self.per_thread * 4,), Float32)
             ss = Float32(0.0)
             for i in cutlass.range_constexpr(self.per_thread):
-                g = tidx + THREADS * i
+                g = tidx + ROUTED_THREADS * i
                 for c in cutlass.range_constexpr(4):
                     acc[4 * i + c] = Float32(0.0)
                 if g < self.groups:
@@ -104,21 +114,21 @@ if HAVE_CUTE:
                     ss = ss + acc[4 * i + c] * acc[4 * i + c]
             if cutlass.const_expr(self.H > 0):
                 for i in cutlass.range_constexpr(self.per_thread_h):
-                    c = tidx + THREADS * i
+                    c = tidx + ROUTED_THREADS * i
                     if c < self.H:
-                        res[row, c] = res[row, c] + add[row, c].to(Float32)
+                        res[row, c] = upd[i]
             ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout(ROUTED_THREADS // 32), 16)
             if tidx % 32 == 0:
                 red[tidx // 32] = ss
             cute.arch.barrier()
             total = Float32(0.0)
-            for i in cutlass.range_constexpr(THREADS // 32):
+            for i in cutlass.range_constexpr(ROUTED_THREADS // 32):
                 total = total + red[i]
             scale = cute.math.rsqrt(total / Float32(self.W) + Float32(self.eps))
             for i in cutlass.range_constexpr(self.per_thread):
-                g = tidx + THREADS * i
+                g = tidx + ROUTED_THREADS * i
                 if g < self.groups:
                     for c in cutlass.range_constexpr(4):
                         out[row, 4 * g + c] = (acc[4 * i + c] * scale * w[4 * g + c]).to(out.element_type)
