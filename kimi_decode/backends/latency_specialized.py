@@ -104,12 +104,16 @@ def grouped_from() -> int:
         raise ValueError(f"KIMI_DECODE_GROUPED_FROM must be a batch in 2..{GEMV_MAX_ROWS + 1}, not {raw!r}")
     return int(raw)
 
+
 def routed_norm_on() -> bool:
     """KIMI_DECODE_ROUTED_NORM ("1", the default, or "0"): whether the MoE tail after the grouped experts sums their
     per-pair outputs inside its RMSNorm kernel (`rmsnorm.routed_norm`); "0" keeps the reduce-then-norm tail, for
     A/B runs."""
     return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM", "1", ("0", "1")) == "1"
 
+
+# bf16 x bf16 -> fp32 accumulated into an fp32 C by one cuBLAS GEMM (torch's `addmm(..., out_dtype=)`, torch 2.9+)
+_ADDMM_FP32_OUT = "out_dtype" in (torch.addmm.__doc__ or "")
 
 FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and the rest of this class up to here
 # Projections by rows (benchmarks/NOTES.md, v10): below TC_MIN_ROWS the CUDA-core GEMV; from there the plain ones
@@ -554,7 +558,10 @@ class LatencySpecializedBackend(AutoBackend):
                 self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
             else:
                 routed_norm(routed, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared))
-                torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
+                if _ADDMM_FP32_OUT:
+                    torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
+                else:  # an older torch: the GEMM's bf16 output added in a kernel of its own
+                    res.partial.add_(self.linear(normed, w.up))
             return
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
             self._project(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
