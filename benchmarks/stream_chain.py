@@ -9,7 +9,11 @@ copies rotate between replays). The chain is timed as one CUDA graph in four for
 - `pdl-wait`: the same under programmatic dependent launch, each kernel waiting for the one before at its start
   (the launch is hidden, the loads are not);
 - `pdl-early`: each kernel issues all its loads before it waits (weights do not depend on the kernel before, only
-  the activations do): the best a chain of these kernels can do.
+  the activations do): the best a chain of these kernels can do;
+- `pdl-firstN` (`--first N`): each CTA reads its first N x 32 KB (N x 8 loads per thread) before the wait, the rest
+  after it: what a kernel that can hold that much of its weights until its input arrives could do. With
+  `--w13-waits` the w13 stage waits first in both early forms (mode `...+w13w`): its weight addresses are the expert
+  ids the kernel before writes.
 
 Medians of graph replays timed with CUDA events; % of floor = bytes / 4.3 TB/s over the time. Since the real kernels
 also compute and wait on dependent loads, these are upper bounds on what the layer's kernels can reach.
@@ -60,6 +64,18 @@ if HAVE_CUTE:
 
         def __init__(self, ctas: int, iters: int, mode: str):
             self.ctas, self.iters, self.mode = ctas, iters, mode
+            # "pdl-firstN": each CTA's first N iterations (N x 32 KB) before the wait, the rest after it
+            self.early = min(iters, int(mode[len("pdl-first"):])) if mode.startswith("pdl-first") else 0
+
+        @cute.jit
+        def iterations(self, data: cute.Tensor, first, acc, start: int, stop: int):
+            """The XOR of this thread's vectors of iterations start..stop-1 into acc."""
+            for it in cutlass.range(start, stop, unroll=1):
+                base = first + it * (self.ctas * THREADS * UNROLL)
+                vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
+                for v in vals:
+                    acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
+            return acc
 
         @cute.jit
         def __call__(self, data: cute.Tensor, out: cute.Tensor, stream):
@@ -76,20 +92,27 @@ if HAVE_CUTE:
                 cute.arch.griddepcontrol_wait()
             first = bidx * (THREADS * UNROLL) + tidx
             acc = Int32(0)
-            for it in cutlass.range(self.iters, unroll=1):
-                base = first + it * (self.ctas * THREADS * UNROLL)
-                vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
-                for v in vals:
-                    acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
-            if cutlass.const_expr(self.mode == "pdl-early"):
+            if cutlass.const_expr(self.early > 0):
+                acc = self.iterations(data, first, acc, 0, self.early)
                 cute.arch.griddepcontrol_wait()
+                if cutlass.const_expr(self.early < self.iters):
+                    acc = self.iterations(data, first, acc, self.early, self.iters)
+            else:
+                for it in cutlass.range(self.iters, unroll=1):
+                    base = first + it * (self.ctas * THREADS * UNROLL)
+                    vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
+                    for v in vals:
+                        acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
+                if cutlass.const_expr(self.mode == "pdl-early"):
+                    cute.arch.griddepcontrol_wait()
             out[bidx * THREADS + tidx] = acc
 
 
 def compile_read(data: torch.Tensor, out: torch.Tensor, ctas: int, iters: int, mode: str):
     """The read of `data` ([ctas x iters x THREADS x UNROLL, 4] int32) by `ctas` CTAs in `mode`, compiled once."""
-    if mode not in MODES[1:]:
-        raise ValueError(f"mode must be one of {MODES[1:]}, not {mode!r}")
+    if mode not in MODES[1:] and not (mode.startswith("pdl-first") and mode[len("pdl-first"):].isdigit()
+                                      and int(mode[len("pdl-first"):]) > 0):
+        raise ValueError(f"mode must be one of {MODES[1:]} or pdl-firstN (N > 0), not {mode!r}")
     if data.shape != (ctas * iters * THREADS * UNROLL, 4) or out.shape != (ctas * THREADS,):
         raise ValueError("data must be [ctas * iters * THREADS * UNROLL, 4] and out [ctas * THREADS]")
     return compile_kernel(("stream_read", ctas, iters, mode, *signature(data, out)),
@@ -132,7 +155,9 @@ def stages(tp: int, batch: int, distinct: int | None = None) -> list[tuple[str, 
 class Chain:
     """The stages' reads in one mode, `copies` buffer sets, one CUDA graph per set."""
 
-    def __init__(self, sizes: list[int], mode: str, copies: int, sms: int):
+    def __init__(self, sizes: list[int], mode: str, copies: int, sms: int, waits_first: tuple[int, ...] = ()):
+        """`waits_first`: stages (by index) that wait for the one before at their start whatever `mode` says, as a
+        kernel must whose weight addresses come from it (the w13 expert kernel: the expert ids)."""
         if mode == "fused":
             sizes = [sum(sizes)]
         self.bytes = 0
@@ -140,12 +165,13 @@ class Chain:
         kernel_mode = "serial" if mode == "fused" else mode
         for _ in range(copies):
             reads = []
-            for n in sizes:
+            for i, n in enumerate(sizes):
                 ctas, iters = plan(n, sms)
                 data = torch.randint(-2**31, 2**31 - 1, (ctas * iters * THREADS * UNROLL, 4), dtype=torch.int32,
                                      device="cuda")
                 out = torch.empty(ctas * THREADS, dtype=torch.int32, device="cuda")
-                reads.append((compile_read(data, out, ctas, iters, kernel_mode), data, out))
+                m = "pdl-wait" if i in waits_first and kernel_mode != "serial" else kernel_mode
+                reads.append((compile_read(data, out, ctas, iters, m), data, out))
             self.bytes = sum(d.numel() * 4 for _, d, _ in reads)
             for fn, data, out in reads:  # warm-up (and module load) outside the capture
                 launch(fn, data, out)
@@ -177,6 +203,10 @@ def main(argv=None) -> int:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--first", type=int, nargs="*", default=[],
+                        help="also the chain with each CTA reading its first N x 32 KB before its wait (pdl-firstN)")
+    parser.add_argument("--w13-waits", action="store_true",
+                        help="in pdl-early / pdl-firstN, the w13 stage still waits first (its expert ids)")
     parser.add_argument("--no-alone", dest="alone", action="store_false", help="skip timing each stage alone")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
@@ -196,17 +226,19 @@ def main(argv=None) -> int:
                              "bytes": c.bytes, "us": round(us, 2),
                              "pct_floor": round(100 * c.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)})
                 del c
-            for mode in args.modes:
-                c = Chain(sizes, mode, args.copies, sms)
+            names = [name for name, _ in st]
+            for mode in [*args.modes, *(f"pdl-first{n}" for n in args.first)]:
+                waits = (names.index("w13"),) if args.w13_waits and mode.startswith(("pdl-early", "pdl-first")) else ()
+                c = Chain(sizes, mode, args.copies, sms, waits_first=waits)
                 us = c.time_us(args.replays)
-                rows.append({"tp": tp, "batch": batch, "what": "layer", "mode": mode,
+                rows.append({"tp": tp, "batch": batch, "what": "layer", "mode": mode + ("+w13w" if waits else ""),
                              "kernels": 1 if mode == "fused" else len(sizes), "bytes": c.bytes, "us": round(us, 2),
                              "pct_floor": round(100 * c.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)})
                 del c
             torch.cuda.empty_cache()
-    print(f"{'tp':>3}{'batch':>6}  {'what':<16}{'mode':<10}{'kernels':>8}{'MB':>9}{'us':>9}{'% floor':>9}")
+    print(f"{'tp':>3}{'batch':>6}  {'what':<16}{'mode':<16}{'kernels':>8}{'MB':>9}{'us':>9}{'% floor':>9}")
     for r in rows:
-        print(f"{r['tp']:>3}{r['batch']:>6}  {r['what']:<16}{r['mode']:<10}{r['kernels']:>8}"
+        print(f"{r['tp']:>3}{r['batch']:>6}  {r['what']:<16}{r['mode']:<16}{r['kernels']:>8}"
               f"{r['bytes'] / 1e6:>9.2f}{r['us']:>9.2f}{r['pct_floor']:>9.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name(), "sms": sms,
