@@ -13,7 +13,8 @@ copies rotate between replays). The chain is timed as one CUDA graph in four for
 - `pdl-firstN` (`--first N`): each CTA reads its first N x 32 KB (N x 8 loads per thread) before the wait, the rest
   after it: what a kernel that can hold that much of its weights until its input arrives could do. With
   `--w13-waits` the w13 stage waits first in both early forms (mode `...+w13w`): its weight addresses are the expert
-  ids the kernel before writes.
+  ids the kernel before writes. Under PDL every kernel lets the next one launch at its start, or with
+  `--trigger wait` right after its own wait, as the `latency_specialized` kernels do (mode `...+tw`).
 
 Medians of graph replays timed with CUDA events; % of floor = bytes / 4.3 TB/s over the time. Since the real kernels
 also compute and wait on dependent loads, these are upper bounds on what the layer's kernels can reach.
@@ -41,6 +42,7 @@ THREADS = 256
 UNROLL = 8  # 16-byte loads in flight per thread: 32 KB per CTA
 CTAS_PER_SM = 4
 MODES = ("fused", "serial", "pdl-wait", "pdl-early")
+TRIGGERS = ("start", "wait")
 # distinct experts the benchmark's router selects at layer 1 (from `kimi_decode.bench`'s weight bytes, both shards)
 DISTINCT_SEEN = {1: 16, 8: 101, 64: 300}
 
@@ -62,10 +64,17 @@ if HAVE_CUTE:
     class StreamRead:
         """XOR of every 16-byte vector of `data` [vectors, 4] int32, one result per thread into `out`."""
 
-        def __init__(self, ctas: int, iters: int, mode: str):
-            self.ctas, self.iters, self.mode = ctas, iters, mode
+        def __init__(self, ctas: int, iters: int, mode: str, trigger: str = "start"):
+            self.ctas, self.iters, self.mode, self.trigger = ctas, iters, mode, trigger
             # "pdl-firstN": each CTA's first N iterations (N x 32 KB) before the wait, the rest after it
             self.early = min(iters, int(mode[len("pdl-first"):])) if mode.startswith("pdl-first") else 0
+
+        def wait(self):
+            """The wait for the kernel before; with the "wait" trigger, then the next kernel's launch (a plain
+            function, inlined)."""
+            cute.arch.griddepcontrol_wait()
+            if self.trigger == "wait":
+                cute.arch.griddepcontrol_launch_dependents()
 
         @cute.jit
         def iterations(self, data: cute.Tensor, first, acc, start: int, stop: int):
@@ -86,15 +95,15 @@ if HAVE_CUTE:
         def kernel(self, data: cute.Tensor, out: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
-            if cutlass.const_expr(self.mode != "serial"):
+            if cutlass.const_expr(self.mode != "serial" and self.trigger == "start"):
                 cute.arch.griddepcontrol_launch_dependents()
             if cutlass.const_expr(self.mode == "pdl-wait"):
-                cute.arch.griddepcontrol_wait()
+                self.wait()
             first = bidx * (THREADS * UNROLL) + tidx
             acc = Int32(0)
             if cutlass.const_expr(self.early > 0):
                 acc = self.iterations(data, first, acc, 0, self.early)
-                cute.arch.griddepcontrol_wait()
+                self.wait()
                 if cutlass.const_expr(self.early < self.iters):
                     acc = self.iterations(data, first, acc, self.early, self.iters)
             else:
@@ -104,19 +113,23 @@ if HAVE_CUTE:
                     for v in vals:
                         acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
                 if cutlass.const_expr(self.mode == "pdl-early"):
-                    cute.arch.griddepcontrol_wait()
+                    self.wait()
             out[bidx * THREADS + tidx] = acc
 
 
-def compile_read(data: torch.Tensor, out: torch.Tensor, ctas: int, iters: int, mode: str):
-    """The read of `data` ([ctas x iters x THREADS x UNROLL, 4] int32) by `ctas` CTAs in `mode`, compiled once."""
+def compile_read(data: torch.Tensor, out: torch.Tensor, ctas: int, iters: int, mode: str, trigger: str = "start"):
+    """The read of `data` ([ctas x iters x THREADS x UNROLL, 4] int32) by `ctas` CTAs in `mode`, compiled once; under
+    PDL each CTA lets the next kernel launch at its `trigger`: "start", or "wait" (right after its own wait, as the
+    `latency_specialized` kernels do by default)."""
+    if trigger not in TRIGGERS:
+        raise ValueError(f"trigger must be one of {TRIGGERS}, not {trigger!r}")
     if mode not in MODES[1:] and not (mode.startswith("pdl-first") and mode[len("pdl-first"):].isdigit()
                                       and int(mode[len("pdl-first"):]) > 0):
         raise ValueError(f"mode must be one of {MODES[1:]} or pdl-firstN (N > 0), not {mode!r}")
     if data.shape != (ctas * iters * THREADS * UNROLL, 4) or out.shape != (ctas * THREADS,):
         raise ValueError("data must be [ctas * iters * THREADS * UNROLL, 4] and out [ctas * THREADS]")
-    return compile_kernel(("stream_read", ctas, iters, mode, *signature(data, out)),
-                          StreamRead(ctas, iters, mode), fake_like(data), fake_like(out))
+    return compile_kernel(("stream_read", ctas, iters, mode, trigger, *signature(data, out)),
+                          StreamRead(ctas, iters, mode, trigger), fake_like(data), fake_like(out))
 
 
 def distinct_experts(batch: int, experts: int = 896, top_k: int = 16) -> int:
@@ -155,7 +168,8 @@ def stages(tp: int, batch: int, distinct: int | None = None) -> list[tuple[str, 
 class Chain:
     """The stages' reads in one mode, `copies` buffer sets, one CUDA graph per set."""
 
-    def __init__(self, sizes: list[int], mode: str, copies: int, sms: int, waits_first: tuple[int, ...] = ()):
+    def __init__(self, sizes: list[int], mode: str, copies: int, sms: int, waits_first: tuple[int, ...] = (),
+                 trigger: str = "start"):
         """`waits_first`: stages (by index) that wait for the one before at their start whatever `mode` says, as a
         kernel must whose weight addresses come from it (the w13 expert kernel: the expert ids)."""
         if mode == "fused":
@@ -171,7 +185,7 @@ class Chain:
                                      device="cuda")
                 out = torch.empty(ctas * THREADS, dtype=torch.int32, device="cuda")
                 m = "pdl-wait" if i in waits_first and kernel_mode != "serial" else kernel_mode
-                reads.append((compile_read(data, out, ctas, iters, m), data, out))
+                reads.append((compile_read(data, out, ctas, iters, m, trigger), data, out))
             self.bytes = sum(d.numel() * 4 for _, d, _ in reads)
             for fn, data, out in reads:  # warm-up (and module load) outside the capture
                 launch(fn, data, out)
@@ -207,6 +221,8 @@ def main(argv=None) -> int:
                         help="also the chain with each CTA reading its first N x 32 KB before its wait (pdl-firstN)")
     parser.add_argument("--w13-waits", action="store_true",
                         help="in pdl-early / pdl-firstN, the w13 stage still waits first (its expert ids)")
+    parser.add_argument("--trigger", choices=TRIGGERS, default="start",
+                        help="under PDL, each kernel lets the next launch at its start or after its wait (mode +tw)")
     parser.add_argument("--no-alone", dest="alone", action="store_false", help="skip timing each stage alone")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
@@ -229,9 +245,10 @@ def main(argv=None) -> int:
             names = [name for name, _ in st]
             for mode in [*args.modes, *(f"pdl-first{n}" for n in args.first)]:
                 waits = (names.index("w13"),) if args.w13_waits and mode.startswith(("pdl-early", "pdl-first")) else ()
-                c = Chain(sizes, mode, args.copies, sms, waits_first=waits)
+                c = Chain(sizes, mode, args.copies, sms, waits_first=waits, trigger=args.trigger)
                 us = c.time_us(args.replays)
-                rows.append({"tp": tp, "batch": batch, "what": "layer", "mode": mode + ("+w13w" if waits else ""),
+                tag = ("+w13w" if waits else "") + ("+tw" if args.trigger == "wait" and mode.startswith("pdl") else "")
+                rows.append({"tp": tp, "batch": batch, "what": "layer", "mode": mode + tag,
                              "kernels": 1 if mode == "fused" else len(sizes), "bytes": c.bytes, "us": round(us, 2),
                              "pct_floor": round(100 * c.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)})
                 del c

@@ -39,15 +39,18 @@ cute_common = pytest.importorskip("kimi_decode.kernels.cute_common")
 
 @pytest.mark.skipif(not cute_common.HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
 @pytest.mark.parametrize("mode", [*sc.MODES[1:], "pdl-first1", "pdl-first9"])
-def test_stream_read_compiles_for_sm90a(monkeypatch, mode):
+@pytest.mark.parametrize("trigger", sc.TRIGGERS)
+def test_stream_read_compiles_for_sm90a(monkeypatch, mode, trigger):
     monkeypatch.setenv("KIMI_DECODE_CUTE_ARCH", "sm_90a")
     for nbytes in (46_100_000, 11_700_000):  # 3 iterations (pdl-first1: reads before and after the wait), then 1
         ctas, iters = sc.plan(nbytes, 132)
         data = torch.empty(ctas * iters * sc.THREADS * sc.UNROLL, 4, dtype=torch.int32)
         out = torch.empty(ctas * sc.THREADS, dtype=torch.int32)
-        assert sc.compile_read(data, out, ctas, iters, mode) is not None
+        assert sc.compile_read(data, out, ctas, iters, mode, trigger) is not None
     with pytest.raises(ValueError, match="data must be"):
         sc.compile_read(data[1:], out, ctas, iters, mode)
     for bad in ("fused", "pdl-first0", "pdl-firstx"):
         with pytest.raises(ValueError, match="mode must be"):
-            sc.compile_read(data, out, ctas, iters, bad)
+            sc.compile_read(data, out, ctas, iters, bad, trigger)
+    with pytest.raises(ValueError, match="trigger must be"):
+        sc.compile_read(data, out, ctas, iters, mode, "end")
