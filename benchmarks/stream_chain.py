@@ -47,6 +47,12 @@ TRIGGERS = ("start", "wait")
 DISTINCT_SEEN = {1: 16, 8: 101, 64: 300}
 
 
+def first_iters(mode: str) -> int | None:
+    """N of a "pdl-firstN" mode (N > 0), else None."""
+    n = mode[len("pdl-first"):] if mode.startswith("pdl-first") else ""
+    return int(n) if n.isdigit() and int(n) > 0 else None
+
+
 def plan(nbytes: int, sms: int) -> tuple[int, int]:
     """(CTAs, iterations) of a read of at least `nbytes`: each CTA iteration reads THREADS x UNROLL x 16 bytes; at
     most CTAS_PER_SM CTAs per SM, with as few iterations as cover the bytes."""
@@ -67,7 +73,7 @@ if HAVE_CUTE:
         def __init__(self, ctas: int, iters: int, mode: str, trigger: str = "start"):
             self.ctas, self.iters, self.mode, self.trigger = ctas, iters, mode, trigger
             # "pdl-firstN": each CTA's first N iterations (N x 32 KB) before the wait, the rest after it
-            self.early = min(iters, int(mode[len("pdl-first"):])) if mode.startswith("pdl-first") else 0
+            self.early = min(iters, first_iters(mode) or 0)
 
         def wait(self):
             """The wait for the kernel before; with the "wait" trigger, then the next kernel's launch (a plain
@@ -123,8 +129,7 @@ def compile_read(data: torch.Tensor, out: torch.Tensor, ctas: int, iters: int, m
     `latency_specialized` kernels do by default)."""
     if trigger not in TRIGGERS:
         raise ValueError(f"trigger must be one of {TRIGGERS}, not {trigger!r}")
-    if mode not in MODES[1:] and not (mode.startswith("pdl-first") and mode[len("pdl-first"):].isdigit()
-                                      and int(mode[len("pdl-first"):]) > 0):
+    if mode not in MODES[1:] and first_iters(mode) is None:
         raise ValueError(f"mode must be one of {MODES[1:]} or pdl-firstN (N > 0), not {mode!r}")
     if data.shape != (ctas * iters * THREADS * UNROLL, 4) or out.shape != (ctas * THREADS,):
         raise ValueError("data must be [ctas * iters * THREADS * UNROLL, 4] and out [ctas * THREADS]")
@@ -210,6 +215,13 @@ class Chain:
         return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
 
 
+def row(tp: int, batch: int, what: str, mode: str, kernels: int, chain: Chain, replays: int) -> dict:
+    """One table row: the chain timed, its bytes and their share of the floor."""
+    us = chain.time_us(replays)
+    return {"tp": tp, "batch": batch, "what": what, "mode": mode, "kernels": kernels, "bytes": chain.bytes,
+            "us": round(us, 2), "pct_floor": round(100 * chain.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[16, 8])
@@ -236,22 +248,14 @@ def main(argv=None) -> int:
             st = stages(tp, batch)
             sizes = [n for _, n in st]
             for name, n in st if args.alone else []:  # each stage alone: its own ceiling
-                c = Chain([n], "serial", args.copies, sms)
-                us = c.time_us(args.replays)
-                rows.append({"tp": tp, "batch": batch, "what": name, "mode": "alone", "kernels": 1,
-                             "bytes": c.bytes, "us": round(us, 2),
-                             "pct_floor": round(100 * c.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)})
-                del c
+                rows.append(row(tp, batch, name, "alone", 1, Chain([n], "serial", args.copies, sms), args.replays))
             names = [name for name, _ in st]
             for mode in [*args.modes, *(f"pdl-first{n}" for n in args.first)]:
                 waits = (names.index("w13"),) if args.w13_waits and mode.startswith(("pdl-early", "pdl-first")) else ()
-                c = Chain(sizes, mode, args.copies, sms, waits_first=waits, trigger=args.trigger)
-                us = c.time_us(args.replays)
                 tag = ("+w13w" if waits else "") + ("+tw" if args.trigger == "wait" and mode.startswith("pdl") else "")
-                rows.append({"tp": tp, "batch": batch, "what": "layer", "mode": mode + tag,
-                             "kernels": 1 if mode == "fused" else len(sizes), "bytes": c.bytes, "us": round(us, 2),
-                             "pct_floor": round(100 * c.bytes / HBM_BYTES_PER_S / (us * 1e-6), 1)})
-                del c
+                rows.append(row(tp, batch, "layer", mode + tag, 1 if mode == "fused" else len(sizes),
+                                Chain(sizes, mode, args.copies, sms, waits_first=waits, trigger=args.trigger),
+                                args.replays))
             torch.cuda.empty_cache()
     print(f"{'tp':>3}{'batch':>6}  {'what':<16}{'mode':<16}{'kernels':>8}{'MB':>9}{'us':>9}{'% floor':>9}")
     for r in rows:

@@ -546,23 +546,12 @@ class LatencySpecializedBackend(AutoBackend):
                          counters=counters, shared=shared, shared_act_ready=glu_in_entry)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
-        if not (self._mlp_fast and (self._cute_rows(routed.shape[0]) or routed.dim() == 3)):
+        if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)
+            return self._pairs_tail(routed, shared, w, res, shard)
+        if not (self._mlp_fast and self._cute_rows(routed.shape[0])):
             return super().moe_tail(routed, shared, w, res, shard)
-        from ..kernels.rmsnorm import rmsnorm_rows, routed_norm
+        from ..kernels.rmsnorm import rmsnorm_rows
 
-        if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L]: summed in the norm's kernel
-            B, _, L = routed.shape
-            normed = self._empty(B, L, device=routed.device)
-            if self._cute_rows(B):
-                routed_norm(routed, w.latent_norm, normed, shard.model.rms_eps)
-                self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
-            else:
-                routed_norm(routed, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared))
-                if _ADDMM_FP32_OUT:
-                    torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
-                else:  # an older torch: the GEMM's bf16 output added in a kernel of its own
-                    res.partial.add_(self.linear(normed, w.up))
-            return
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
             self._project(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
                           row_scale=(self._ssq, shard.model.rms_eps))
@@ -571,3 +560,21 @@ class LatencySpecializedBackend(AutoBackend):
         normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
                               shard.model.rms_eps)
         self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
+
+    def _pairs_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
+        """The MoE tail on the grouped experts' per-pair outputs: summed and normalised in one kernel, then up to 16
+        rows the tensor-core projection adds the result and the shared output into the residual, above that the norm's
+        kernel adds the shared output and one cuBLAS GEMM accumulates into the residual."""
+        from ..kernels.rmsnorm import routed_norm
+
+        B, _, L = pairs.shape
+        normed = self._empty(B, L, device=pairs.device)
+        if self._cute_rows(B):
+            routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps)
+            self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
+            return
+        routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared))
+        if _ADDMM_FP32_OUT:
+            torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
+        else:  # an older torch: the GEMM's bf16 output added in a kernel of its own
+            res.partial.add_(self.linear(normed, w.up))
