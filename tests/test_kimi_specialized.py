@@ -992,6 +992,50 @@ def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, tp, batch, pad):
     assert f13 is not None and f2 is not None
 
 
+@needs_cute
+@pytest.mark.parametrize("tp, batch, pad, chunk", [(16, 1, True, "auto"), (16, 8, False, "2"), (8, 8, True, "4"),
+                                                   (8, 1, True, "1"), (16, 3, False, "auto")])
+def test_moe_mxfp4_on_quad_major_codes_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch, pad, chunk):
+    """The per-pair kernels on `quad_major` codes, variants of their own, at each w2 load width: two-kernel,
+    one-kernel and shared-experts forms."""
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
+
+    monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", chunk)
+    s = shard("k3", tp=tp, pad_experts=pad)
+    L, bf = s.model.moe_latent, torch.bfloat16
+    scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))
+    natural = compile_moe(*_moe_args(s, batch), scaled=scaled)
+    quad = compile_moe(*_moe_args(s, batch), scaled=scaled, quad_major=True)
+    assert all(f is not None for f in quad) and quad[0] is not natural[0] and quad[1] is not natural[1]
+    assert compile_moe(*_moe_args(s, batch), counters=torch.zeros(2 + batch, dtype=torch.int32),
+                       quad_major=True) is not None
+    if batch == 1:
+        S, H = s_inter(tp), s.model.hidden
+        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        for ready in (False, True):
+            assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled, shared=shared,
+                                                          shared_act_ready=ready, quad_major=True))
+
+
+@needs_cute
+@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
+def test_moe_mxfp4_grouped_on_quad_major_codes_compiles_for_sm90a(sm90a, tp, batch, pad):
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    m = s.model
+    E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
+    u8 = torch.uint8
+    args = (torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
+            torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
+            torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
+            [torch.empty(P, dtype=torch.int32)] * 4, torch.empty(P, s.expert_inter_used, dtype=torch.float16),
+            torch.empty(P, L), s.expert_inter_used)
+    natural, quad = compile_grouped(*args), compile_grouped(*args, quad_major=True)
+    assert all(f is not None for f in quad) and quad[0] is not natural[0] and quad[1] is not natural[1]
+
+
 def test_moe_mxfp4_grouped_refuses_bad_shapes():
     from kimi_decode.kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
 
@@ -1124,6 +1168,58 @@ def test_moe_entry_refuses_a_down_projection_that_does_not_chain():
         _check(*_router_args(1), torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584))
 
 
+@pytest.mark.parametrize("groups", [2, 4, 6, 8, 12, 112])
+def test_quad_major_puts_each_lanes_words_side_by_side_and_inverts(groups):
+    """`quad_major`: word t of group G lands where `quad_major_offset` says (4t + c in a quad, 2t + c in a last
+    pair), so lane t's words of a chunk are one contiguous load; `inverse` gives the natural rows back."""
+    from kimi_decode.kernels.moe_mxfp4 import quad_major, quad_major_offset
+
+    w = torch.randint(0, 256, (3, 5, 16 * groups), dtype=torch.uint8)
+    q = quad_major(w)
+    assert q.shape == w.shape and q.dtype == w.dtype and not torch.equal(q, w)
+    assert torch.equal(quad_major(q, inverse=True), w)
+    nat, moved = w.view(torch.int32), q.view(torch.int32)
+    places = [quad_major_offset(G, t, groups) for G in range(groups) for t in range(4)]
+    assert sorted(places) == list(range(4 * groups))  # a permutation of each row's words
+    for G in range(groups):
+        for t in range(4):
+            assert torch.equal(moved[..., quad_major_offset(G, t, groups)], nat[..., 4 * G + t])
+    for c in range(0, groups - groups % 4, 4):  # lane t's 16 bytes of quad c // 4: word t of its four groups
+        for t in range(4):
+            assert [quad_major_offset(c + i, t, groups) for i in range(4)] == list(range(4 * c + 4 * t, 4 * c + 4 * t + 4))
+
+
+def test_quad_major_refuses_odd_groups_and_other_dtypes():
+    from kimi_decode.kernels.moe_mxfp4 import quad_major
+
+    with pytest.raises(ValueError, match="even number"):
+        quad_major(torch.zeros(2, 48, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        quad_major(torch.zeros(2, 64, dtype=torch.int32))
+
+
+def test_expert_codes_are_quad_major_copies_made_once_unless_switched_off(monkeypatch):
+    """The backend gives the expert kernels `quad_major` copies of w13 and w2, made once per weight;
+    KIMI_DECODE_QUAD_MAJOR=0 (or rows of an odd number of groups) the natural rows."""
+    from types import SimpleNamespace
+
+    from kimi_decode.kernels.moe_mxfp4 import quad_major
+
+    w = SimpleNamespace(w13=torch.randint(0, 256, (4, 6, 64), dtype=torch.uint8),
+                        w2=torch.randint(0, 256, (4, 8, 96), dtype=torch.uint8))
+    backend = get_backend("latency_specialized")
+    w13, w2, quad = backend._expert_codes(w)
+    assert quad and torch.equal(w13, quad_major(w.w13)) and torch.equal(w2, quad_major(w.w2))
+    assert backend._expert_codes(w)[0] is w13
+    odd = SimpleNamespace(w13=w.w13, w2=torch.zeros(4, 8, 48, dtype=torch.uint8))
+    assert backend._expert_codes(odd) == (odd.w13, odd.w2, False)
+    monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "0")
+    assert get_backend("latency_specialized")._expert_codes(w) == (w.w13, w.w2, False)
+    monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "2")
+    with pytest.raises(ValueError, match="KIMI_DECODE_QUAD_MAJOR"):
+        get_backend("latency_specialized")
+
+
 def test_f_b_column_copy_is_made_once_outside_captures_and_dropped_with_its_weight(monkeypatch):
     """The KDA kernel's column-major f_b: one copy per weight, holding f_b's values; none is made inside a CUDA-graph
     capture (the f_b GEMV then runs); the cache entry goes when the weight does."""
@@ -1141,7 +1237,7 @@ def test_f_b_column_copy_is_made_once_outside_captures_and_dropped_with_its_weig
     assert backend._f_b_columns(f_b) is cols  # made before the capture: used in it
     del f_b, cols
     gc.collect()
-    assert backend._f_b_cols == {}
+    assert backend._copies == {}
 
 
 @needs_cute

@@ -132,6 +132,17 @@ def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_specialized_layer_on_natural_expert_rows_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_QUAD_MAJOR=0: the expert kernels on the natural rows (words exchanged between lanes), as A/B runs
+    time it."""
+    monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "0")
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=3300 + tp + batch, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
 def test_specialized_layer_with_the_reduce_then_norm_tail_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_ROUTED_NORM=0: the grouped experts' pairs summed before the MoE tail, and the tail of before
@@ -215,7 +226,7 @@ def _check_graph_replays_like_eager(tp):
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch):
+def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch, quad: bool = False):
     """Both expert stages in one kernel (the w2 CTAs wait for their token's w13 CTAs) against float64, outputs
     poisoned, eagerly twice and replayed twice in a CUDA graph; the counters are back at 0 after every run."""
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
@@ -236,9 +247,11 @@ def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch):
     counters = torch.zeros(10, dtype=torch.int32, device="cuda")
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
 
+    w13, w2 = _codes(w, quad)
+
     def run():
-        moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
-                  ssq=ssq, scaled=(norm_w, scaled), counters=counters)
+        moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
+                  ssq=ssq, scaled=(norm_w, scaled), counters=counters, quad_major=quad)
 
     def check():
         torch.cuda.synchronize()
@@ -256,7 +269,7 @@ def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch):
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("act_ready", [False, True])
-def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_ready):
+def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_ready, quad: bool = False):
     """Batch 1: the two expert kernels with the shared experts' gate/up (SiTU-GLU) and down GEMVs in CTAs of their
     own, both outputs against float64, poisoned first; `act_ready`: the gate/up was done before (by the entry
     kernel, here torch) and only the down-projection rides along."""
@@ -277,8 +290,9 @@ def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_r
     a = R.situ_glu(*(x.double() @ w.shared_gate_up.double().T).chunk(2, dim=-1))
     if act_ready:
         s_act.copy_(a)
-    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, out=out,
-              shared=(w.shared_gate_up, x, s_act, w.shared_down, s_out), shared_act_ready=act_ready)
+    w13, w2 = _codes(w, quad)
+    moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, out=out,
+              shared=(w.shared_gate_up, x, s_act, w.shared_down, s_out), shared_act_ready=act_ready, quad_major=quad)
     torch.cuda.synchronize()
     assert rel_err(out, R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)) < BF16_TOL
     assert rel_err(s_act, a) < 1e-2
@@ -374,7 +388,31 @@ def test_moe_mxfp4_at_each_w2_chunk_matches_float64(monkeypatch, tp, pad, batch,
     _check_moe_mxfp4(tp, pad, batch)
 
 
-def _check_moe_mxfp4(tp, pad, batch):
+def _codes(w, quad: bool):
+    """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies."""
+    from kimi_decode.kernels.moe_mxfp4 import quad_major
+
+    return (quad_major(w.w13), quad_major(w.w2)) if quad else (w.w13, w.w2)
+
+
+@pytest.mark.parametrize("tp, pad, batch, chunk", [(16, True, 1, "auto"), (16, False, 1, "auto"),
+                                                   (8, True, 1, "auto"), (16, True, 8, "auto"),
+                                                   (16, False, 8, "auto"), (8, True, 8, "auto"), (8, True, 3, "auto"),
+                                                   (16, True, 8, "1"), (16, False, 8, "1"), (8, True, 1, "2")])
+def test_moe_mxfp4_on_quad_major_codes_matches_float64(monkeypatch, tp, pad, batch, chunk):
+    """The per-pair kernels reading `quad_major` codes (each lane's words side by side, no exchange): two-kernel
+    form at every w2 load width (16, 8, 4 bytes; TP16 unpadded: rows of 6 groups, the last pair of them transposed
+    as a pair), the one-kernel form and, at one token, the shared experts inside."""
+    monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", chunk)
+    _check_moe_mxfp4(tp, pad, batch, quad=True)
+    if chunk == "auto":
+        test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch, quad=True)
+        if batch == 1:
+            test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, False, quad=True)
+            test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
+
+
+def _check_moe_mxfp4(tp, pad, batch, quad: bool = False):
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
 
     s = shard("k3", tp=tp, pad_experts=pad)
@@ -388,8 +426,9 @@ def _check_moe_mxfp4(tp, pad, batch):
     out = torch.full((batch, s.model.moe_latent), float("nan"), device="cuda")
     act = torch.full((batch * s.model.top_k, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
     ssq = torch.full((batch, s.model.moe_latent // 16), float("nan"), device="cuda")
-    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
-              ssq=ssq)
+    w13, w2 = _codes(w, quad)
+    moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
+              ssq=ssq, quad_major=quad)
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert rel_err(out, want) < BF16_TOL
     assert rel_err(ssq.sum(-1), out.double().pow(2).sum(-1)) < 1e-5
@@ -397,17 +436,19 @@ def _check_moe_mxfp4(tp, pad, batch):
     norm_w = 1 + 0.1 * torch.randn(s.model.moe_latent, device="cuda", generator=g)
     scaled = torch.full((batch, s.model.moe_latent), float("nan"), dtype=torch.bfloat16, device="cuda")
     out.fill_(float("nan"))
-    moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
-              ssq=ssq, scaled=(norm_w, scaled))
+    moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
+              ssq=ssq, scaled=(norm_w, scaled), quad_major=quad)
     assert rel_err(out, want) < BF16_TOL
     assert rel_err(scaled, want * norm_w.double()) < BF16_TOL
 
 
+@pytest.mark.parametrize("quad", [False, True], ids=["natural", "quad_major"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch, same", [(9, False), (64, False), (64, True), (33, True)])
-def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same):
+def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad):
     """Experts read once per step for all their pairs; `same`: every token picks the same 16 experts, so each
-    segment holds the whole batch (several tiles of 8 pairs, the last one partial at batch 33)."""
+    segment holds the whole batch (several tiles of 8 pairs, the last one partial at batch 33); on natural rows and
+    on `quad_major` codes."""
     from kimi_decode.kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
     from kimi_decode.kernels.triton_kernels import moe_align
 
@@ -425,8 +466,9 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same):
     moe_align(ids.reshape(-1), *align)
     act = torch.full((P, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
     pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda")
-    out = moe_mxfp4_grouped(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, s.expert_inter_used, align,
-                            act=act, pair_out=pair_out)
+    w13, w2 = _codes(w, quad)
+    out = moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, align,
+                            act=act, pair_out=pair_out, quad_major=quad)
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert not act.isnan().any() and not pair_out.isnan().any()
     assert rel_err(out, want) < BF16_TOL

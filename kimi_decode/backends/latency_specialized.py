@@ -166,7 +166,11 @@ class LatencySpecializedBackend(AutoBackend):
         self._shared_glu = os.environ.get("KIMI_DECODE_SHARED_GLU", "1") != "0"  # 0: GLU as its own kernel (A/B)
         # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
         self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "1") != "0"
-        self._f_b_cols: dict[int, tuple] = {}  # id(f_b) -> (weak reference to f_b, its column-major copy)
+        # (layout, id(weight)) -> (weak reference to the weight, its copy in that layout): `_copy_of`
+        self._copies: dict[tuple[str, int], tuple] = {}
+        # the expert kernels' MXFP4 codes in quad-major order (`moe_mxfp4.quad_major`: no word exchange between
+        # lanes); KIMI_DECODE_QUAD_MAJOR=0 reads the natural rows, for A/B
+        self._quad_major_on = cute_common.env_choice("KIMI_DECODE_QUAD_MAJOR", "1", ("0", "1")) == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
@@ -428,21 +432,40 @@ class LatencySpecializedBackend(AutoBackend):
                           lower_bound=m.kda_gate_lower_bound,
                           f_col=shard.kda_in_proj_layout["f_a"][0] if fused else None)
 
-    def _f_b_columns(self, f_b: torch.Tensor) -> torch.Tensor | None:
-        """f_b [d, rank] as a column-major view of a contiguous [rank, d] copy (a warp's lanes then read consecutive
-        bytes), made on first use; None when that first use is inside a CUDA-graph capture, where a copy would become
-        a node of the graph (the f_b GEMV then runs as its own kernel, as said once)."""
-        hit = self._f_b_cols.get(id(f_b))
-        if hit is not None and hit[0]() is f_b:
+    def _copy_of(self, w: torch.Tensor, layout: str, make, why: str) -> torch.Tensor | None:
+        """`make(w)`, a copy of weight `w` in another layout, made on first use and kept while `w` lives; None when
+        that first use is inside a CUDA-graph capture, where the copy would become a node of the graph (`why`, what
+        runs instead, is said once)."""
+        key = (layout, id(w))
+        hit = self._copies.get(key)
+        if hit is not None and hit[0]() is w:
             return hit[1]
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            self._fallback("the decay gate's f_b first seen inside a CUDA-graph capture: its column-major copy is "
-                           "made outside captures, so the f_b GEMV runs as its own kernel in this graph")
+            self._fallback(why)
             return None
-        cols = f_b.t().contiguous().t()
-        key = id(f_b)
-        self._f_b_cols[key] = (weakref.ref(f_b, lambda _: self._f_b_cols.pop(key, None)), cols)
-        return cols
+        copy = make(w)
+        self._copies[key] = (weakref.ref(w, lambda _: self._copies.pop(key, None)), copy)
+        return copy
+
+    def _f_b_columns(self, f_b: torch.Tensor) -> torch.Tensor | None:
+        """f_b [d, rank] as a column-major view of a contiguous [rank, d] copy (a warp's lanes then read consecutive
+        bytes), or None (`_copy_of`: the f_b GEMV then runs as its own kernel)."""
+        return self._copy_of(f_b, "columns", lambda t: t.t().contiguous().t(),
+                             "the decay gate's f_b first seen inside a CUDA-graph capture: its column-major copy is "
+                             "made outside captures, so the f_b GEMV runs as its own kernel in this graph")
+
+    def _expert_codes(self, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(w13, w2, whether they are quad-major) for the expert kernels: copies in `moe_mxfp4.quad_major` order
+        (`_copy_of`), else the natural rows."""
+        if self._quad_major_on and w.w13.shape[-1] % 32 == 0 and w.w2.shape[-1] % 32 == 0:  # even groups per row
+            from ..kernels.moe_mxfp4 import quad_major
+
+            why = ("expert weights first seen inside a CUDA-graph capture: their quad-major copies are made outside "
+                   "captures, so the expert kernels read the natural rows in this graph")
+            w13, w2 = (self._copy_of(t, "quad_major", quad_major, why) for t in (w.w13, w.w2))
+            if w13 is not None and w2 is not None:
+                return w13, w2, True
+        return w.w13, w.w2, False
 
     def attn_out_proj(self, o, w):
         if self._fuse_o_res:  # deferred: the next AttnRes call runs it in the same kernel (its residual update)
@@ -525,14 +548,15 @@ class LatencySpecializedBackend(AutoBackend):
         B, k = ids.shape
         used = shard.expert_inter_used
         L = w.w2.shape[1]
+        w13, w2, quad = self._expert_codes(w)
         if B >= self._grouped_from:  # many pairs share an expert: sort them by expert and read each expert once
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
 
             align = self.expert_alignment(ids)
-            return moe_mxfp4_grouped(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, align,
+            return moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
                                      pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device),
-                                     summed=not self._pairs_to_tail)
+                                     summed=not self._pairs_to_tail, quad_major=quad)
         if self._mlp_fast:  # the expert kernels are latency-bound at small batch; the tail GEMV comes next
             self._prefetch(w.up)
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)
@@ -541,9 +565,9 @@ class LatencySpecializedBackend(AutoBackend):
         # with the norm fused into the tail: the expert kernel also writes bf16(routed * norm weight) for it
         self._scaled = self._empty(B, L, device=x.device) if self._fused_norm else None
         counters = self._counter("experts", x.device, EXPERT_COUNTERS) if self._experts_one_on else None
-        return moe_mxfp4(latent, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, used, act=act, out=out,
+        return moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, act=act, out=out,
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
-                         counters=counters, shared=shared, shared_act_ready=glu_in_entry)
+                         counters=counters, shared=shared, shared_act_ready=glu_in_entry, quad_major=quad)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)

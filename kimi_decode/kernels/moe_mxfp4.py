@@ -143,6 +143,38 @@ def pair_transpose(v, t, select, fetch):
     return out
 
 
+
+def quad_major(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """MXFP4 codes [..., row bytes] (uint8, 16 bytes per MX group, an even number of groups per row) in the order in
+    which the expert kernels' lanes read them without exchanging words: within each quad of 4 groups (64 bytes) of
+    a row, word t of group c moves to word 4t + c (a 4 x 4 transpose of words), in a row's last pair of groups (when
+    the groups are not a multiple of 4) to 2t + c. Lane t of a quad then finds word t of every group of a chunk
+    side by side, what `quad_transpose` / `pair_transpose` assemble from natural rows. A new tensor; `inverse`
+    gives back the natural order. Made once per weight, outside the step (`latency_specialized`)."""
+    *lead, nb = w.shape
+    if w.dtype != torch.uint8 or nb % (2 * 16):
+        raise ValueError("quad_major: uint8 MXFP4 codes with an even number of 16-byte groups per row expected")
+    groups = nb // 16
+    full = groups // QUAD * QUAD
+    words = w.contiguous().view(torch.int32).reshape(-1, groups * 4)
+    rows = words.shape[0]
+    out = torch.empty_like(words)
+    if full:
+        out[:, :full * 4] = words[:, :full * 4].reshape(rows, full // QUAD, 4, 4).transpose(-1, -2).reshape(rows, -1)
+    if full < groups:
+        n = groups - full
+        tail = words[:, full * 4:].reshape(rows, *((4, n) if inverse else (n, 4)))
+        out[:, full * 4:] = tail.transpose(-1, -2).reshape(rows, -1)
+    return out.view(torch.uint8).view(w.shape)
+
+
+def quad_major_offset(G: int, t: int, groups: int) -> int:
+    """Where word t of MX group G lies in a quad-major row of `groups` groups (`quad_major`), in words."""
+    full = groups // QUAD * QUAD
+    n = QUAD if G < full else groups - full
+    return G // QUAD * 16 + n * t + G % QUAD
+
+
 if HAVE_CUTE:
     from cutlass import Float32, Int32
     from cutlass._mlir.dialects import llvm
@@ -184,25 +216,35 @@ if HAVE_CUTE:
     def byte_of(word, i: int):
         return (word >> (8 * i)) & 0xFF
 
-    def quad_words(gW: cute.Tensor, e, row, G0, t):
-        """Word t of MX groups G0..G0+3 of one weight row, from one 16-byte load per lane (group G0 + t)."""
-        return quad_transpose(chunk_load(gW, e, row, G0, t, QUAD), t, _select, _bfly)
+    def quad_words(gW: cute.Tensor, e, row, G0, t, qm: int = 0):
+        """Word t of MX groups G0..G0+3 of one weight row, from one 16-byte load per lane: in natural rows group G0 +
+        t, then exchanged in the quad of lanes; in quad-major rows (`qm`, see `chunk_load`) the same 16 bytes hold
+        them already."""
+        v = chunk_load(gW, e, row, G0, t, QUAD, qm)
+        return v if qm else quad_transpose(v, t, _select, _bfly)
 
-    def chunk_load(gW: cute.Tensor, e, row, G0, t, chunk: int):
+    def qm_offset(G, t, groups: int):
+        """`quad_major_offset` for a traced group index G."""
+        full = groups // QUAD * QUAD
+        n = QUAD if full == groups else _select(G < full, QUAD, groups - full)
+        return (G >> 2) * 16 + n * t + (G & 3)
+
+    def chunk_load(gW: cute.Tensor, e, row, G0, t, chunk: int, qm: int = 0):
         """Lane t's share of MX groups G0..G0+chunk-1 of one weight row, as loaded: `gW` is the row words divided
-        into tiles of `chunk` words (`chunk_view`). 4: group G0 + t (16 bytes); 2: half t % 2 of group G0 + t // 2
-        (8 bytes); 1: word t of group G0."""
+        into tiles of `chunk` words (`chunk_view`). Natural rows: 4: group G0 + t (16 bytes); 2: half t % 2 of group
+        G0 + t // 2 (8 bytes); 1: word t of group G0. Quad-major rows (`quad_major`; `qm` their groups per row, 0
+        for natural ones): word t of each of the chunk's groups, side by side (G0 a multiple of `chunk`)."""
         if chunk == 1:
-            return [gW[e, row, G0 * 4 + t]]
+            return [gW[e, row, qm_offset(G0, t, qm) if qm else G0 * 4 + t]]
         if chunk == 2:
-            v = load4(gW[(None, (e, row, (G0 + (t >> 1)) * 2 + (t & 1)))])
+            v = load4(gW[(None, (e, row, qm_offset(G0, t, qm) >> 1 if qm else (G0 + (t >> 1)) * 2 + (t & 1)))])
             return [v[0], v[1]]
-        v = load4(gW[(None, (e, row, G0 + t))])
+        v = load4(gW[(None, (e, row, G0 + t))])  # the same 16 bytes in both layouts
         return [v[0], v[1], v[2], v[3]]
 
-    def chunk_words(v, t, lane, chunk: int):
+    def chunk_words(v, t, lane, chunk: int, qm: int = 0):
         """`chunk_load`'s words -> word t of each of the chunk's groups (what the mma fragment takes)."""
-        if chunk == 1:
+        if chunk == 1 or qm:
             return v
         if chunk == 2:
             base = lane - t
@@ -230,15 +272,17 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
             every lane converting its 8 activations of every group (8 lanes of a warp hold the same ones).
             `prefetch` (`w13_prefetch`): once the expert id is known, each lane asks L2 for its slices of all of the
             warp's quads, so that their loads, which ptxas places after the activations' staging (the first) and the
-            previous quad's mma (the others), find them there or on their way."""
+            previous quad's mma (the others), find them there or on their way. `quad_major`: the weights' groups per
+            row when they come in `quad_major` order (then no word exchange), 0 for natural rows."""
             self.I, self.used, self.topk = inter, used, topk
+            self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
             self.x_once = x_once
@@ -316,8 +360,8 @@ if HAVE_CUTE:
             acc3 = Float32(0.0)
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
-                u1 = quad_words(gW, e, j, G0, t)
-                u3 = quad_words(gW, e, self.I + j, G0, t)
+                u1 = quad_words(gW, e, j, G0, t, self.qm)
+                u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
                 sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
                 sw3 = w_scale[e, self.I + j, G0 // QUAD]
                 for i in cutlass.range_constexpr(QUAD):
@@ -350,11 +394,12 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
-            chunk's four scale bytes are one load."""
+            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s."""
             self.topk = topk
+            self.qm = quad_major
             self.scaled = scaled
             self.warps = warps
             # under PDL, the weight words loaded before the wait: with the wait between them and the rest the kernel
@@ -421,7 +466,8 @@ if HAVE_CUTE:
                 G0 = item % self.chunks * C
                 e = ids[b, k]
                 if cutlass.const_expr(it < self.early_items):
-                    items.append((k, G0, valid, chunk_load(gW, e, ra, G0, t, C), chunk_load(gW, e, rb, G0, t, C)))
+                    items.append((k, G0, valid, chunk_load(gW, e, ra, G0, t, C, self.qm),
+                                  chunk_load(gW, e, rb, G0, t, C, self.qm)))
                 else:
                     items.append((k, G0, valid, None, None))
             if cutlass.const_expr(target >= 0):
@@ -433,8 +479,8 @@ if HAVE_CUTE:
             for k, G0, valid, va, vb in items:
                 e = ids[b, k]
                 if cutlass.const_expr(va is None):
-                    va, vb = chunk_load(gW, e, ra, G0, t, C), chunk_load(gW, e, rb, G0, t, C)
-                wa, wb = chunk_words(va, t, lane, C), chunk_words(vb, t, lane, C)
+                    va, vb = chunk_load(gW, e, ra, G0, t, C, self.qm), chunk_load(gW, e, rb, G0, t, C, self.qm)
+                wa, wb = chunk_words(va, t, lane, C, self.qm), chunk_words(vb, t, lane, C, self.qm)
                 wt = Float32(cutlass.select_(valid, weights[b, k], Float32(0.0)))
                 ka, kb = self.scales(w_scale, e, ra, G0), self.scales(w_scale, e, rb, G0)
                 for i in cutlass.range_constexpr(C):
@@ -470,8 +516,8 @@ if HAVE_CUTE:
         leave."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
-                     split: int = 1, x_once: bool = False, prefetch: bool = False):
-            super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch)
+                     split: int = 1, x_once: bool = False, prefetch: bool = False, quad_major: int = 0):
+            super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch, quad_major=quad_major)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
                                          warps=self.warps, split=split)
             self.tiles = used // ROWS13
@@ -513,8 +559,10 @@ if HAVE_CUTE:
         32 // row_lanes rows per warp) in CTAs of its own after the expert CTAs (batch 1)."""
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
-                     early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32):
-            super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words)
+                     early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
+                     quad_major: int = 0):
+            super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
+                             quad_major=quad_major)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
                                          row_lanes=row_lanes)
             self.tiles = latent // ROWS2
@@ -555,9 +603,10 @@ if HAVE_CUTE:
         stage. counter[2 + b] counts token b's finished w13 CTAs, counter[1] the finished w2 CTAs."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool,
-                     chunk: int = 1, scale_words: bool = False, x_once: bool = False):
-            self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once)
-            self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words)
+                     chunk: int = 1, scale_words: bool = False, x_once: bool = False, qm: tuple[int, int] = (0, 0)):
+            self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once, quad_major=qm[0])
+            self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words,
+                               quad_major=qm[1])
             self.B, self.topk = batch, topk
             self.tiles13, self.tiles2 = used // ROWS13, latent // ROWS2
             self.n13, self.n2 = self.tiles13 * batch * topk, self.tiles2 * batch
@@ -737,18 +786,29 @@ def w2_early(tokens: int) -> bool:
     return tokens == 1 if raw == "auto" else raw == "1"
 
 
+def layout_groups(w13: torch.Tensor, w2: torch.Tensor, quad_major: bool) -> tuple[int, int]:
+    """The kernels' `quad_major` arguments for w13 and w2: their MX groups per row when the codes come in
+    `quad_major` order, else 0 (natural rows)."""
+    if not quad_major:
+        return 0, 0
+    if w2.shape[-1] % 32:
+        raise ValueError("MoE MXFP4: quad-major w2 rows need an even number of MX groups")
+    return w13.shape[-1] // 16, w2.shape[-1] // 16
+
+
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
-                counters=None, shared=None, shared_act_ready: bool = False):
+                counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False):
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch()
+    qm13, qm2 = layout_groups(w13, w2, quad_major)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, *signature(*a13)),
-                              MoEW13Act(L, I, used, k, cap, x_once, pf),
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, *signature(*a13)),
+                              MoEW13Act(L, I, used, k, cap, x_once, pf, qm13),
                               *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
@@ -759,22 +819,26 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         else:
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
-            f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, pf, *signature(*a13)),
-                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf),
+            f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, pf, qm13, *signature(*a13)),
+                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         lanes = shared_down_lanes()
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, *signature(*a2)),
-                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes),
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2,
+                             *signature(*a2)),
+                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
+                                           qm2),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
-        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once)
-        return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, *signature(*args)), op,
+        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2))
+        return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
+                              op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, *signature(*w2_args)),
-                        MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words),
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *signature(*w2_args)),
+                        MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
+                                 quad_major=qm2),
                         *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
@@ -806,7 +870,7 @@ def _check_shared(shared, B: int) -> None:
 
 
 def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
-              scaled=None, counters=None, shared=None, shared_act_ready: bool = False):
+              scaled=None, counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
@@ -817,7 +881,8 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     (`MoEExperts`), else two. `shared=(gate_up, x, act, down, out)` at batch 1 (bf16: x [1, H], act [1, S], out
     [1, H]): the shared experts as well, out = down @ SiTU-GLU(x @ gate_up.T), their GEMVs in CTAs of their own in
     the two expert kernels (not with `counters`); with `shared_act_ready` their act is already computed (by
-    `moe_entry`) and only the down-projection rides along, in the w2 kernel."""
+    `moe_entry`) and only the down-projection rides along, in the w2 kernel. `quad_major`: w13 and w2 come in
+    `quad_major` order (the kernels then load each lane's words without exchanging them)."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -836,7 +901,7 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
             raise ValueError("MoE MXFP4: the shared experts ride along in the two-kernel form only")
         _check_shared(shared, B)
         f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
-                              shared=shared, shared_act_ready=shared_act_ready)
+                              shared=shared, shared_act_ready=shared_act_ready, quad_major=quad_major)
         gate_up, hx, s_act, down, s_out = shared
         launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(() if shared_act_ready else (gate_up, hx, s_act)))
         launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
@@ -845,11 +910,13 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < 2 + B:
             raise ValueError(f"MoE MXFP4: the one-kernel experts need int32 counters [>= {2 + B}]")
         counters = counters[:2 + B]
-        fn = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled, counters)
+        fn = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled, counters,
+                         quad_major=quad_major)
         launch(fn, *_chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters),
                align=lambda t: 4 if t is counters else 16)
         return out
-    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled)
+    f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
+                          quad_major=quad_major)
     launch(f13, *_w13_args(latent, ids, w13, w13_scale, act))
     launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
     return out

@@ -28,8 +28,8 @@ import os
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
-from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, quad_split,
-                        w2_scales)
+from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
+                        quad_major_offset, quad_split, w2_scales)
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
@@ -56,13 +56,14 @@ if HAVE_CUTE:
     from .cute_common import load4, mma_lanes, situ_glu
     from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_words
 
-    def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int):
-        """Word t of every MX group of a row: whole quads as `quad_words`, the rest one 4-byte load per group."""
+    def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
+        """Word t of every MX group of a row: whole quads as `quad_words`, the rest one 4-byte load per group (`qm`:
+        the rows' groups when quad-major, else 0)."""
         words = []
         for q in range(groups // QUAD):
-            words += quad_words(gW, e, row, q * QUAD, t)
+            words += quad_words(gW, e, row, q * QUAD, t, qm)
         for G in range(groups // QUAD * QUAD, groups):
-            words.append(w[e, row, G * 4 + t])
+            words.append(w[e, row, quad_major_offset(G, t, qm) if qm else G * 4 + t])
         return words
 
     def _row_scales(w_scale: cute.Tensor, e, row, groups: int, words: bool):
@@ -76,9 +77,11 @@ if HAVE_CUTE:
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int):
-            """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4)."""
+        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0):
+            """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
+            weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0."""
             self.I, self.used, self.topk = inter, used, topk
+            self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
 
@@ -119,8 +122,8 @@ if HAVE_CUTE:
                             bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
                         for r in cutlass.range_constexpr(self.tiles):
                             j = j0 + r * ROWS13
-                            u1 = quad_words(gW, e, j, G0, t)
-                            u3 = quad_words(gW, e, self.I + j, G0, t)
+                            u1 = quad_words(gW, e, j, G0, t, self.qm)
+                            u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
                             sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
                             sw3 = w_scale[e, self.I + j, G0 // QUAD]
                             for i in cutlass.range_constexpr(QUAD):
@@ -156,9 +159,11 @@ if HAVE_CUTE:
     class MoEW2Grouped:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
-        def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool):
-            """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4)."""
+        def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, quad_major: int = 0):
+            """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`:
+            as `MoEW13Grouped`'s."""
             self.topk = topk
+            self.qm = quad_major
             self.groups = used // GROUP
             self.scale_words = scale_words
             self.tiles = _tiles(latent // ROWS2_CTA, tiles)
@@ -197,8 +202,8 @@ if HAVE_CUTE:
                     acc = [Float32(0.0) for _ in range(4 * self.tiles)]
                     for r in cutlass.range_constexpr(self.tiles):
                         ra = r0 + 16 * r
-                        wa = _row_words(gW, w, e, ra, t, self.groups)
-                        wb = _row_words(gW, w, e, ra + 8, t, self.groups)
+                        wa = _row_words(gW, w, e, ra, t, self.groups, self.qm)
+                        wb = _row_words(gW, w, e, ra + 8, t, self.groups, self.qm)
                         sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
                         sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
                         for G in cutlass.range_constexpr(self.groups):
@@ -245,30 +250,35 @@ def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_
     return a13, a2
 
 
-def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int):
+def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int,
+                    quad_major: bool = False):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
+    qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, *signature(*a13)), MoEW13Grouped(L, I, used, k, t13),
-                         *(fake_like(t, align=16) for t in a13))
-    f2 = compile_kernel(("moe_w2_grouped", used, t2, *signature(*a2)),
-                        MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32), *(fake_like(t, align=16) for t in a2))
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13), *(fake_like(t, align=16) for t in a13))
+    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, *signature(*a2)),
+                        MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, qm2),
+                        *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
 
 def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, align, act=None,
-                      pair_out=None, summed: bool = True):
+                      pair_out=None, summed: bool = True, quad_major: bool = False):
     """Routed experts of one rank, each selected expert read once: latent [B, L] bf16, ids [B, k] int32, weights
     [B, k] fp32, `align` the four int32 [B*k] outputs of `moe_align(ids)` (order, segment start, length, expert)
     -> [B, L] fp32, the weighted sum over each token's k experts, or without `summed` the routing-weighted outputs
     per pair [B, k, L] (for a consumer that adds them itself, `rmsnorm.routed_norm`). `act` [B*k, used] fp16 and
-    `pair_out` [B*k, L] fp32 may be given (overwritten)."""
+    `pair_out` [B*k, L] fp32 may be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major`
+    order."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
     pair_out = pair_out if pair_out is not None else torch.empty(B * k, L, dtype=torch.float32, device=latent.device)
     _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out)
-    f13, f2 = compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used)
+    f13, f2 = compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used,
+                              quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     launch(f13, *a13)
     launch(f2, *a2)
