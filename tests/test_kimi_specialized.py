@@ -1073,6 +1073,8 @@ def test_grouped_tiles_switch_is_checked(monkeypatch):
     assert (grouped_tiles("w13"), grouped_tiles("w2")) == (2, 4)
     monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", "1")
     assert (grouped_tiles("w13"), grouped_tiles("w2")) == (1, 1)
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", "1,4")
+    assert (grouped_tiles("w13"), grouped_tiles("w2")) == (1, 4)
     monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", "3")
     with pytest.raises(ValueError, match="1, 2 or 4"):
         grouped_tiles("w2")

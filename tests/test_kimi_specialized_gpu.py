@@ -474,6 +474,16 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad):
     assert rel_err(out, want) < BF16_TOL
 
 
+@pytest.mark.parametrize("tiles", ["1", "4", "1,4"])
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+def test_moe_mxfp4_grouped_on_quad_major_codes_at_each_tile_count_matches_float64(monkeypatch, tiles, tp, pad):
+    """The grouped kernels on `quad_major` codes with 1 / 4 row tiles per warp (KIMI_DECODE_GROUPED_TILES; the
+    default 2 / 4 runs in the test this calls)."""
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_TILES", tiles)
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
+
+
 @pytest.mark.parametrize("rows", [4, 17, 64])
 def test_tensor_core_projection_row_scale_and_graph_replay(rows):
     """The MoE tail's form (1/rms per row from partial sums of squares, addend, accumulate) in a CUDA graph replayed

@@ -38,11 +38,15 @@ DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/
 
 def grouped_tiles(kernel: str) -> int:
     """mma row tiles per warp of the "w13" or "w2" kernel, which share each activation group (loaded and converted
-    once): `DEFAULT_TILES`, or KIMI_DECODE_GROUPED_TILES (1, 2 or 4, for both kernels) for A/B timing."""
-    n = int(os.environ.get("KIMI_DECODE_GROUPED_TILES", DEFAULT_TILES[kernel]))
-    if n not in (1, 2, 4):
-        raise ValueError(f"KIMI_DECODE_GROUPED_TILES must be 1, 2 or 4, got {n}")
-    return n
+    once): `DEFAULT_TILES`, or KIMI_DECODE_GROUPED_TILES for A/B timing: "N" for both kernels or "N13,N2", each 1, 2
+    or 4."""
+    raw = os.environ.get("KIMI_DECODE_GROUPED_TILES")
+    if raw is None:
+        return DEFAULT_TILES[kernel]
+    parts = raw.split(",")
+    if len(parts) not in (1, 2) or any(p not in ("1", "2", "4") for p in parts):
+        raise ValueError(f"KIMI_DECODE_GROUPED_TILES must be 1, 2 or 4, or two of them as w13,w2; got {raw!r}")
+    return int(parts[0] if len(parts) == 1 or kernel == "w13" else parts[1])
 
 
 def _tiles(n: int, most: int) -> int:
