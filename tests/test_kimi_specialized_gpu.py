@@ -143,6 +143,17 @@ def test_specialized_layer_on_natural_expert_rows_matches_reference(monkeypatch,
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [16, 24])
+def test_specialized_layer_with_per_pair_experts_above_batch_8_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_GROUPED_FROM=65: the per-pair expert kernels at any batch, with the fused norm tail up to 16 rows
+    and the generic tail above."""
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_FROM", "65")
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=3400 + tp + batch, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
 def test_specialized_layer_with_the_reduce_then_norm_tail_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_ROUTED_NORM=0: the grouped experts' pairs summed before the MoE tail, and the tail of before

@@ -98,10 +98,11 @@ GEMV_MAX_ROWS = 8  # the per-(token, expert) expert kernels and the fused MoE-ta
 
 def grouped_from() -> int:
     """The batch from which the routed experts run grouped by expert (`moe_mxfp4_grouped`) instead of per (token,
-    expert) pair: KIMI_DECODE_GROUPED_FROM, 2..GEMV_MAX_ROWS + 1 (default GEMV_MAX_ROWS + 1), for A/B runs."""
+    expert) pair: KIMI_DECODE_GROUPED_FROM, 2..EXPERT_MAX_ROWS + 1 (default GEMV_MAX_ROWS + 1; EXPERT_MAX_ROWS + 1:
+    never), for A/B runs."""
     raw = os.environ.get("KIMI_DECODE_GROUPED_FROM", str(GEMV_MAX_ROWS + 1))
-    if not raw.isdigit() or not 2 <= int(raw) <= GEMV_MAX_ROWS + 1:
-        raise ValueError(f"KIMI_DECODE_GROUPED_FROM must be a batch in 2..{GEMV_MAX_ROWS + 1}, not {raw!r}")
+    if not raw.isdigit() or not 2 <= int(raw) <= EXPERT_MAX_ROWS + 1:
+        raise ValueError(f"KIMI_DECODE_GROUPED_FROM must be a batch in 2..{EXPERT_MAX_ROWS + 1}, not {raw!r}")
     return int(raw)
 
 
@@ -255,7 +256,7 @@ class LatencySpecializedBackend(AutoBackend):
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between and the
         # per-pair expert kernels write its partial sums (below the grouped kernels' batches)
         self._grouped_from = grouped_from()
-        self._fused_norm = self._mlp_fast and not reduced and batch < self._grouped_from
+        self._fused_norm = self._mlp_fast and not reduced and batch < self._grouped_from and self._cute_rows(batch)
         # above it the tail takes the grouped kernels' per-pair outputs and sums them in its norm kernel
         self._pairs_to_tail = (self._mlp_fast and self._experts_fast and not reduced and batch >= self._grouped_from
                                and routed_norm_on())
