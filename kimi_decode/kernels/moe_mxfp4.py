@@ -15,13 +15,14 @@ holds the 4-byte word t of the group's 16 bytes for rows g and g + 8, which hold
 assigned so that those eight codes pair with activations 8t..8t+7 of the same lane (the dot product does not care
 about the order of k). `moe_w13_act` (and the grouped kernels) load 16 bytes per lane, group t of four consecutive
 groups, and exchange words within each quad of lanes (`quad_transpose`), since a 4-byte load per lane touches 8 rows
-for 16 bytes each and bounds the kernel by load instructions. `moe_w2_sum`, whose rows are short (6 groups at TP16,
-12 at TP8), loads chunks of 4 groups the same way where they divide the row, else pairs (8 bytes per lane,
-`pair_transpose`), else the word itself (`w2_chunk`). The warps of a CTA split the K groups between them and add
-their partial sums through shared memory. The activation operand carries the same token in all 8 mma columns, so column
-0 (lanes with t = 0) holds the result. Only the expert rows the math needs are read: padded intermediate rows (TP16
-stores 256, uses 192) are skipped.
-"""
+for 16 bytes each and bounds the kernel by load instructions. On codes in quad-major order (`quad_major`: each row's
+quads of groups stored as a 4 x 4 transpose of words) the same 16-byte load brings lane t word t of the four groups
+directly, and no words are exchanged (every kernel here takes either layout, `quad_major=`). `moe_w2_sum`, whose
+rows are short (6 groups at TP16, 12 at TP8), loads chunks of 4 groups the same way where they divide the row, else
+pairs (8 bytes per lane, `pair_transpose`), else the word itself (`w2_chunk`). The warps of a CTA split the K groups
+between them and add their partial sums through shared memory. The activation operand carries the same token in all
+8 mma columns, so column 0 (lanes with t = 0) holds the result. Only the expert rows the math needs are read: padded
+intermediate rows (TP16 stores 256, uses 192) are skipped."""
 from __future__ import annotations
 
 import os

@@ -10,17 +10,16 @@ dequantisation (the e2m1 code shifted into an fp16, scale per 32 codes) is the o
 `moe_w13_grouped`: CTA (row block of 16 intermediate rows, segment): two mma row tiles (w1 rows j..j+7 in mma rows
 0-7, the matching w3 rows in 8-15) per warp, the warps splitting K (the latent) in whole quads of 4 MX groups. The
 weights come in 16-byte loads: lane t of a quad loads group t of the quad for its row, and two rounds of shuffles
-(`quad_transpose`) leave it word t of each of the four groups, what the mma fragment takes; the four scale bytes of
-a quad are one 32-bit load. (With one 4-byte load per lane and group, every load instruction touched 8 rows for 16
-bytes each, and the kernel ran at 1.25 TB/s against 2.4 now: bound by load instructions, not bytes.) Each activation
-group is loaded and converted to fp16 operands once for the two tiles. The warps add their partial sums through
-shared memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act [pair, used] fp16. `moe_w2_grouped`: CTA
-(512 latent rows, segment), each warp four tiles of 16 rows over the whole (short) K = used, its weights loaded the
-same way (whole quads by 16-byte loads, the two groups left at TP16 by 4-byte ones), the act operands converted once
-for the four tiles -> routing weight x partial output per pair [pair, latent] fp32, summed over each token's k pairs
-afterwards (no atomics: the result does not depend on the order in which CTAs finish). Segments past the number of
-distinct experts have length 0 and exit at once.
-"""
+(`quad_transpose`; none on `moe_mxfp4.quad_major` codes) leave it word t of each of the four groups, what the mma
+fragment takes; the four scale bytes of a quad are one 32-bit load. (With one 4-byte load per lane and group, every
+load instruction touched 8 rows for 16 bytes each, and the kernel ran at 1.25 TB/s against 2.4 now: bound by load
+instructions, not bytes.) Each activation group is loaded and converted to fp16 operands once for the two tiles. The
+warps add their partial sums through shared memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act
+[pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows, segment), each warp four tiles of 16 rows over the whole
+(short) K = used, its weights loaded the same way (whole quads by 16-byte loads, the two groups left at TP16 by
+4-byte ones), the act operands converted once for the four tiles -> routing weight x partial output per pair [pair,
+latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not depend on the order in
+which CTAs finish). Segments past the number of distinct experts have length 0 and exit at once."""
 from __future__ import annotations
 
 import os
