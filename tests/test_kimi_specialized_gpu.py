@@ -120,15 +120,21 @@ def test_specialized_layer_matches_reference(tp, layer, batch):
     check.assert_within(BF16_TOL)
 
 
+def _layer_matches_with(monkeypatch, name: str, value: str, tp: int, batch: int, seed: int) -> None:
+    """Layer 1 at shard `tp` and `batch` with the setting `name`=`value` against the float64 reference (outputs
+    poisoned)."""
+    monkeypatch.setenv(name, value)
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=seed + tp + batch, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [2, 8])
 def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_GROUPED_FROM=2: the experts grouped by expert from 2 tokens on, with the MoE tail's norm as its
     own kernel (the per-pair kernels' fused norm goes with them)."""
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_FROM", "2")
-    s = shard("k3", tp=tp)
-    lw, res, state = layer_case(s, 1, batch, seed=3100 + tp + batch, device="cuda")
-    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_GROUPED_FROM", "2", tp, batch, 3100)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -136,10 +142,7 @@ def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference
 def test_specialized_layer_on_natural_expert_rows_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_QUAD_MAJOR=0: the expert kernels on the natural rows (words exchanged between lanes), as A/B runs
     time it."""
-    monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "0")
-    s = shard("k3", tp=tp)
-    lw, res, state = layer_case(s, 1, batch, seed=3300 + tp + batch, device="cuda")
-    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_QUAD_MAJOR", "0", tp, batch, 3300)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -147,10 +150,7 @@ def test_specialized_layer_on_natural_expert_rows_matches_reference(monkeypatch,
 def test_specialized_layer_with_per_pair_experts_above_batch_8_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_GROUPED_FROM=65: the per-pair expert kernels at any batch, with the fused norm tail up to 16 rows
     and the generic tail above."""
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_FROM", "65")
-    s = shard("k3", tp=tp)
-    lw, res, state = layer_case(s, 1, batch, seed=3400 + tp + batch, device="cuda")
-    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_GROUPED_FROM", "65", tp, batch, 3400)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -158,10 +158,7 @@ def test_specialized_layer_with_per_pair_experts_above_batch_8_matches_reference
 def test_specialized_layer_with_the_reduce_then_norm_tail_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_ROUTED_NORM=0: the grouped experts' pairs summed before the MoE tail, and the tail of before
     (the norm kernel and the projection up to 16 rows, the generic tail above), as A/B runs time it."""
-    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM", "0")
-    s = shard("k3", tp=tp)
-    lw, res, state = layer_case(s, 1, batch, seed=3200 + tp + batch, device="cuda")
-    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ROUTED_NORM", "0", tp, batch, 3200)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -169,10 +166,7 @@ def test_specialized_layer_with_the_reduce_then_norm_tail_matches_reference(monk
 def test_specialized_layer_without_overlap_matches_reference(monkeypatch, tp, batch):
     """The MoE block's router and shared experts in order on one stream (KIMI_DECODE_OVERLAP=0), as A/B timing runs
     it: the same results as the forked block."""
-    monkeypatch.setenv("KIMI_DECODE_OVERLAP", "0")
-    s = shard("k3", tp=tp)
-    lw, res, state = layer_case(s, 1, batch, seed=3000 + tp + batch, device="cuda")
-    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_OVERLAP", "0", tp, batch, 3000)
 
 
 def test_prefetch_leaves_the_weights_as_they_are():
