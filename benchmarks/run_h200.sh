@@ -51,6 +51,11 @@ step() {  # step NAME SECONDS COMMAND...
   return $rc
 }
 
+export_setting() {  # export_setting "NAME=VALUE[,NAME=VALUE]": each NAME=VALUE (values may hold commas)
+  local kv
+  for kv in $(echo "$1" | sed 's/,\([A-Z_][A-Z0-9_]*=\)/ \1/g'); do export "$kv"; done
+}
+
 bench() {  # bench NAME SECONDS JSON ARGS...
   local name=$1 want=$2 json=$3
   shift 3
@@ -210,7 +215,7 @@ for name in "$@"; do
       # separated by spaces), e.g. AB_ENVS="KIMI_DECODE_GEMV_PRELOAD=0 KIMI_DECODE_OPROJ_EARLY=1"
       for setting in ${AB_ENVS:-}; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
-        (for kv in $(echo "$setting" | sed 's/,\([A-Z_][A-Z0-9_]*=\)/ \1/g'); do export "$kv"; done
+        (export_setting "$setting"
          bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 \
            --batch ${AB_BATCHES:-1})
       done ;;
@@ -221,7 +226,7 @@ for name in "$@"; do
       for setting in ${AB_ENVS:-}; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
         for tp in ${CAPTURE_TP:-16}; do
-          (for kv in $(echo "$setting" | sed 's/,\([A-Z_][A-Z0-9_]*=\)/ \1/g'); do export "$kv"; done
+          (export_setting "$setting"
            step "capture $setting tp$tp" 60 python3 -m profiler.cli capture --backend latency_specialized --tp "$tp" \
              --batch 1 --layers 4 --context 8192 --steps 30 --profiler cupti -o "$OUT/ab_${tag}_tp${tp}.kprof")
         done

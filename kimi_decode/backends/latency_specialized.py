@@ -461,9 +461,9 @@ class LatencySpecializedBackend(AutoBackend):
     def _expert_codes(self, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13, w2, whether they are quad-major) for the expert kernels: copies in `moe_mxfp4.quad_major` order
         (`_copy_of`), else the natural rows."""
-        if self._quad_major_on and w.w13.shape[-1] % 32 == 0 and w.w2.shape[-1] % 32 == 0:  # even groups per row
-            from ..kernels.moe_mxfp4 import quad_major
+        from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
+        if self._quad_major_on and quad_major_fits(w.w13) and quad_major_fits(w.w2):
             why = ("expert weights first seen inside a CUDA-graph capture: their quad-major copies are made outside "
                    "captures, so the expert kernels read the natural rows in this graph")
             w13, w2 = (self._copy_of(t, "quad_major", quad_major, why) for t in (w.w13, w.w2))

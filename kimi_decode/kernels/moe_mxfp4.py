@@ -144,6 +144,10 @@ def pair_transpose(v, t, select, fetch):
     return out
 
 
+def quad_major_fits(w: torch.Tensor) -> bool:
+    """Whether `quad_major` takes these codes: uint8, an even number of 16-byte MX groups per row."""
+    return w.dtype == torch.uint8 and w.shape[-1] % (2 * 16) == 0
+
 
 def quad_major(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """MXFP4 codes [..., row bytes] (uint8, 16 bytes per MX group, an even number of groups per row) in the order in
@@ -152,10 +156,9 @@ def quad_major(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     the groups are not a multiple of 4) to 2t + c. Lane t of a quad then finds word t of every group of a chunk
     side by side, what `quad_transpose` / `pair_transpose` assemble from natural rows. A new tensor; `inverse`
     gives back the natural order. Made once per weight, outside the step (`latency_specialized`)."""
-    *lead, nb = w.shape
-    if w.dtype != torch.uint8 or nb % (2 * 16):
+    if not quad_major_fits(w):
         raise ValueError("quad_major: uint8 MXFP4 codes with an even number of 16-byte groups per row expected")
-    groups = nb // 16
+    groups = w.shape[-1] // 16
     full = groups // QUAD * QUAD
     words = w.contiguous().view(torch.int32).reshape(-1, groups * 4)
     rows = words.shape[0]
@@ -169,11 +172,17 @@ def quad_major(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return out.view(torch.uint8).view(w.shape)
 
 
-def quad_major_offset(G: int, t: int, groups: int) -> int:
-    """Where word t of MX group G lies in a quad-major row of `groups` groups (`quad_major`), in words."""
+def quad_major_offset(G, t, groups: int, select=None):
+    """Where word t of MX group G lies in a quad-major row of `groups` groups (`quad_major`), in words. For a traced
+    G in a row whose groups are not a multiple of 4, `select(c, a, b)` (c ? a : b) picks the chunk's width."""
     full = groups // QUAD * QUAD
-    n = QUAD if G < full else groups - full
-    return G // QUAD * 16 + n * t + G % QUAD
+    if full == groups:
+        n = QUAD
+    elif select is None:
+        n = QUAD if G < full else groups - full
+    else:
+        n = select(G < full, QUAD, groups - full)
+    return (G >> 2) * 16 + n * t + (G & 3)
 
 
 if HAVE_CUTE:
@@ -224,21 +233,16 @@ if HAVE_CUTE:
         v = chunk_load(gW, e, row, G0, t, QUAD, qm)
         return v if qm else quad_transpose(v, t, _select, _bfly)
 
-    def qm_offset(G, t, groups: int):
-        """`quad_major_offset` for a traced group index G."""
-        full = groups // QUAD * QUAD
-        n = QUAD if full == groups else _select(G < full, QUAD, groups - full)
-        return (G >> 2) * 16 + n * t + (G & 3)
-
     def chunk_load(gW: cute.Tensor, e, row, G0, t, chunk: int, qm: int = 0):
         """Lane t's share of MX groups G0..G0+chunk-1 of one weight row, as loaded: `gW` is the row words divided
         into tiles of `chunk` words (`chunk_view`). Natural rows: 4: group G0 + t (16 bytes); 2: half t % 2 of group
         G0 + t // 2 (8 bytes); 1: word t of group G0. Quad-major rows (`quad_major`; `qm` their groups per row, 0
         for natural ones): word t of each of the chunk's groups, side by side (G0 a multiple of `chunk`)."""
         if chunk == 1:
-            return [gW[e, row, qm_offset(G0, t, qm) if qm else G0 * 4 + t]]
+            return [gW[e, row, quad_major_offset(G0, t, qm, _select) if qm else G0 * 4 + t]]
         if chunk == 2:
-            v = load4(gW[(None, (e, row, qm_offset(G0, t, qm) >> 1 if qm else (G0 + (t >> 1)) * 2 + (t & 1)))])
+            v = load4(gW[(None, (e, row, quad_major_offset(G0, t, qm, _select) >> 1 if qm
+                                      else (G0 + (t >> 1)) * 2 + (t & 1)))])
             return [v[0], v[1]]
         v = load4(gW[(None, (e, row, G0 + t))])  # the same 16 bytes in both layouts
         return [v[0], v[1], v[2], v[3]]
@@ -792,7 +796,7 @@ def layout_groups(w13: torch.Tensor, w2: torch.Tensor, quad_major: bool) -> tupl
     `quad_major` order, else 0 (natural rows)."""
     if not quad_major:
         return 0, 0
-    if w2.shape[-1] % 32:
+    if not quad_major_fits(w2):
         raise ValueError("MoE MXFP4: quad-major w2 rows need an even number of MX groups")
     return w13.shape[-1] // 16, w2.shape[-1] // 16
 
