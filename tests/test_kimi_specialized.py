@@ -1067,6 +1067,30 @@ def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
     assert torch.equal(torch.stack(got, dim=1), words.T)  # lane t, slot i: word t of group i
 
 
+def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
+    from kimi_decode.kernels.moe_mxfp4_grouped import SEG_CTAS_PER_SM, segment_ctas
+
+    monkeypatch.setattr("kimi_decode.kernels.moe_mxfp4_grouped.sm_count", lambda: 132)
+    monkeypatch.delenv("KIMI_DECODE_GROUPED_SEG_CTAS", raising=False)
+    assert SEG_CTAS_PER_SM == 4
+    assert segment_ctas(1024, 12) == 44  # 4 x 132 / 12 row blocks
+    assert segment_ctas(1024, 7) == 76
+    assert segment_ctas(144, 24) == 22
+    assert segment_ctas(16, 7) == 16  # never more CTAs than segment slots
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", "1")
+    assert segment_ctas(1024, 12) == 32  # a lane per segment: at least 1024 / 32
+    for pairs in (144, 999, 1024):
+        for rows in (7, 12, 24):
+            g = segment_ctas(pairs, rows)
+            assert 32 * g >= pairs and g <= pairs
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", "0")
+    assert segment_ctas(1024, 12) == 1024  # one CTA per segment slot
+    for raw in ("65", "-1", "x", ""):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", raw)
+        with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_SEG_CTAS must be CTAs per SM in 0..64"):
+            segment_ctas(1024, 12)
+
+
 def test_grouped_tiles_switch_is_checked(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import grouped_tiles
 

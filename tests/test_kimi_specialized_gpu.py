@@ -489,6 +489,17 @@ def test_moe_mxfp4_grouped_on_quad_major_codes_at_each_tile_count_matches_float6
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
 
 
+@pytest.mark.parametrize("seg_ctas", ["0", "1"])
+@pytest.mark.parametrize("tp, pad", [(16, True), (8, True)])
+def test_moe_mxfp4_grouped_segment_grid_matches_float64(monkeypatch, seg_ctas, tp, pad):
+    """KIMI_DECODE_GROUPED_SEG_CTAS: one CTA per segment slot ("0"), and as few CTAs along the segments as a lane
+    per segment allows ("1": at batch 64, 32 segment slots per CTA, about 19 of them non-empty)."""
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", seg_ctas)
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, False)
+
+
 @pytest.mark.parametrize("rows", [4, 17, 64])
 def test_tensor_core_projection_row_scale_and_graph_replay(rows):
     """The MoE tail's form (1/rms per row from partial sums of squares, addend, accumulate) in a CUDA graph replayed

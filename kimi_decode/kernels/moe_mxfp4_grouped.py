@@ -26,13 +26,14 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
 from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
                         quad_major_offset, quad_split, w2_scales)
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
 DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/NOTES.md, v11)
+SEG_CTAS_PER_SM = 4  # CTAs per SM along the segments (`segment_ctas`)
 
 
 def grouped_tiles(kernel: str) -> int:
@@ -48,6 +49,20 @@ def grouped_tiles(kernel: str) -> int:
     return int(parts[0] if len(parts) == 1 or kernel == "w13" else parts[1])
 
 
+def segment_ctas(pairs: int, row_blocks: int) -> int:
+    """CTAs along the expert segments of a kernel with `row_blocks` CTAs across its rows: each takes every G-th
+    segment, up to 32 of them (one per lane), so G >= pairs / 32; and at least SEG_CTAS_PER_SM per SM over the whole
+    grid. KIMI_DECODE_GROUPED_SEG_CTAS sets that number per SM for A/B timing; "0" launches one CTA per segment
+    slot (`pairs`: the distinct experts are known only on the device, so most of them find an empty segment)."""
+    raw = os.environ.get("KIMI_DECODE_GROUPED_SEG_CTAS", str(SEG_CTAS_PER_SM))
+    if not raw.isdigit() or int(raw) > 64:
+        raise ValueError(f"KIMI_DECODE_GROUPED_SEG_CTAS must be CTAs per SM in 0..64, not {raw!r}")
+    per_sm = int(raw)
+    if per_sm == 0:
+        return pairs
+    return min(pairs, max(-(-pairs // 32), -(-per_sm * sm_count() // row_blocks)))
+
+
 def _tiles(n: int, most: int) -> int:
     """The most row tiles per warp (up to `most`) that divide n tiles evenly."""
     return next(k for k in (4, 2, 1) if k <= most and n % k == 0)
@@ -57,7 +72,7 @@ if HAVE_CUTE:
     from cutlass import Float32
 
     from .cute_common import load4, mma_lanes, situ_glu
-    from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_words
+    from .moe_mxfp4 import _select, byte_of, mma_operands, mx_scale, operand_mma, quad_words
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
         """Word t of every MX group of a row: whole quads as `quad_words`, the rest one 4-byte load per group (`qm`:
@@ -77,40 +92,59 @@ if HAVE_CUTE:
         ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
         return [byte_of(ws[G // QUAD], G % QUAD) for G in range(groups)]
 
+    def _lane_segments(seg_len: cute.Tensor, seg_start: cute.Tensor, seg_expert: cute.Tensor, by, lane,
+                       seg_ctas: int):
+        """Length, start and expert of the `lane`-th segment of CTA row `by` (segments by, by + G, by + 2G, ...; G =
+        `seg_ctas`, or one segment per CTA row when 0), all three loaded at once; length 0 past the segments."""
+        P = seg_len.shape[0]
+        s = by + lane * (seg_ctas or P)
+        inside = s < P
+        at = _select(inside, s, P - 1)
+        return _select(inside, seg_len[at], 0), seg_start[at], seg_expert[at]
+
+    def _segments(lens):
+        """How many of the warp's lanes hold a non-empty segment: the CTA's segments to work on, since `moe_align`
+        writes the distinct experts first and the rest with length 0."""
+        return cute.arch.popc(cute.arch.vote_ballot_sync(lens > 0))
+
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, pairs: int,
+                     quad_major: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
-            weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0."""
+            weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `pairs`: the segment
+            slots (B x k), over `segment_ctas` CTAs."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
+            self.seg_ctas = segment_ctas(pairs, used // (ROWS13 * self.tiles))
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
                      seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor,
                      stream):
-            P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
-                grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream)
+                grid=[self.used // (ROWS13 * self.tiles), self.seg_ctas, 1], block=[32 * self.warps, 1, 1],
+                stream=stream)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
                    seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
-            bx, s, _ = cute.arch.block_idx()
-            warp, _, g, t = mma_lanes(tidx)
+            bx, by, _ = cute.arch.block_idx()
+            warp, lane, g, t = mma_lanes(tidx)
             j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, self.warps, self.tiles)), 16)
-            length = seg_len[s]
-            if length > 0:
-                start = seg_start[s]
-                e = seg_expert[s]
+            lens, starts, experts = _lane_segments(seg_len, seg_start, seg_expert, by, lane, self.seg_ctas)
+            for i in cutlass.range(_segments(lens)):  # this CTA's non-empty segments
+                length = cute.arch.shuffle_sync(lens, i)
+                start = cute.arch.shuffle_sync(starts, i)
+                e = cute.arch.shuffle_sync(experts, i)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g  # this lane group's pair: mma column g
                     if col >= length:  # past the segment: any pair of it, its column is not stored
@@ -162,37 +196,40 @@ if HAVE_CUTE:
     class MoEW2Grouped:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
-        def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, quad_major: int = 0):
-            """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`:
-            as `MoEW13Grouped`'s."""
+        def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, pairs: int,
+                     quad_major: int = 0):
+            """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `pairs` and
+            `quad_major`: as `MoEW13Grouped`'s."""
             self.topk = topk
             self.qm = quad_major
             self.groups = used // GROUP
             self.scale_words = scale_words
             self.tiles = _tiles(latent // ROWS2_CTA, tiles)
+            self.seg_ctas = segment_ctas(pairs, latent // (ROWS2_CTA * self.tiles))
 
         @cute.jit
         def __call__(self, act: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
                      order: cute.Tensor, seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor,
                      out: cute.Tensor, stream):
-            P, L = out.shape
+            L = out.shape[1]
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile
             self.kernel(gA, weights, w, gW, w_scale, order, seg_start, seg_len, seg_expert, out).launch(
-                grid=[L // (ROWS2_CTA * self.tiles), P, 1], block=[32 * WARPS, 1, 1], stream=stream)
+                grid=[L // (ROWS2_CTA * self.tiles), self.seg_ctas, 1], block=[32 * WARPS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, gW: cute.Tensor,
                    w_scale: cute.Tensor, order: cute.Tensor, seg_start: cute.Tensor, seg_len: cute.Tensor,
                    seg_expert: cute.Tensor, out: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
-            bx, s, _ = cute.arch.block_idx()
-            warp, _, g, t = mma_lanes(tidx)
+            bx, by, _ = cute.arch.block_idx()
+            warp, lane, g, t = mma_lanes(tidx)
             r0 = (bx * WARPS + warp) * 16 * self.tiles + g  # this warp's rows: tiles of 16 from here
-            length = seg_len[s]
-            if length > 0:
-                start = seg_start[s]
-                e = seg_expert[s]
+            lens, starts, experts = _lane_segments(seg_len, seg_start, seg_expert, by, lane, self.seg_ctas)
+            for i in cutlass.range(_segments(lens)):
+                length = cute.arch.shuffle_sync(lens, i)
+                start = cute.arch.shuffle_sync(starts, i)
+                e = cute.arch.shuffle_sync(experts, i)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g
                     if col >= length:
@@ -259,10 +296,11 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13), *(fake_like(t, align=16) for t in a13))
-    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, *signature(*a2)),
-                        MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, qm2),
+    k13 = MoEW13Grouped(L, I, used, k, t13, ids.numel(), qm13)
+    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2)
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, k13.seg_ctas, *signature(*a13)), k13,
+                         *(fake_like(t, align=16) for t in a13))
+    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
