@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
                         quad_major_offset, quad_split, w2_scales)
 
@@ -47,6 +47,12 @@ def grouped_tiles(kernel: str) -> int:
     if len(parts) not in (1, 2) or any(p not in ("1", "2", "4") for p in parts):
         raise ValueError(f"KIMI_DECODE_GROUPED_TILES must be 1, 2 or 4, or two of them as w13,w2; got {raw!r}")
     return int(parts[0] if len(parts) == 1 or kernel == "w13" else parts[1])
+
+
+def grouped_prefetch() -> bool:
+    """KIMI_DECODE_GROUPED_PREFETCH ("0", the default, or "1"): whether each CTA asks L2 for its rows of the next
+    segment's expert while it works on the current one (one bulk request per weight row), for A/B timing."""
+    return env_choice("KIMI_DECODE_GROUPED_PREFETCH", "0", ("0", "1")) == "1"
 
 
 def segment_ctas(pairs: int, row_blocks: int) -> int:
@@ -71,7 +77,7 @@ def _tiles(n: int, most: int) -> int:
 if HAVE_CUTE:
     from cutlass import Float32
 
-    from .cute_common import load4, mma_lanes, situ_glu
+    from .cute_common import bulk_prefetch_l2, load4, mma_lanes, situ_glu
     from .moe_mxfp4 import _select, byte_of, mma_operands, mx_scale, operand_mma, quad_words
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
@@ -92,20 +98,14 @@ if HAVE_CUTE:
         ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
         return [byte_of(ws[G // QUAD], G % QUAD) for G in range(groups)]
 
-    def _lane_segments(seg_len: cute.Tensor, seg_start: cute.Tensor, seg_expert: cute.Tensor, by, lane,
-                       seg_ctas: int):
-        """Length, start and expert of the `lane`-th segment of CTA row `by` (segments by, by + G, by + 2G, ...; G =
-        `seg_ctas`, or one segment per CTA row when 0), all three loaded at once; length 0 past the segments."""
+    def _segments(seg_len: cute.Tensor, by, lane, stride: int):
+        """How many segments CTA row `by` works on (segments by, by + stride, ...): lane i loads the i-th one's
+        length, and a ballot counts the non-empty ones, which come first since `moe_align` writes the distinct
+        experts first and the rest with length 0."""
         P = seg_len.shape[0]
-        s = by + lane * (seg_ctas or P)
+        s = by + lane * stride
         inside = s < P
-        at = _select(inside, s, P - 1)
-        return _select(inside, seg_len[at], 0), seg_start[at], seg_expert[at]
-
-    def _segments(lens):
-        """How many of the warp's lanes hold a non-empty segment: the CTA's segments to work on, since `moe_align`
-        writes the distinct experts first and the rest with length 0."""
-        return cute.arch.popc(cute.arch.vote_ballot_sync(lens > 0))
+        return cute.arch.popc(cute.arch.vote_ballot_sync(inside & (seg_len[_select(inside, s, P - 1)] > 0)))
 
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
@@ -120,6 +120,8 @@ if HAVE_CUTE:
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
             self.seg_ctas = segment_ctas(pairs, used // (ROWS13 * self.tiles))
+            self.prefetch = grouped_prefetch()
+            self.row_bytes = latent // 2
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -140,11 +142,21 @@ if HAVE_CUTE:
             j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, self.warps, self.tiles)), 16)
-            lens, starts, experts = _lane_segments(seg_len, seg_start, seg_expert, by, lane, self.seg_ctas)
-            for i in cutlass.range(_segments(lens)):  # this CTA's non-empty segments
-                length = cute.arch.shuffle_sync(lens, i)
-                start = cute.arch.shuffle_sync(starts, i)
-                e = cute.arch.shuffle_sync(experts, i)
+            n = _segments(seg_len, by, lane, self.seg_ctas)
+            for i in cutlass.range(n):  # this CTA's non-empty segments
+                s = by + i * self.seg_ctas  # the same in every thread: uniform loads
+                length = seg_len[s]
+                start = seg_start[s]
+                e = seg_expert[s]
+                if cutlass.const_expr(self.prefetch):  # the next segment's rows of this CTA into L2 while this one works
+                    if i + 1 < n and warp == 0:
+                        nxt = seg_expert[s + self.seg_ctas]
+                        for q in cutlass.range_constexpr(-(-2 * ROWS13 * self.tiles // 32)):
+                            k = q * 32 + lane  # w1 rows, then the matching w3 rows
+                            if k < 2 * ROWS13 * self.tiles:
+                                row = k // (ROWS13 * self.tiles) * self.I + bx * ROWS13 * self.tiles + k % (
+                                    ROWS13 * self.tiles)
+                                bulk_prefetch_l2(gW[(None, (nxt, row, 0))], self.row_bytes)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g  # this lane group's pair: mma column g
                     if col >= length:  # past the segment: any pair of it, its column is not stored
@@ -206,6 +218,9 @@ if HAVE_CUTE:
             self.scale_words = scale_words
             self.tiles = _tiles(latent // ROWS2_CTA, tiles)
             self.seg_ctas = segment_ctas(pairs, latent // (ROWS2_CTA * self.tiles))
+            self.prefetch = grouped_prefetch()
+            self.rows = ROWS2_CTA * self.tiles  # latent rows per CTA
+            self.row_bytes = used // 2
 
         @cute.jit
         def __call__(self, act: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -225,11 +240,19 @@ if HAVE_CUTE:
             bx, by, _ = cute.arch.block_idx()
             warp, lane, g, t = mma_lanes(tidx)
             r0 = (bx * WARPS + warp) * 16 * self.tiles + g  # this warp's rows: tiles of 16 from here
-            lens, starts, experts = _lane_segments(seg_len, seg_start, seg_expert, by, lane, self.seg_ctas)
-            for i in cutlass.range(_segments(lens)):
-                length = cute.arch.shuffle_sync(lens, i)
-                start = cute.arch.shuffle_sync(starts, i)
-                e = cute.arch.shuffle_sync(experts, i)
+            n = _segments(seg_len, by, lane, self.seg_ctas)
+            for i in cutlass.range(n):
+                s = by + i * self.seg_ctas
+                length = seg_len[s]
+                start = seg_start[s]
+                e = seg_expert[s]
+                if cutlass.const_expr(self.prefetch):  # as in `MoEW13Grouped`: the used bytes of each of the CTA's rows
+                    if i + 1 < n:
+                        nxt = seg_expert[s + self.seg_ctas]
+                        for q in cutlass.range_constexpr(-(-self.rows // (32 * WARPS))):
+                            k = q * 32 * WARPS + tidx
+                            if k < self.rows:
+                                bulk_prefetch_l2(gW[(None, (nxt, bx * self.rows + k, 0))], self.row_bytes)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g
                     if col >= length:
@@ -298,9 +321,9 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     k13 = MoEW13Grouped(L, I, used, k, t13, ids.numel(), qm13)
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, k13.seg_ctas, *signature(*a13)), k13,
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, k13.seg_ctas, k13.prefetch, *signature(*a13)), k13,
                          *(fake_like(t, align=16) for t in a13))
-    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, *signature(*a2)), k2,
+    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, k2.prefetch, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
