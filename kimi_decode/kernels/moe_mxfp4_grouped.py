@@ -34,6 +34,7 @@ COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
 DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/NOTES.md, v11)
 SEG_CTAS_PER_SM = 4  # CTAs per SM along the segments (`segment_ctas`)
+W13_CTAS_PER_SM = 3  # what v21's w13 kernel had at 74 registers under cutlass-dsl 4.3.5 (NOTES, v22)
 
 
 def grouped_tiles(kernel: str) -> int:
@@ -47,6 +48,15 @@ def grouped_tiles(kernel: str) -> int:
     if len(parts) not in (1, 2) or any(p not in ("1", "2", "4") for p in parts):
         raise ValueError(f"KIMI_DECODE_GROUPED_TILES must be 1, 2 or 4, or two of them as w13,w2; got {raw!r}")
     return int(parts[0] if len(parts) == 1 or kernel == "w13" else parts[1])
+
+
+def w13_ctas_per_sm() -> int:
+    """CTAs per SM the grouped w13 kernel is compiled to keep resident (its registers capped to fit; 0: no cap), for
+    A/B: KIMI_DECODE_W13_GROUPED_CTAS, default W13_CTAS_PER_SM."""
+    raw = os.environ.get("KIMI_DECODE_W13_GROUPED_CTAS", str(W13_CTAS_PER_SM))
+    if raw not in ("0", "1", "2", "3", "4"):
+        raise ValueError(f"KIMI_DECODE_W13_GROUPED_CTAS must be 0..4, not {raw!r}")
+    return int(raw)
 
 
 def grouped_prefetch() -> bool:
@@ -77,7 +87,7 @@ def _tiles(n: int, most: int) -> int:
 if HAVE_CUTE:
     from cutlass import Float32
 
-    from .cute_common import bulk_prefetch_l2, load4, mma_lanes, situ_glu
+    from .cute_common import bulk_prefetch_l2, load4, min_ctas, mma_lanes, situ_glu
     from .moe_mxfp4 import _select, byte_of, mma_operands, mx_scale, operand_mma, quad_words
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
@@ -122,6 +132,8 @@ if HAVE_CUTE:
             self.seg_ctas = segment_ctas(pairs, used // (ROWS13 * self.tiles))
             self.prefetch = grouped_prefetch()
             self.row_bytes = latent // 2
+            ctas = w13_ctas_per_sm()
+            self.occupancy = min_ctas(ctas, 4 * 2 * ROWS13 * COLS * self.warps * self.tiles + 1024) if ctas else {}
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -131,7 +143,7 @@ if HAVE_CUTE:
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
                 grid=[self.used // (ROWS13 * self.tiles), self.seg_ctas, 1], block=[32 * self.warps, 1, 1],
-                stream=stream)
+                stream=stream, **self.occupancy)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -321,7 +333,8 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     k13 = MoEW13Grouped(L, I, used, k, t13, ids.numel(), qm13)
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, k13.seg_ctas, k13.prefetch, *signature(*a13)), k13,
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, k13.seg_ctas, k13.prefetch, w13_ctas_per_sm(),
+                          *signature(*a13)), k13,
                          *(fake_like(t, align=16) for t in a13))
     f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, k2.prefetch, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
