@@ -1072,13 +1072,12 @@ def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
 
     monkeypatch.setattr("kimi_decode.kernels.moe_mxfp4_grouped.sm_count", lambda: 132)
     monkeypatch.delenv("KIMI_DECODE_GROUPED_SEG_CTAS", raising=False)
-    assert SEG_CTAS_PER_SM == 4
-    assert segment_ctas(1024, 12) == 44  # 4 x 132 / 12 row blocks
-    assert segment_ctas(1024, 7) == 76
-    assert segment_ctas(144, 24) == 22
-    assert segment_ctas(16, 7) == 16  # never more CTAs than segment slots
+    assert SEG_CTAS_PER_SM == 8
+    assert segment_ctas(1024, 7) == 151  # 8 x 132 / 7 row blocks (K3's latent: 3584 rows of 512 per CTA)
+    assert segment_ctas(144, 7) == 144  # never more CTAs than segment slots
     monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", "1")
-    assert segment_ctas(1024, 12) == 32  # a lane per segment: at least 1024 / 32
+    assert segment_ctas(1024, 7) == 32  # a lane per segment: at least 1024 / 32
+    assert segment_ctas(144, 24) == 6
     for pairs in (144, 999, 1024):
         for rows in (7, 12, 24):
             g = segment_ctas(pairs, rows)

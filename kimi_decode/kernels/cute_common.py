@@ -18,7 +18,6 @@ before the wait (default none).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Callable
@@ -180,20 +179,6 @@ def launch(fn, *tensors: torch.Tensor, align: int | Callable[[torch.Tensor], int
 if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm as _llvm
     from cutlass.cute.nvgpu import cpasync
-
-    SMEM_PER_SM = 228 * 1024  # H100 / H200: shared memory an SM can give its CTAs
-
-    def min_ctas(ctas: int, smem_bytes: int) -> dict:
-        """Launch options for a kernel that should keep `ctas` CTAs per SM resident: ptxas caps its registers so they
-        fit (`nvvm.minctasm`), and the shared-memory carveout is asked for `ctas` x `smem_bytes`, the kernel's shared
-        memory, given explicitly (at least what it allocates). cutlass-dsl 4.8 takes the carveout as an option (else
-        it asks the GPU, which a compile for sm_90a on a machine without one does not have); 4.3 derives it."""
-        from cutlass.base_dsl.dsl import BaseDSL
-
-        options = {"min_blocks_per_mp": ctas, "smem": smem_bytes}
-        if "preferred_smem_carveout" in {f.name for f in dataclasses.fields(BaseDSL.LaunchConfig)}:
-            options["preferred_smem_carveout"] = min(100, -(-ctas * smem_bytes * 100 // SMEM_PER_SM))
-        return options
 
     def prefetch_l2(tensor) -> None:
         """Ask L2 for the 128-byte line holding `tensor`'s first element (global memory)."""

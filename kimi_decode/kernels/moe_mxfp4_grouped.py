@@ -15,26 +15,26 @@ fragment takes; the four scale bytes of a quad are one 32-bit load. (With one 4-
 load instruction touched 8 rows for 16 bytes each, and the kernel ran at 1.25 TB/s against 2.4 now: bound by load
 instructions, not bytes.) Each activation group is loaded and converted to fp16 operands once for the two tiles. The
 warps add their partial sums through shared memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act
-[pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows, segment), each warp four tiles of 16 rows over the whole
+[pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows, every G-th segment, `segment_ctas`), each warp four tiles of 16 rows over the whole
 (short) K = used, its weights loaded the same way (whole quads by 16-byte loads, the two groups left at TP16 by
 4-byte ones), the act operands converted once for the four tiles -> routing weight x partial output per pair [pair,
 latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not depend on the order in
-which CTAs finish). Segments past the number of distinct experts have length 0 and exit at once."""
+which CTAs finish). Segments past the number of distinct experts have length 0: a w13 CTA that finds one exits at
+once, and a w2 CTA counts its non-empty segments first (lane i loads the length of its i-th one)."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
 from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
                         quad_major_offset, quad_split, w2_scales)
 
 COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
 DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/NOTES.md, v11)
-SEG_CTAS_PER_SM = 4  # CTAs per SM along the segments (`segment_ctas`)
-W13_CTAS_PER_SM = 3  # what v21's w13 kernel had at 74 registers under cutlass-dsl 4.3.5 (NOTES, v22)
+SEG_CTAS_PER_SM = 8  # w2 CTAs per SM along the segments (`segment_ctas`; benchmarks/NOTES.md, v22)
 
 
 def grouped_tiles(kernel: str) -> int:
@@ -50,26 +50,12 @@ def grouped_tiles(kernel: str) -> int:
     return int(parts[0] if len(parts) == 1 or kernel == "w13" else parts[1])
 
 
-def w13_ctas_per_sm() -> int:
-    """CTAs per SM the grouped w13 kernel is compiled to keep resident (its registers capped to fit; 0: no cap), for
-    A/B: KIMI_DECODE_W13_GROUPED_CTAS, default W13_CTAS_PER_SM."""
-    raw = os.environ.get("KIMI_DECODE_W13_GROUPED_CTAS", str(W13_CTAS_PER_SM))
-    if raw not in ("0", "1", "2", "3", "4"):
-        raise ValueError(f"KIMI_DECODE_W13_GROUPED_CTAS must be 0..4, not {raw!r}")
-    return int(raw)
-
-
-def grouped_prefetch() -> bool:
-    """KIMI_DECODE_GROUPED_PREFETCH ("0", the default, or "1"): whether each CTA asks L2 for its rows of the next
-    segment's expert while it works on the current one (one bulk request per weight row), for A/B timing."""
-    return env_choice("KIMI_DECODE_GROUPED_PREFETCH", "0", ("0", "1")) == "1"
-
-
 def segment_ctas(pairs: int, row_blocks: int) -> int:
-    """CTAs along the expert segments of a kernel with `row_blocks` CTAs across its rows: each takes every G-th
+    """CTAs along the expert segments of the w2 kernel with `row_blocks` CTAs across its rows: each takes every G-th
     segment, up to 32 of them (one per lane), so G >= pairs / 32; and at least SEG_CTAS_PER_SM per SM over the whole
     grid. KIMI_DECODE_GROUPED_SEG_CTAS sets that number per SM for A/B timing; "0" launches one CTA per segment
-    slot (`pairs`: the distinct experts are known only on the device, so most of them find an empty segment)."""
+    slot (`pairs`: the distinct experts are known only on the device, so most of them find an empty segment). The
+    w13 kernel keeps one CTA per segment slot: looping, it measured slower (benchmarks/NOTES.md, v22)."""
     raw = os.environ.get("KIMI_DECODE_GROUPED_SEG_CTAS", str(SEG_CTAS_PER_SM))
     if not raw.isdigit() or int(raw) > 64:
         raise ValueError(f"KIMI_DECODE_GROUPED_SEG_CTAS must be CTAs per SM in 0..64, not {raw!r}")
@@ -87,7 +73,7 @@ def _tiles(n: int, most: int) -> int:
 if HAVE_CUTE:
     from cutlass import Float32
 
-    from .cute_common import bulk_prefetch_l2, load4, min_ctas, mma_lanes, situ_glu
+    from .cute_common import load4, mma_lanes, situ_glu
     from .moe_mxfp4 import _select, byte_of, mma_operands, mx_scale, operand_mma, quad_words
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
@@ -120,55 +106,37 @@ if HAVE_CUTE:
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, pairs: int,
-                     quad_major: int = 0):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
-            weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `pairs`: the segment
-            slots (B x k), over `segment_ctas` CTAs."""
+            weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
-            self.seg_ctas = segment_ctas(pairs, used // (ROWS13 * self.tiles))
-            self.prefetch = grouped_prefetch()
-            self.row_bytes = latent // 2
-            ctas = w13_ctas_per_sm()
-            self.occupancy = min_ctas(ctas, 4 * 2 * ROWS13 * COLS * self.warps * self.tiles + 1024) if ctas else {}
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
                      seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor,
                      stream):
+            P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
-                grid=[self.used // (ROWS13 * self.tiles), self.seg_ctas, 1], block=[32 * self.warps, 1, 1],
-                stream=stream, **self.occupancy)
+                grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
                    seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
-            bx, by, _ = cute.arch.block_idx()
-            warp, lane, g, t = mma_lanes(tidx)
+            bx, s, _ = cute.arch.block_idx()
+            warp, _, g, t = mma_lanes(tidx)
             j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, self.warps, self.tiles)), 16)
-            n = _segments(seg_len, by, lane, self.seg_ctas)
-            for i in cutlass.range(n):  # this CTA's non-empty segments
-                s = by + i * self.seg_ctas  # the same in every thread: uniform loads
-                length = seg_len[s]
+            length = seg_len[s]
+            if length > 0:
                 start = seg_start[s]
                 e = seg_expert[s]
-                if cutlass.const_expr(self.prefetch):  # the next segment's rows of this CTA into L2 while this one works
-                    if i + 1 < n and warp == 0:
-                        nxt = seg_expert[s + self.seg_ctas]
-                        for q in cutlass.range_constexpr(-(-2 * ROWS13 * self.tiles // 32)):
-                            k = q * 32 + lane  # w1 rows, then the matching w3 rows
-                            if k < 2 * ROWS13 * self.tiles:
-                                row = k // (ROWS13 * self.tiles) * self.I + bx * ROWS13 * self.tiles + k % (
-                                    ROWS13 * self.tiles)
-                                bulk_prefetch_l2(gW[(None, (nxt, row, 0))], self.row_bytes)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g  # this lane group's pair: mma column g
                     if col >= length:  # past the segment: any pair of it, its column is not stored
@@ -222,17 +190,15 @@ if HAVE_CUTE:
 
         def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, pairs: int,
                      quad_major: int = 0):
-            """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `pairs` and
-            `quad_major`: as `MoEW13Grouped`'s."""
+            """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`: as
+            `MoEW13Grouped`'s; `pairs`: the segment slots (B x k), over `segment_ctas` CTAs along the segments, each
+            looping over its share."""
             self.topk = topk
             self.qm = quad_major
             self.groups = used // GROUP
             self.scale_words = scale_words
             self.tiles = _tiles(latent // ROWS2_CTA, tiles)
             self.seg_ctas = segment_ctas(pairs, latent // (ROWS2_CTA * self.tiles))
-            self.prefetch = grouped_prefetch()
-            self.rows = ROWS2_CTA * self.tiles  # latent rows per CTA
-            self.row_bytes = used // 2
 
         @cute.jit
         def __call__(self, act: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -252,19 +218,11 @@ if HAVE_CUTE:
             bx, by, _ = cute.arch.block_idx()
             warp, lane, g, t = mma_lanes(tidx)
             r0 = (bx * WARPS + warp) * 16 * self.tiles + g  # this warp's rows: tiles of 16 from here
-            n = _segments(seg_len, by, lane, self.seg_ctas)
-            for i in cutlass.range(n):
+            for i in cutlass.range(_segments(seg_len, by, lane, self.seg_ctas)):  # this CTA's non-empty segments
                 s = by + i * self.seg_ctas
                 length = seg_len[s]
                 start = seg_start[s]
                 e = seg_expert[s]
-                if cutlass.const_expr(self.prefetch):  # as in `MoEW13Grouped`: the used bytes of each of the CTA's rows
-                    if i + 1 < n:
-                        nxt = seg_expert[s + self.seg_ctas]
-                        for q in cutlass.range_constexpr(-(-self.rows // (32 * WARPS))):
-                            k = q * 32 * WARPS + tidx
-                            if k < self.rows:
-                                bulk_prefetch_l2(gW[(None, (nxt, bx * self.rows + k, 0))], self.row_bytes)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g
                     if col >= length:
@@ -331,12 +289,10 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
-    k13 = MoEW13Grouped(L, I, used, k, t13, ids.numel(), qm13)
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13), *(fake_like(t, align=16) for t in a13))
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, k13.seg_ctas, k13.prefetch, w13_ctas_per_sm(),
-                          *signature(*a13)), k13,
-                         *(fake_like(t, align=16) for t in a13))
-    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, k2.prefetch, *signature(*a2)), k2,
+    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
