@@ -38,7 +38,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   it and the shared experts' one kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since
   CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are
   sorted by expert (the generic path's alignment kernel) and each selected expert is read once for up to 8 of its
-  pairs at a time (`kernels/moe_mxfp4_grouped.py`); all of them read copies of the expert codes in quad-major
+  pairs at a time (`kernels/moe_mxfp4_grouped.py`; the w2 kernel's CTAs each loop over a share of the segments,
+  `KIMI_DECODE_GROUPED_SEG_CTAS`); all of them read copies of the expert codes in quad-major
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B);
