@@ -15,11 +15,11 @@ fragment takes; the four scale bytes of a quad are one 32-bit load. (With one 4-
 load instruction touched 8 rows for 16 bytes each, and the kernel ran at 1.25 TB/s against 2.4 now: bound by load
 instructions, not bytes.) Each activation group is loaded and converted to fp16 operands once for the two tiles. The
 warps add their partial sums through shared memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act
-[pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows, every G-th segment, `segment_ctas`), each warp four tiles of 16 rows over the whole
-(short) K = used, its weights loaded the same way (whole quads by 16-byte loads, the two groups left at TP16 by
-4-byte ones), the act operands converted once for the four tiles -> routing weight x partial output per pair [pair,
-latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not depend on the order in
-which CTAs finish). Segments past the number of distinct experts have length 0: a w13 CTA that finds one exits at
+[pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows, every G-th segment: `segment_ctas`), each warp four tiles
+of 16 rows over the whole (short) K = used, its weights loaded the same way (whole quads by 16-byte loads, the two
+groups left at TP16 by 4-byte ones), the act operands converted once for the four tiles -> routing weight x partial
+output per pair [pair, latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not
+depend on the order in which CTAs finish). Segments past the number of distinct experts have length 0: a w13 CTA that finds one exits at
 once, and a w2 CTA counts its non-empty segments first (lane i loads the length of its i-th one)."""
 from __future__ import annotations
 
