@@ -19,8 +19,9 @@ warps add their partial sums through shared memory, one thread per (row, pair) o
 of 16 rows over the whole (short) K = used, its weights loaded the same way (whole quads by 16-byte loads, the two
 groups left at TP16 by 4-byte ones), the act operands converted once for the four tiles -> routing weight x partial
 output per pair [pair, latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not
-depend on the order in which CTAs finish). Segments past the number of distinct experts have length 0: a w13 CTA that finds one exits at
-once, and a w2 CTA counts its non-empty segments first (lane i loads the length of its i-th one)."""
+depend on the order in which CTAs finish). Segments past the number of distinct experts have length 0: a w13 CTA
+that finds one exits at once, and a w2 CTA counts its non-empty segments first (lane i loads the length of its i-th
+one)."""
 from __future__ import annotations
 
 import os
