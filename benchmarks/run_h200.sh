@@ -27,8 +27,9 @@
 # oprojlate (batch 1, the output projection's first rows after the wait), ab (latency_specialized once per setting
 # in AB_ENVS), capture-ab (a batch-1 capture per setting in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels, or NCU_KERNELS, at batch NCU_BATCH (default 1),
-# TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1). AB_LIMIT: seconds per ab
-# setting (default 70).
+# TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1), resources
+# (benchmarks/kernel_resources.py at RES_TP x RES_BATCHES: each kernel's registers under the machine's cutlass-dsl).
+# AB_LIMIT: seconds per ab setting (default 70).
 set -u
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -242,6 +243,13 @@ for name in "$@"; do
           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section Occupancy --section LaunchStats --section InstructionStats \
           python3 benchmarks/expert_sweep.py --tp 16 --batch 64 --sets 1 --replays 1 --only "grouped $v"
+      done ;;
+    resources)  # registers, stack, spills and CTAs per SM of every CuTe kernel of layer 1, as cutlass-dsl 4.3.5
+      # compiles them here, at RES_TP (default 16 8) x RES_BATCHES (default 1 64)
+      for tp in ${RES_TP:-16 8}; do
+        for b in ${RES_BATCHES:-1 64}; do
+          step "resources tp$tp b$b" 90 python3 benchmarks/kernel_resources.py --tp "$tp" --batch "$b"
+        done
       done ;;
     *)
       echo "## unknown step $name" | tee -a "$LOG" ;;

@@ -1,0 +1,133 @@
+"""Registers, stack and spills of every CuTe DSL kernel a layer runs, as the installed cutlass-dsl compiles them, and
+how many CTAs per SM those registers allow.
+
+    python benchmarks/kernel_resources.py --tp 16 --batch 64        # on the GPU machine: runs one bench step
+    python benchmarks/kernel_resources.py --ptx-dir DIR            # any machine: PTX files kept earlier
+
+The register count of a kernel depends on the cutlass-dsl version that emits its PTX: the grouped w13 expert kernel
+takes 74 registers under 4.3.5 (the GPU machine's) and 100 under 4.8.1 (CI's), 3 CTAs per SM against 2 (NOTES, v22).
+So the counts that explain a timing are the ones taken where it was timed. With `--tp` / `--batch` the script runs
+`kimi_decode.bench` for one replay in a subprocess that keeps each compiled kernel's PTX (`CUTE_DSL_KEEP_PTX`, which
+cutlass-dsl 4.3 reads and 4.8 still accepts), then assembles each with `ptxas -v` for sm_90a. ptxas is looked up on
+PATH, under CUDA_HOME, /usr/local/cuda and in triton's bundled CUDA tools.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REGS_PER_SMSP = 16384  # an SM's 64K registers, in its four sub-partitions, each holding whole warps
+SMSPS = 4
+REG_UNIT = 256  # registers are given to a warp in units of 256 (8 per thread)
+MAX_WARPS_PER_SM = 64
+MAX_CTAS_PER_SM = 32
+
+
+def ctas_per_sm_by_registers(regs: int, threads: int) -> int:
+    """CTAs of `threads` threads at `regs` registers each that fit an SM (H100 / H200) by registers alone: each
+    sub-partition holds the warps whose register units fit its 16K registers."""
+    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    warps = -(-threads // 32)
+    resident = min(MAX_WARPS_PER_SM, SMSPS * (REGS_PER_SMSP // per_warp))
+    return min(MAX_CTAS_PER_SM, resident // warps)
+
+
+def ptxas() -> str | None:
+    """A ptxas to assemble with: PATH, CUDA_HOME, /usr/local/cuda, or the one triton ships."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    places = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas"), "/usr/local/cuda/bin/ptxas"]
+    try:
+        import triton
+
+        places.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"))
+    except ImportError:
+        pass
+    return next((p for p in places if os.path.isfile(p) and os.access(p, os.X_OK)), None)
+
+
+def kernel_name(ptx_path: str) -> str:
+    """The kernel's module and class from a kept PTX file's name (cutlass-dsl names it after the traced call)."""
+    stem = Path(ptx_path).name
+    m = re.search(r"kimi_decode_?kernels_?(.+?)_object_at", stem)
+    return m.group(1) if m else stem[:60]
+
+
+def resources(ptx_path: str, tool: str, arch: str = "sm_90a") -> dict:
+    """ptxas -v of one PTX file: registers, stack bytes, spill stores / loads, threads per CTA (from its
+    .reqntid / .maxntid) and the CTAs per SM those registers allow."""
+    text = Path(ptx_path).read_text()
+    ntid = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", text)
+    threads = 1
+    for dim in (ntid.groups() if ntid else ()):
+        threads *= int(dim or 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([tool, f"-arch={arch}", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"ptxas failed on {Path(ptx_path).name}: {out.stderr.strip()[-300:]}")
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, out.stderr)
+        return int(m.group(1)) if m else 0
+
+    regs = number(r"Used (\d+) registers")
+    return {"kernel": kernel_name(ptx_path), "threads": threads if ntid else None, "registers": regs,
+            "stack": number(r"(\d+) bytes stack frame"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"),
+            "ctas_per_sm": ctas_per_sm_by_registers(regs, threads) if ntid else None}
+
+
+def keep_layer_ptx(tp: int, batch: int, out_dir: str) -> None:
+    """One bench step of layer 1 (latency_specialized) with every compiled kernel's PTX kept in `out_dir`."""
+    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=out_dir)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                      env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "kimi_decode.bench", "--backend", "latency_specialized", "--tp", str(tp), "--batch",
+           str(batch), "--layers", "1", "--copies", "1", "--replays", "1", "--warmup", "1"]
+    done = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the bench step failed: {done.stderr.strip()[-300:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, help="run one bench step at this shard (GPU machine)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--ptx-dir", help="summarise the .ptx files here instead")
+    a = p.parse_args(argv)
+    if (a.tp is None) == (a.ptx_dir is None):
+        p.error("give --tp (with --batch) or --ptx-dir")
+    tool = ptxas()
+    if tool is None:
+        print("kernel_resources: no ptxas found (PATH, CUDA_HOME, /usr/local/cuda, triton)", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        where = a.ptx_dir or tmp
+        try:
+            if a.ptx_dir is None:
+                keep_layer_ptx(a.tp, a.batch, tmp)
+            rows = [resources(f, tool) for f in sorted(glob.glob(os.path.join(where, "**", "*.ptx"), recursive=True))]
+        except RuntimeError as e:
+            print(f"kernel_resources: {e}", file=sys.stderr)
+            return 1
+    if not rows:
+        print(f"kernel_resources: no .ptx files in {where}", file=sys.stderr)
+        return 1
+    print(f"{'kernel':<44} {'threads':>7} {'regs':>5} {'stack':>6} {'spill st/ld':>12} {'CTAs/SM':>8}")
+    for r in rows:
+        print(f"{r['kernel'][:44]:<44} {r['threads'] or '?':>7} {r['registers']:>5} {r['stack']:>6} "
+              f"{r['spill_stores']:>5}/{r['spill_loads']:<6} {r['ctas_per_sm'] or '?':>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
