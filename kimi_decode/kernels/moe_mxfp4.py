@@ -217,7 +217,8 @@ if HAVE_CUTE:
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
-    def _select(c, a, b):
+    def select_i32(c, a, b):
+        """c ? a : b on 32-bit integers (a select, not a branch)."""
         return Int32(cutlass.select_(c, Int32(a), Int32(b)))
 
     def _bfly(x, d):
@@ -231,7 +232,7 @@ if HAVE_CUTE:
         t, then exchanged in the quad of lanes; in quad-major rows (`qm`, see `chunk_load`) the same 16 bytes hold
         them already."""
         v = chunk_load(gW, e, row, G0, t, QUAD, qm)
-        return v if qm else quad_transpose(v, t, _select, _bfly)
+        return v if qm else quad_transpose(v, t, select_i32, _bfly)
 
     def chunk_load(gW: cute.Tensor, e, row, G0, t, chunk: int, qm: int = 0):
         """Lane t's share of MX groups G0..G0+chunk-1 of one weight row, as loaded: `gW` is the row words divided
@@ -239,9 +240,9 @@ if HAVE_CUTE:
         G0 + t // 2 (8 bytes); 1: word t of group G0. Quad-major rows (`quad_major`; `qm` their groups per row, 0
         for natural ones): word t of each of the chunk's groups, side by side (G0 a multiple of `chunk`)."""
         if chunk == 1:
-            return [gW[e, row, quad_major_offset(G0, t, qm, _select) if qm else G0 * 4 + t]]
+            return [gW[e, row, quad_major_offset(G0, t, qm, select_i32) if qm else G0 * 4 + t]]
         if chunk == 2:
-            v = load4(gW[(None, (e, row, quad_major_offset(G0, t, qm, _select) >> 1 if qm
+            v = load4(gW[(None, (e, row, quad_major_offset(G0, t, qm, select_i32) >> 1 if qm
                                       else (G0 + (t >> 1)) * 2 + (t & 1)))])
             return [v[0], v[1]]
         v = load4(gW[(None, (e, row, G0 + t))])  # the same 16 bytes in both layouts
@@ -253,8 +254,8 @@ if HAVE_CUTE:
             return v
         if chunk == 2:
             base = lane - t
-            return pair_transpose(v, t, _select, lambda x, src: cute.arch.shuffle_sync(x, offset=base + src))
-        return quad_transpose(v, t, _select, _bfly)
+            return pair_transpose(v, t, select_i32, lambda x, src: cute.arch.shuffle_sync(x, offset=base + src))
+        return quad_transpose(v, t, select_i32, _bfly)
 
     def chunk_view(w: cute.Tensor, chunk: int):
         """`w` (int32 words [E, rows, words]) divided for `chunk_load`."""
@@ -466,7 +467,7 @@ if HAVE_CUTE:
             for it in cutlass.range_constexpr(self.per_warp):
                 item = warp * self.per_warp + it
                 valid = item < self.items  # the last warp's last items may lie past the end: weight 0
-                item = _select(valid, item, self.items - 1)
+                item = select_i32(valid, item, self.items - 1)
                 k = item // self.chunks
                 G0 = item % self.chunks * C
                 e = ids[b, k]

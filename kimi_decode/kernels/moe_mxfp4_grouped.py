@@ -75,7 +75,7 @@ if HAVE_CUTE:
     from cutlass import Float32
 
     from .cute_common import load4, mma_lanes, situ_glu
-    from .moe_mxfp4 import _select, byte_of, mma_operands, mx_scale, operand_mma, quad_words
+    from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_words, select_i32
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
         """Word t of every MX group of a row: whole quads as `quad_words`, the rest one 4-byte load per group (`qm`:
@@ -102,7 +102,7 @@ if HAVE_CUTE:
         P = seg_len.shape[0]
         s = by + lane * stride
         inside = s < P
-        return cute.arch.popc(cute.arch.vote_ballot_sync(inside & (seg_len[_select(inside, s, P - 1)] > 0)))
+        return cute.arch.popc(cute.arch.vote_ballot_sync(inside & (seg_len[select_i32(inside, s, P - 1)] > 0)))
 
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
