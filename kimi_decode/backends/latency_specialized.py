@@ -104,10 +104,7 @@ def grouped_from() -> int:
     """The batch from which the routed experts run grouped by expert (`moe_mxfp4_grouped`) instead of per (token,
     expert) pair: KIMI_DECODE_GROUPED_FROM, 2..EXPERT_MAX_ROWS + 1 (default GEMV_MAX_ROWS + 1; EXPERT_MAX_ROWS + 1:
     never), for A/B runs."""
-    raw = os.environ.get("KIMI_DECODE_GROUPED_FROM", str(GEMV_MAX_ROWS + 1))
-    if not raw.isdigit() or not 2 <= int(raw) <= EXPERT_MAX_ROWS + 1:
-        raise ValueError(f"KIMI_DECODE_GROUPED_FROM must be a batch in 2..{EXPERT_MAX_ROWS + 1}, not {raw!r}")
-    return int(raw)
+    return cute_common.env_int("KIMI_DECODE_GROUPED_FROM", GEMV_MAX_ROWS + 1, 2, EXPERT_MAX_ROWS + 1, "a batch")
 
 
 def routed_norm_on() -> bool:

@@ -83,6 +83,15 @@ def env_choice(name: str, default: str, allowed: tuple) -> str:
     return value
 
 
+def env_int(name: str, default: int, lo: int, hi: int, what: str) -> int:
+    """The environment variable `name` as a whole number (`default` when unset), refused by name unless it lies in
+    lo..hi; `what` says what it counts, for the message."""
+    raw = os.environ.get(name, str(default))
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        raise ValueError(f"{name} must be {what} in {lo}..{hi}, not {raw!r}")
+    return int(raw)
+
+
 def pdl_setting() -> str:
     """KIMI_DECODE_PDL: "1" every kernel under PDL, "0" none, "auto" (default) where the backend asks for it for the
     layer it runs (`set_layer_pdl`)."""

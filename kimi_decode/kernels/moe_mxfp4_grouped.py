@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_int, fake_like, launch, signature, sm_count
 from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
                         quad_major_offset, quad_split, w2_scales)
 
@@ -57,10 +57,7 @@ def segment_ctas(pairs: int, row_blocks: int) -> int:
     grid. KIMI_DECODE_GROUPED_SEG_CTAS sets that number per SM for A/B timing; "0" launches one CTA per segment
     slot (`pairs`: the distinct experts are known only on the device, so most of them find an empty segment). The
     w13 kernel keeps one CTA per segment slot: looping, it measured slower (benchmarks/NOTES.md, v22)."""
-    raw = os.environ.get("KIMI_DECODE_GROUPED_SEG_CTAS", str(SEG_CTAS_PER_SM))
-    if not raw.isdigit() or int(raw) > 64:
-        raise ValueError(f"KIMI_DECODE_GROUPED_SEG_CTAS must be CTAs per SM in 0..64, not {raw!r}")
-    per_sm = int(raw)
+    per_sm = env_int("KIMI_DECODE_GROUPED_SEG_CTAS", SEG_CTAS_PER_SM, 0, 64, "CTAs per SM")
     if per_sm == 0:
         return pairs
     return min(pairs, max(-(-pairs // 32), -(-per_sm * sm_count() // row_blocks)))
