@@ -975,9 +975,12 @@ def test_expert_kernels_fall_back_for_a_latent_width_off_their_quads(monkeypatch
 
 
 @needs_cute
+@pytest.mark.parametrize("stage", ["1", "0"], ids=["staged", "unstaged"])
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False), (8, 32, True)])
-def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, tp, batch, pad):
+def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad, stage):
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
 
     s = shard("k3", tp=tp, pad_experts=pad)
     m = s.model
@@ -1065,6 +1068,32 @@ def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
     lanes = torch.arange(4)
     got = quad_transpose([words[:, i] for i in range(4)], lanes, torch.where, lambda x, d: x[lanes ^ d])
     assert torch.equal(torch.stack(got, dim=1), words.T)  # lane t, slot i: word t of group i
+
+
+@pytest.mark.parametrize("raw", ["2", "yes", ""])
+def test_grouped_stage_setting_refused_by_name(monkeypatch, raw):
+    from kimi_decode.kernels.moe_mxfp4_grouped import w13_staged
+
+    monkeypatch.delenv("KIMI_DECODE_GROUPED_STAGE", raising=False)
+    assert w13_staged()
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", "0")
+    assert not w13_staged()
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", raw)
+    with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_STAGE"):
+        w13_staged()
+
+
+@needs_cute
+def test_staged_w13_fits_three_ctas_per_sm_in_shared_memory():
+    """The staged w13 kernel's shared memory (weights, scale words and the reduction buffer) leaves room for the 3
+    CTAs per SM its registers allow under cutlass-dsl 4.3.5 (227 KB per SM on the H100 / H200)."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import COLS, MoEW13Grouped
+
+    for tp in (16, 8):
+        s = shard("k3", tp=tp, pad_experts=True)
+        k = MoEW13Grouped(s.model.moe_latent, s.expert_inter, s.expert_inter_used, s.model.top_k, 2, 0, True)
+        red = 2 * 8 * COLS * k.warps * k.tiles * 4
+        assert k.stage_bytes() > 0 and 3 * (k.stage_bytes() + red) <= 227 * 1024
 
 
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):

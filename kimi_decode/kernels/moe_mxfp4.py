@@ -231,7 +231,11 @@ if HAVE_CUTE:
         """Word t of MX groups G0..G0+3 of one weight row, from one 16-byte load per lane: in natural rows group G0 +
         t, then exchanged in the quad of lanes; in quad-major rows (`qm`, see `chunk_load`) the same 16 bytes hold
         them already."""
-        v = chunk_load(gW, e, row, G0, t, QUAD, qm)
+        return quad_exchange(chunk_load(gW, e, row, G0, t, QUAD, qm), t, qm)
+
+    def quad_exchange(v, t, qm: int = 0):
+        """Lane t's 16 bytes of a quad of MX groups, as loaded (global or shared memory) -> word t of each of the
+        four groups: exchanged in the quad of lanes on natural rows, as they are on quad-major ones (`qm`)."""
         return v if qm else quad_transpose(v, t, select_i32, _bfly)
 
     def chunk_load(gW: cute.Tensor, e, row, G0, t, chunk: int, qm: int = 0):

@@ -28,7 +28,8 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_int, fake_like, launch, signature, sm_count
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature,
+                          sm_count)
 from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
                         quad_major_offset, quad_split, w2_scales)
 
@@ -36,6 +37,7 @@ COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
 DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/NOTES.md, v11)
 SEG_CTAS_PER_SM = 8  # w2 CTAs per SM along the segments (`segment_ctas`; benchmarks/NOTES.md, v22)
+STAGE_MODES = ("1", "0")
 
 
 def grouped_tiles(kernel: str) -> int:
@@ -63,16 +65,23 @@ def segment_ctas(pairs: int, row_blocks: int) -> int:
     return min(pairs, max(-(-pairs // 32), -(-per_sm * sm_count() // row_blocks)))
 
 
+def w13_staged() -> bool:
+    """KIMI_DECODE_GROUPED_STAGE ("1", the default, or "0"): whether a w13 CTA copies all of its weight words into
+    shared memory (`cp.async`) as soon as it knows its expert, instead of loading each quad into registers as the
+    mma loop reaches it."""
+    return env_choice("KIMI_DECODE_GROUPED_STAGE", "1", STAGE_MODES) == "1"
+
+
 def _tiles(n: int, most: int) -> int:
     """The most row tiles per warp (up to `most`) that divide n tiles evenly."""
     return next(k for k in (4, 2, 1) if k <= most and n % k == 0)
 
 
 if HAVE_CUTE:
-    from cutlass import Float32
+    from cutlass import Float32, Int32
 
-    from .cute_common import load4, mma_lanes, situ_glu
-    from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_words, select_i32
+    from .cute_common import copy_async_4, copy_async_16, load4, mma_lanes, situ_glu
+    from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_exchange, quad_words, select_i32
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
         """Word t of every MX group of a row: whole quads as `quad_words`, the rest one 4-byte load per group (`qm`:
@@ -104,13 +113,28 @@ if HAVE_CUTE:
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
-        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0):
+        def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0,
+                     stage: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
-            weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0."""
+            weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `stage`
+            (`w13_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
+            w1 and w3) into its own slots of shared memory with `cp.async` once the segment's expert is known, and
+            the four lanes of each row a quarter of its scale words, so the CTA's whole weight tile is in flight at
+            once without holding registers; the mma loop, one quad per iteration (not unrolled, so that the
+            compiler does not hold every quad's words at once), reads them back."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
+            self.stage = stage
+            self.slots = self.per_warp * self.tiles * 2  # a lane's staged slices: (quad, tile, w1 / w3)
+
+        def stage_bytes(self) -> int:
+            """Shared memory of the staged weights and scale words per CTA (0 unstaged)."""
+            return self.slots * (16 * 32 + 4 * ROWS13) * self.warps if self.stage else 0
+
+        def _slot(self, it: int, r: int, h: int) -> int:
+            return (it * self.tiles + r) * 2 + h
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -127,40 +151,51 @@ if HAVE_CUTE:
                    seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, s, _ = cute.arch.block_idx()
-            warp, _, g, t = mma_lanes(tidx)
+            warp, lane, g, t = mma_lanes(tidx)
             j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, self.warps, self.tiles)), 16)
+            n_slots = self.slots if self.stage else 1
+            n_warps = self.warps if self.stage else 1
+            wbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, n_slots, n_warps)), 16)
+            sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, n_slots, n_warps)), 16)
             length = seg_len[s]
-            if length > 0:
-                start = seg_start[s]
-                e = seg_expert[s]
+            start = seg_start[s]
+            e = seg_expert[s]
+            # all three in the condition: they are then loaded together (one round trip) instead of start and
+            # expert after the length test; neither is ever negative
+            if (length > 0) & (start >= 0) & (e >= 0):
+                if cutlass.const_expr(self.stage):
+                    self.stage_weights(gW, w_scale, wbuf, sbuf, e, j0, warp, lane, g, t)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g  # this lane group's pair: mma column g
                     if col >= length:  # past the segment: any pair of it, its column is not stored
                         col = length - 1
                     b = order[start + col] // self.topk
                     acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
-                    for it in cutlass.range_constexpr(self.per_warp):
-                        G0 = (warp * self.per_warp + it) * QUAD
-                        bs = []  # the quad's activations as fp16 operands, shared by the row tiles
-                        for i in cutlass.range_constexpr(QUAD):
-                            xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                            bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
-                        for r in cutlass.range_constexpr(self.tiles):
-                            j = j0 + r * ROWS13
-                            u1 = quad_words(gW, e, j, G0, t, self.qm)
-                            u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
-                            sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
-                            sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                    if cutlass.const_expr(self.stage):
+                        acc = self.staged_sums(gX, wbuf, sbuf, b, warp, lane, g, t)
+                    else:
+                        for it in cutlass.range_constexpr(self.per_warp):
+                            G0 = (warp * self.per_warp + it) * QUAD
+                            bs = []  # the quad's activations as fp16 operands, shared by the row tiles
                             for i in cutlass.range_constexpr(QUAD):
-                                c = operand_mma(u1[i], u3[i], bs[i])
-                                s1 = mx_scale(byte_of(sw1, i))
-                                s3 = mx_scale(byte_of(sw3, i))
-                                acc[4 * r] = acc[4 * r] + c[0] * s1
-                                acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
-                                acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
-                                acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
+                                xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                                bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
+                            for r in cutlass.range_constexpr(self.tiles):
+                                j = j0 + r * ROWS13
+                                u1 = quad_words(gW, e, j, G0, t, self.qm)
+                                u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
+                                sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
+                                sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                                for i in cutlass.range_constexpr(QUAD):
+                                    c = operand_mma(u1[i], u3[i], bs[i])
+                                    s1 = mx_scale(byte_of(sw1, i))
+                                    s3 = mx_scale(byte_of(sw3, i))
+                                    acc[4 * r] = acc[4 * r] + c[0] * s1
+                                    acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
+                                    acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
+                                    acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
                     for r in cutlass.range_constexpr(self.tiles):
                         red[g, 2 * t, warp, r] = acc[4 * r]
                         red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
@@ -182,6 +217,61 @@ if HAVE_CUTE:
                                 act[order[start + tile * COLS + n], bx * ROWS13 * self.tiles + r * ROWS13 + row] = (
                                     situ_glu(h1, h3).to(act.element_type))
                     cute.arch.barrier()  # the next tile reuses `red`
+
+        def stage_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, e, j0,
+                          warp, lane, g, t):
+            """The staged form's start: this lane's weight slices of every (quad, row tile, w1 / w3) slot (`_slot`)
+            copied into its own slots of `wbuf`, and every 4th scale word of its row from slot t on into `sbuf`
+            [row, slot, warp] (inlined where it is called)."""
+            for it in range(self.per_warp):
+                G0 = (warp * self.per_warp + it) * QUAD
+                for r in range(self.tiles):
+                    for h in range(2):
+                        copy_async_16(gW[(None, (e, j0 + r * ROWS13 + h * self.I, G0 + t))],
+                                      wbuf[(None, lane, self._slot(it, r, h), warp)])
+            one = (1, 1, 1)
+            gS, sS = cute.zipped_divide(w_scale, one), cute.zipped_divide(sbuf, one)
+            for q in range(self.slots // 4):  # slots is a multiple of 4: per_warp quads x tiles x 2
+                slot = 4 * q + t
+                it = slot // (2 * self.tiles)
+                r = slot // 2 % self.tiles
+                h = slot % 2
+                copy_async_4(gS[(None, (e, j0 + r * ROWS13 + h * self.I, warp * self.per_warp + it))],
+                             sS[(None, (g, slot, warp))])
+            cute.arch.cp_async_commit_group()
+
+        @cute.jit
+        def staged_sums(self, gX: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, b, warp, lane, g, t):
+            """The staged form's dot products for token b's activations: one quad per iteration of a loop the
+            compiler keeps (the first waits for this lane's copies, then for the warp's, since the scale words
+            come from the row's four lanes); returns the `4 * tiles` accumulators as the unstaged loop has them."""
+            acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
+            acc.fill(0.0)
+            for it in cutlass.range(self.per_warp, unroll=1):
+                G0 = (warp * self.per_warp + it) * QUAD
+                bs = []
+                for i in cutlass.range_constexpr(QUAD):
+                    xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                    bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
+                cute.arch.cp_async_wait_group(0)  # nothing left after the first quad: no wait
+                cute.arch.sync_warp()
+                for r in cutlass.range_constexpr(self.tiles):
+                    slot = (it * self.tiles + r) * 2
+                    v1 = load4(wbuf[(None, lane, slot, warp)])
+                    v3 = load4(wbuf[(None, lane, slot + 1, warp)])
+                    u1 = quad_exchange([v1[0], v1[1], v1[2], v1[3]], t, self.qm)
+                    u3 = quad_exchange([v3[0], v3[1], v3[2], v3[3]], t, self.qm)
+                    sw1 = sbuf[g, slot, warp]
+                    sw3 = sbuf[g, slot + 1, warp]
+                    for i in cutlass.range_constexpr(QUAD):
+                        c = operand_mma(u1[i], u3[i], bs[i])
+                        s1 = mx_scale(byte_of(sw1, i))
+                        s3 = mx_scale(byte_of(sw3, i))
+                        acc[4 * r] = acc[4 * r] + c[0] * s1
+                        acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
+                        acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
+                        acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
+            return [acc[i] for i in range(4 * self.tiles)]
 
     class MoEW2Grouped:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
@@ -287,8 +377,9 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13), *(fake_like(t, align=16) for t in a13))
+    stage = w13_staged()
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage, *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage), *(fake_like(t, align=16) for t in a13))
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2)
     f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
