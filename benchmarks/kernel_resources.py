@@ -7,9 +7,12 @@ how many CTAs per SM those registers allow.
 The register count of a kernel depends on the cutlass-dsl version that emits its PTX: the grouped w13 expert kernel
 takes 74 registers under 4.3.5 (the GPU machine's) and 100 under 4.8.1 (CI's), 3 CTAs per SM against 2 (NOTES, v22).
 So the counts that explain a timing are the ones taken where it was timed. With `--tp` / `--batch` the script runs
-`kimi_decode.bench` for one replay in a subprocess that keeps each compiled kernel's PTX (`CUTE_DSL_KEEP_PTX`, which
-cutlass-dsl 4.3 reads and 4.8 still accepts), then assembles each with `ptxas -v` for sm_90a. ptxas is looked up on
-PATH, under CUDA_HOME, /usr/local/cuda and in triton's bundled CUDA tools.
+`kimi_decode.bench` for one replay in a subprocess that keeps each compiled kernel's PTX and cubin
+(`CUTE_DSL_KEEP_PTX` / `CUTE_DSL_KEEP_CUBIN`, which cutlass-dsl 4.3 reads and 4.8 still accepts). A kernel whose cubin
+was kept is read from it with `cuobjdump --dump-resource-usage` (the code that ran: registers, stack; spills are not
+listed there, "-"); otherwise its PTX is assembled with `ptxas -v` for sm_90a (on the H200 machine the installed
+ptxas refuses some of 4.3.5's PTX, hence the cubin). The tools are looked up on PATH, under CUDA_HOME,
+/usr/local/cuda and in triton's bundled CUDA tools.
 """
 from __future__ import annotations
 
@@ -39,19 +42,24 @@ def ctas_per_sm_by_registers(regs: int, threads: int) -> int:
     return min(MAX_CTAS_PER_SM, resident // warps)
 
 
-def ptxas() -> str | None:
-    """A ptxas to assemble with: PATH, CUDA_HOME, /usr/local/cuda, or the one triton ships."""
-    found = shutil.which("ptxas")
+def cuda_tool(name: str) -> str | None:
+    """A CUDA binary tool (`ptxas`, `cuobjdump`): PATH, CUDA_HOME, /usr/local/cuda, or the one triton ships."""
+    found = shutil.which(name)
     if found:
         return found
-    places = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas"), "/usr/local/cuda/bin/ptxas"]
+    places = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", name), f"/usr/local/cuda/bin/{name}"]
     try:
         import triton
 
-        places.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"))
+        places.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name))
     except ImportError:
         pass
     return next((p for p in places if os.path.isfile(p) and os.access(p, os.X_OK)), None)
+
+
+def ptxas() -> str | None:
+    """A ptxas to assemble with (`cuda_tool`)."""
+    return cuda_tool("ptxas")
 
 
 def kernel_name(ptx_path: str) -> str:
@@ -61,14 +69,17 @@ def kernel_name(ptx_path: str) -> str:
     return m.group(1) if m else stem[:60]
 
 
-def resources(ptx_path: str, tool: str, arch: str = "sm_90a") -> dict:
-    """ptxas -v of one PTX file: registers, stack bytes, spill stores / loads, threads per CTA (from its
-    .reqntid / .maxntid) and the CTAs per SM those registers allow."""
-    text = Path(ptx_path).read_text()
-    ntid = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", text)
-    threads = 1
-    for dim in (ntid.groups() if ntid else ()):
-        threads *= int(dim or 1)
+def cubin_usage(cubin_path: str, tool: str) -> dict:
+    """`cuobjdump --dump-resource-usage` of a cubin holding one kernel: its registers and stack bytes."""
+    out = subprocess.run([tool, "--dump-resource-usage", cubin_path], capture_output=True, text=True)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)", out.stdout)
+    if out.returncode or not m:
+        raise RuntimeError(f"cuobjdump failed on {Path(cubin_path).name}: {(out.stderr or out.stdout).strip()[-300:]}")
+    return {"registers": int(m.group(1)), "stack": int(m.group(2)), "spill_stores": None, "spill_loads": None}
+
+
+def ptxas_usage(ptx_path: str, tool: str, arch: str) -> dict:
+    """`ptxas -v` of one PTX file: registers, stack bytes, spill stores / loads."""
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run([tool, f"-arch={arch}", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True)
@@ -79,16 +90,33 @@ def resources(ptx_path: str, tool: str, arch: str = "sm_90a") -> dict:
         m = re.search(pattern, out.stderr)
         return int(m.group(1)) if m else 0
 
-    regs = number(r"Used (\d+) registers")
-    return {"kernel": kernel_name(ptx_path), "threads": threads if ntid else None, "registers": regs,
-            "stack": number(r"(\d+) bytes stack frame"), "spill_stores": number(r"(\d+) bytes spill stores"),
-            "spill_loads": number(r"(\d+) bytes spill loads"),
-            "ctas_per_sm": ctas_per_sm_by_registers(regs, threads) if ntid else None}
+    return {"registers": number(r"Used (\d+) registers"), "stack": number(r"(\d+) bytes stack frame"),
+            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads")}
+
+
+def resources(ptx_path: str, tool: str | None, arch: str = "sm_90a", objdump: str | None = None) -> dict:
+    """One kernel's registers, stack bytes, spill stores / loads (None when read from a cubin), threads per CTA
+    (from its PTX's .reqntid / .maxntid) and the CTAs per SM those registers allow: from the cubin kept beside the
+    PTX when there is one and `objdump` (cuobjdump) is given, else by assembling the PTX with `tool` (ptxas)."""
+    text = Path(ptx_path).read_text()
+    ntid = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", text)
+    threads = 1
+    for dim in (ntid.groups() if ntid else ()):
+        threads *= int(dim or 1)
+    cubin = Path(ptx_path).with_suffix(".cubin")
+    if objdump and cubin.is_file():
+        usage = cubin_usage(str(cubin), objdump)
+    elif tool:
+        usage = ptxas_usage(ptx_path, tool, arch)
+    else:
+        raise RuntimeError(f"no cubin beside {Path(ptx_path).name} and no ptxas to assemble it")
+    return {"kernel": kernel_name(ptx_path), "threads": threads if ntid else None, **usage,
+            "ctas_per_sm": ctas_per_sm_by_registers(usage["registers"], threads) if ntid else None}
 
 
 def keep_layer_ptx(tp: int, batch: int, out_dir: str) -> None:
-    """One bench step of layer 1 (latency_specialized) with every compiled kernel's PTX kept in `out_dir`."""
-    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=out_dir)
+    """One bench step of layer 1 (latency_specialized) with every compiled kernel's PTX and cubin kept in `out_dir`."""
+    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=out_dir)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
                                                       env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "kimi_decode.bench", "--backend", "latency_specialized", "--tp", str(tp), "--batch",
@@ -106,16 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if (a.tp is None) == (a.ptx_dir is None):
         p.error("give --tp (with --batch) or --ptx-dir")
-    tool = ptxas()
-    if tool is None:
-        print("kernel_resources: no ptxas found (PATH, CUDA_HOME, /usr/local/cuda, triton)", file=sys.stderr)
+    tool, objdump = ptxas(), cuda_tool("cuobjdump")
+    if tool is None and objdump is None:
+        print("kernel_resources: no ptxas or cuobjdump found (PATH, CUDA_HOME, /usr/local/cuda, triton)",
+              file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         where = a.ptx_dir or tmp
         try:
             if a.ptx_dir is None:
                 keep_layer_ptx(a.tp, a.batch, tmp)
-            rows = [resources(f, tool) for f in sorted(glob.glob(os.path.join(where, "**", "*.ptx"), recursive=True))]
+            rows = [resources(f, tool, objdump=objdump)
+                    for f in sorted(glob.glob(os.path.join(where, "**", "*.ptx"), recursive=True))]
         except RuntimeError as e:
             print(f"kernel_resources: {e}", file=sys.stderr)
             return 1
@@ -124,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'kernel':<44} {'threads':>7} {'regs':>5} {'stack':>6} {'spill st/ld':>12} {'CTAs/SM':>8}")
     for r in rows:
+        spills = "-" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
         print(f"{r['kernel'][:44]:<44} {r['threads'] or '?':>7} {r['registers']:>5} {r['stack']:>6} "
-              f"{r['spill_stores']:>5}/{r['spill_loads']:<6} {r['ctas_per_sm'] or '?':>8}")
+              f"{spills:>12} {r['ctas_per_sm'] or '?':>8}")
     return 0
 
 

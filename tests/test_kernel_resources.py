@@ -46,7 +46,7 @@ def test_refuses_no_input_and_an_empty_directory(tmp_path, capsys):
 
 def test_grouped_expert_kernels_compiled_for_sm90a(tmp_path, capsys):
     """The two grouped expert kernels (TP16 batch 64, quad-major codes), compiled in a fresh process that keeps
-    their PTX, then assembled: 224 / 256 threads, registers within ptxas's 255, no stack, CTAs per SM as the model
+    their PTX and cubins, then assembled: 224 / 256 threads, registers within ptxas's 255, no stack, CTAs per SM as the model
     gives for those registers."""
     pytest.importorskip("cutlass")
     if kr.ptxas() is None:
@@ -66,7 +66,8 @@ def test_grouped_expert_kernels_compiled_for_sm90a(tmp_path, capsys):
                         torch.empty(B * k, s.expert_inter_used, dtype=torch.float16), torch.empty(B * k, L),
                         s.expert_inter_used, quad_major=True)
     """)
-    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), KIMI_DECODE_CUTE_ARCH="sm_90a",
+    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               KIMI_DECODE_CUTE_ARCH="sm_90a",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
     assert kr.main(["--ptx-dir", str(tmp_path)]) == 0
@@ -79,3 +80,11 @@ def test_grouped_expert_kernels_compiled_for_sm90a(tmp_path, capsys):
         assert r["ctas_per_sm"] == kr.ctas_per_sm_by_registers(r["registers"], r["threads"]) >= 1
     out = capsys.readouterr().out
     assert "moe_mxfp4_groupedMoEW13Grouped" in out and "CTAs/SM" in out
+    # the kept cubins, read with cuobjdump, give what ptxas gives for the same PTX
+    objdump = kr.cuda_tool("cuobjdump")
+    if objdump is None or not list(tmp_path.glob("*.cubin")):
+        pytest.skip("no cuobjdump or no kept cubins here")
+    for p in tmp_path.glob("*.ptx"):
+        from_cubin = kr.resources(str(p), None, objdump=objdump)
+        assert from_cubin["registers"] == rows[from_cubin["kernel"]]["registers"]
+        assert from_cubin["spill_stores"] is None and from_cubin["ctas_per_sm"] >= 1
