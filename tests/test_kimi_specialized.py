@@ -1070,30 +1070,37 @@ def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
     assert torch.equal(torch.stack(got, dim=1), words.T)  # lane t, slot i: word t of group i
 
 
-@pytest.mark.parametrize("raw", ["2", "yes", ""])
+@pytest.mark.parametrize("raw", ["2", "yes", "w1", ""])
 def test_grouped_stage_setting_refused_by_name(monkeypatch, raw):
-    from kimi_decode.kernels.moe_mxfp4_grouped import w13_staged
+    from kimi_decode.kernels.moe_mxfp4_grouped import grouped_staged
 
     monkeypatch.delenv("KIMI_DECODE_GROUPED_STAGE", raising=False)
-    assert w13_staged()
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", "0")
-    assert not w13_staged()
+    assert grouped_staged("w13") and grouped_staged("w2")
+    for value, w13, w2 in (("0", False, False), ("w13", True, False), ("w2", False, True), ("1", True, True)):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", value)
+        assert (grouped_staged("w13"), grouped_staged("w2")) == (w13, w2)
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", raw)
     with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_STAGE"):
-        w13_staged()
+        grouped_staged("w13")
 
 
 @needs_cute
-def test_staged_w13_fits_three_ctas_per_sm_in_shared_memory():
-    """The staged w13 kernel's shared memory (weights, scale words and the reduction buffer) leaves room for the 3
-    CTAs per SM its registers allow under cutlass-dsl 4.3.5 (227 KB per SM on the H100 / H200)."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import COLS, MoEW13Grouped
+def test_staged_grouped_kernels_fit_their_ctas_per_sm_in_shared_memory():
+    """Staged, the w13 kernel's shared memory (weights, scale words, reduction buffer) leaves room for the 3 CTAs
+    per SM its registers allow under cutlass-dsl 4.3.5, and the w2 kernel's two segment buffers for 2 (227 KB per
+    SM on the H100 / H200): at TP16 with 4 row tiles per warp, at TP8 with 2. Without scale words (TP16 rows not
+    padded) w2 does not stage."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import COLS, MoEW2Grouped, MoEW13Grouped
 
-    for tp in (16, 8):
+    for tp, tiles2 in ((16, 4), (8, 2)):
         s = shard("k3", tp=tp, pad_experts=True)
-        k = MoEW13Grouped(s.model.moe_latent, s.expert_inter, s.expert_inter_used, s.model.top_k, 2, 0, True)
-        red = 2 * 8 * COLS * k.warps * k.tiles * 4
-        assert k.stage_bytes() > 0 and 3 * (k.stage_bytes() + red) <= 227 * 1024
+        L, used, k = s.model.moe_latent, s.expert_inter_used, s.model.top_k
+        k13 = MoEW13Grouped(L, s.expert_inter, used, k, 2, 0, True)
+        red = 2 * 8 * COLS * k13.warps * k13.tiles * 4
+        assert k13.stage_bytes() > 0 and 3 * (k13.stage_bytes() + red) <= 227 * 1024
+        k2 = MoEW2Grouped(L, used, k, 4, True, 64 * k, 0, True)
+        assert k2.stage and k2.tiles == tiles2 and 0 < 2 * k2.stage_bytes() <= 227 * 1024
+    assert not MoEW2Grouped(L, 192, k, 4, False, 64 * k, 0, True).stage
 
 
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):

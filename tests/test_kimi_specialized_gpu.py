@@ -502,9 +502,9 @@ def test_moe_mxfp4_grouped_segment_grid_matches_float64(monkeypatch, seg_ctas, t
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (8, True), (16, False)])
-def test_moe_mxfp4_grouped_unstaged_w13_matches_float64(monkeypatch, tp, pad):
-    """KIMI_DECODE_GROUPED_STAGE=0: the w13 kernel loading each quad's weights into registers as its mma loop
-    reaches them, on both layouts (the staged default runs in the tests above)."""
+def test_moe_mxfp4_grouped_unstaged_matches_float64(monkeypatch, tp, pad):
+    """KIMI_DECODE_GROUPED_STAGE=0: both grouped kernels loading their weights into registers as their mma loops
+    reach them, on both layouts (the staged default runs in the tests above)."""
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", "0")
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)

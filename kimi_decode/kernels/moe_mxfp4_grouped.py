@@ -37,7 +37,8 @@ COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
 DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/NOTES.md, v11)
 SEG_CTAS_PER_SM = 8  # w2 CTAs per SM along the segments (`segment_ctas`; benchmarks/NOTES.md, v22)
-STAGE_MODES = ("1", "0")
+STAGE_MODES = ("1", "0", "w13", "w2")
+W2_STAGE_BYTES = 110 * 1024  # shared memory of a staged w2 CTA's two segment buffers: 2 CTAs per SM (227 KB)
 
 
 def grouped_tiles(kernel: str) -> int:
@@ -65,11 +66,13 @@ def segment_ctas(pairs: int, row_blocks: int) -> int:
     return min(pairs, max(-(-pairs // 32), -(-per_sm * sm_count() // row_blocks)))
 
 
-def w13_staged() -> bool:
-    """KIMI_DECODE_GROUPED_STAGE ("1", the default, or "0"): whether a w13 CTA copies all of its weight words into
-    shared memory (`cp.async`) as soon as it knows its expert, instead of loading each quad into registers as the
-    mma loop reaches it."""
-    return env_choice("KIMI_DECODE_GROUPED_STAGE", "1", STAGE_MODES) == "1"
+def grouped_staged(kernel: str) -> bool:
+    """Whether the "w13" or "w2" kernel stages its weights in shared memory with `cp.async` (KIMI_DECODE_GROUPED_STAGE:
+    "1", the default, both; "0" neither; "w13" or "w2" that one only). w13: a CTA copies its whole weight tile as
+    soon as it knows its expert, instead of loading each quad into registers as the mma loop reaches it. w2: a CTA
+    copies the next segment's rows into the other of two buffers while it works on the current one."""
+    raw = env_choice("KIMI_DECODE_GROUPED_STAGE", "1", STAGE_MODES)
+    return raw == "1" or raw == kernel
 
 
 def _tiles(n: int, most: int) -> int:
@@ -117,7 +120,7 @@ if HAVE_CUTE:
                      stage: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
             weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `stage`
-            (`w13_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
+            (`grouped_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
             w1 and w3) into its own slots of shared memory with `cp.async` once the segment's expert is known, and
             the four lanes of each row a quarter of its scale words, so the CTA's whole weight tile is in flight at
             once without holding registers; the mma loop, one quad per iteration (not unrolled, so that the
@@ -277,16 +280,33 @@ if HAVE_CUTE:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
         def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, pairs: int,
-                     quad_major: int = 0):
+                     quad_major: int = 0, stage: bool = False):
             """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`: as
             `MoEW13Grouped`'s; `pairs`: the segment slots (B x k), over `segment_ctas` CTAs along the segments, each
-            looping over its share."""
+            looping over its share. `stage` (`grouped_staged`, with `scale_words`): each lane copies its words of the
+            next segment's rows into one of two shared-memory buffers (`cp.async`: 16 bytes per quad of groups, 4
+            per group left; the four lanes of a row share its scale words) while the CTA works on the current
+            segment from the other; the row tiles are then one per iteration of a loop the compiler keeps, and their
+            number per warp the most of `tiles` whose buffers fit W2_STAGE_BYTES."""
             self.topk = topk
             self.qm = quad_major
             self.groups = used // GROUP
+            self.quads = self.groups // QUAD  # 16-byte slices per row and lane
+            self.rest = self.groups - self.quads * QUAD  # single words per row and lane after them
+            self.swords = -(-self.groups // QUAD)  # scale words per row
             self.scale_words = scale_words
+            self.stage = stage and scale_words and self.swords <= 4
+            if self.stage:
+                tiles = next((n for n in (4, 2, 1) if n <= tiles and self.stage_bytes(n) <= W2_STAGE_BYTES), 1)
             self.tiles = _tiles(latent // ROWS2_CTA, tiles)
             self.seg_ctas = segment_ctas(pairs, latent // (ROWS2_CTA * self.tiles))
+
+        def stage_bytes(self, tiles: int | None = None) -> int:
+            """Shared memory of the two segment buffers (weight words and scale words) at `tiles` row tiles per warp
+            (this kernel's by default)."""
+            tiles = self.tiles if tiles is None else tiles
+            per_half = 32 * (16 * self.quads + 4 * self.rest) + ROWS13 * 4 * self.swords
+            return 2 * tiles * 2 * per_half * WARPS
 
         @cute.jit
         def __call__(self, act: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -306,11 +326,29 @@ if HAVE_CUTE:
             bx, by, _ = cute.arch.block_idx()
             warp, lane, g, t = mma_lanes(tidx)
             r0 = (bx * WARPS + warp) * 16 * self.tiles + g  # this warp's rows: tiles of 16 from here
-            for i in cutlass.range(_segments(seg_len, by, lane, self.seg_ctas)):  # this CTA's non-empty segments
+            smem = cutlass.utils.SmemAllocator()
+            on = self.stage
+            halves = 2 * self.tiles if on else 1
+            nb, nw = (2, WARPS) if on else (1, 1)
+            qbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, halves * max(self.quads, 1), nb, nw)), 16)
+            rbuf = smem.allocate_tensor(Int32, cute.make_layout((32, halves * max(self.rest, 1), nb, nw)), 16)
+            sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, halves * self.swords, nb, nw)), 16)
+            n = _segments(seg_len, by, lane, self.seg_ctas)  # this CTA's non-empty segments
+            if cutlass.const_expr(on):
+                if n > 0:
+                    self.stage_rows(gW, w, w_scale, seg_expert[by], qbuf, rbuf, sbuf, 0, r0, lane, warp, g, t)
+                cute.arch.cp_async_commit_group()
+            for i in cutlass.range(n):
                 s = by + i * self.seg_ctas
                 length = seg_len[s]
                 start = seg_start[s]
                 e = seg_expert[s]
+                if cutlass.const_expr(on):
+                    cute.arch.sync_warp()  # every lane is done with the buffer the next segment goes into
+                    if i + 1 < n:
+                        self.stage_rows(gW, w, w_scale, seg_expert[s + self.seg_ctas], qbuf, rbuf, sbuf, (i + 1) % 2,
+                                        r0, lane, warp, g, t)
+                    cute.arch.cp_async_commit_group()  # (an empty group for the last segment)
                 for tile in cutlass.range((length + COLS - 1) // COLS):
                     col = tile * COLS + g
                     if col >= length:
@@ -320,30 +358,99 @@ if HAVE_CUTE:
                     for G in cutlass.range_constexpr(self.groups):
                         xs = load4(gA[(None, (p, G * 4 + t))])
                         bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], False))
-                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]
-                    for r in cutlass.range_constexpr(self.tiles):
-                        ra = r0 + 16 * r
-                        wa = _row_words(gW, w, e, ra, t, self.groups, self.qm)
-                        wb = _row_words(gW, w, e, ra + 8, t, self.groups, self.qm)
-                        sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
-                        sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
-                        for G in cutlass.range_constexpr(self.groups):
-                            c = operand_mma(wa[G], wb[G], bs[G])
-                            fa = mx_scale(sa[G])
-                            fb = mx_scale(sb[G])
-                            acc[4 * r] = acc[4 * r] + c[0] * fa
-                            acc[4 * r + 1] = acc[4 * r + 1] + c[1] * fa
-                            acc[4 * r + 2] = acc[4 * r + 2] + c[2] * fb
-                            acc[4 * r + 3] = acc[4 * r + 3] + c[3] * fb
-                    # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
-                    for h in cutlass.range_constexpr(2):
-                        n = tile * COLS + 2 * t + h
-                        if n < length:
-                            q = order[start + n]
-                            wt = weights[q // self.topk, q % self.topk]
-                            for r in cutlass.range_constexpr(self.tiles):
-                                out[q, r0 + 16 * r] = wt * acc[4 * r + h]
-                                out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
+                    if cutlass.const_expr(on):
+                        cute.arch.cp_async_wait_group(1)  # all but the newest group: this segment's rows are in
+                        cute.arch.sync_warp()  # and the scale words the row's other lanes copied
+                        self.staged_tiles(qbuf, rbuf, sbuf, i % 2, bs, weights, order, out, start, length, tile, r0,
+                                          lane, warp, g, t)
+                    else:
+                        acc = [Float32(0.0) for _ in range(4 * self.tiles)]
+                        for r in cutlass.range_constexpr(self.tiles):
+                            ra = r0 + 16 * r
+                            wa = _row_words(gW, w, e, ra, t, self.groups, self.qm)
+                            wb = _row_words(gW, w, e, ra + 8, t, self.groups, self.qm)
+                            sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
+                            sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
+                            for G in cutlass.range_constexpr(self.groups):
+                                c = operand_mma(wa[G], wb[G], bs[G])
+                                fa = mx_scale(sa[G])
+                                fb = mx_scale(sb[G])
+                                acc[4 * r] = acc[4 * r] + c[0] * fa
+                                acc[4 * r + 1] = acc[4 * r + 1] + c[1] * fa
+                                acc[4 * r + 2] = acc[4 * r + 2] + c[2] * fb
+                                acc[4 * r + 3] = acc[4 * r + 3] + c[3] * fb
+                        # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
+                        for h in cutlass.range_constexpr(2):
+                            n_ = tile * COLS + 2 * t + h
+                            if n_ < length:
+                                q = order[start + n_]
+                                wt = weights[q // self.topk, q % self.topk]
+                                for r in cutlass.range_constexpr(self.tiles):
+                                    out[q, r0 + 16 * r] = wt * acc[4 * r + h]
+                                    out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
+
+        @cute.jit
+        def stage_rows(self, gW: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, e, qbuf: cute.Tensor,
+                       rbuf: cute.Tensor, sbuf: cute.Tensor, buf, r0, lane, warp, g, t):
+            """This lane's words of expert e's rows (each row tile's r0 + 16 r and r0 + 16 r + 8: row half v = 2 r +
+            h) copied into buffer `buf`: the 16 bytes of quad q at qbuf[lane, v * quads + q], the single word of each
+            group left at rbuf[lane, v * rest + k] (where `_row_words` loads them), and scale word t of the row
+            (lanes t < scale words) at sbuf[g, v * swords + t]."""
+            one = (1, 1, 1)
+            gw1, gs1 = cute.zipped_divide(w, one), cute.zipped_divide(w_scale, one)
+            rb1, sb1 = cute.zipped_divide(rbuf, (1, 1, 1, 1)), cute.zipped_divide(sbuf, (1, 1, 1, 1))
+            for r in cutlass.range_constexpr(self.tiles):
+                for h in cutlass.range_constexpr(2):
+                    row = r0 + 16 * r + 8 * h
+                    v = 2 * r + h
+                    for q in cutlass.range_constexpr(self.quads):
+                        copy_async_16(gW[(None, (e, row, q * QUAD + t))],
+                                      qbuf[(None, lane, v * self.quads + q, buf, warp)])
+                    for k in cutlass.range_constexpr(self.rest):
+                        G = self.quads * QUAD + k
+                        col = quad_major_offset(G, t, self.qm) if self.qm else G * 4 + t
+                        copy_async_4(gw1[(None, (e, row, col))], rb1[(None, (lane, v * self.rest + k, buf, warp))])
+                    if t < self.swords:
+                        copy_async_4(gs1[(None, (e, row, t))], sb1[(None, (g, v * self.swords + t, buf, warp))])
+
+        @cute.jit
+        def staged_tiles(self, qbuf: cute.Tensor, rbuf: cute.Tensor, sbuf: cute.Tensor, buf, bs, weights: cute.Tensor,
+                         order: cute.Tensor, out: cute.Tensor, start, length, tile, r0, lane, warp, g, t):
+            """The staged form's row tiles for one tile of 8 pairs, one per iteration of a loop the compiler keeps:
+            each reads its two row halves' words and scale words from buffer `buf` and stores its four outputs."""
+            q = []  # the pairs of this lane's two columns, their routing weights and whether they exist
+            for h in cutlass.range_constexpr(2):
+                n_ = tile * COLS + 2 * t + h
+                inside = n_ < length
+                qq = order[start + select_i32(inside, n_, length - 1)]
+                q.append((inside, qq, weights[qq // self.topk, qq % self.topk]))
+            for r in cutlass.range(self.tiles, unroll=1):
+                wa = self.staged_row(qbuf, rbuf, buf, 2 * r, lane, warp, t)
+                wb = self.staged_row(qbuf, rbuf, buf, 2 * r + 1, lane, warp, t)
+                acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                for G in cutlass.range_constexpr(self.groups):
+                    c = operand_mma(wa[G], wb[G], bs[G])
+                    fa = mx_scale(byte_of(sbuf[g, 2 * r * self.swords + G // QUAD, buf, warp], G % QUAD))
+                    fb = mx_scale(byte_of(sbuf[g, (2 * r + 1) * self.swords + G // QUAD, buf, warp], G % QUAD))
+                    acc[0] = acc[0] + c[0] * fa
+                    acc[1] = acc[1] + c[1] * fa
+                    acc[2] = acc[2] + c[2] * fb
+                    acc[3] = acc[3] + c[3] * fb
+                for h in cutlass.range_constexpr(2):
+                    inside, qq, wt = q[h]
+                    if inside:
+                        out[qq, r0 + 16 * r] = wt * acc[h]
+                        out[qq, r0 + 16 * r + 8] = wt * acc[2 + h]
+
+        def staged_row(self, qbuf: cute.Tensor, rbuf: cute.Tensor, buf, v, lane, warp, t):
+            """Word t of every MX group of row half v (`stage_rows`), from buffer `buf`, as `_row_words` gives them."""
+            words = []
+            for q in range(self.quads):
+                x = load4(qbuf[(None, lane, v * self.quads + q, buf, warp)])
+                words += quad_exchange([x[0], x[1], x[2], x[3]], t, self.qm)
+            for k in range(self.rest):
+                words.append(rbuf[lane, v * self.rest + k, buf, warp])
+            return words
 
 
 def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out):
@@ -377,11 +484,11 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
-    stage = w13_staged()
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage, *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13, stage), *(fake_like(t, align=16) for t in a13))
-    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2)
-    f2 = compile_kernel(("moe_w2_grouped", used, t2, qm2, k2.seg_ctas, *signature(*a2)), k2,
+    stage13, stage2 = grouped_staged("w13"), grouped_staged("w2")
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13), *(fake_like(t, align=16) for t in a13))
+    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2)
+    f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
