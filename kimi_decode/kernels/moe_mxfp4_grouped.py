@@ -93,8 +93,12 @@ if HAVE_CUTE:
         for q in range(groups // QUAD):
             words += quad_words(gW, e, row, q * QUAD, t, qm)
         for G in range(groups // QUAD * QUAD, groups):
-            words.append(w[e, row, quad_major_offset(G, t, qm) if qm else G * 4 + t])
+            words.append(w[e, row, _word_col(G, t, qm)])
         return words
+
+    def _word_col(G: int, t, qm: int):
+        """Where word t of MX group G lies in a row of words (`qm`: the row's groups when quad-major, else 0)."""
+        return quad_major_offset(G, t, qm) if qm else G * 4 + t
 
     def _row_scales(w_scale: cute.Tensor, e, row, groups: int, words: bool):
         """The scale bytes of a row's groups: one 32-bit load per 4 groups where `w_scale` is a word view, else one
@@ -408,8 +412,8 @@ if HAVE_CUTE:
                                       qbuf[(None, lane, v * self.quads + q, buf, warp)])
                     for k in cutlass.range_constexpr(self.rest):
                         G = self.quads * QUAD + k
-                        col = quad_major_offset(G, t, self.qm) if self.qm else G * 4 + t
-                        copy_async_4(gw1[(None, (e, row, col))], rb1[(None, (lane, v * self.rest + k, buf, warp))])
+                        copy_async_4(gw1[(None, (e, row, _word_col(G, t, self.qm)))],
+                                     rb1[(None, (lane, v * self.rest + k, buf, warp))])
                     if t < self.swords:
                         copy_async_4(gs1[(None, (e, row, t))], sb1[(None, (g, v * self.swords + t, buf, warp))])
 
