@@ -975,7 +975,7 @@ def test_expert_kernels_fall_back_for_a_latent_width_off_their_quads(monkeypatch
 
 
 @needs_cute
-@pytest.mark.parametrize("stage", ["1", "0"], ids=["staged", "unstaged"])
+@pytest.mark.parametrize("stage", ["1", "0", "all"], ids=["staged", "unstaged", "all_staged"])
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False), (8, 32, True)])
 def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad, stage):
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
@@ -1070,15 +1070,16 @@ def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
     assert torch.equal(torch.stack(got, dim=1), words.T)  # lane t, slot i: word t of group i
 
 
-@pytest.mark.parametrize("raw", ["2", "yes", "w1", ""])
+@pytest.mark.parametrize("raw", ["2", "yes", "w2", ""])
 def test_grouped_stage_setting_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.moe_mxfp4_grouped import grouped_staged
 
     monkeypatch.delenv("KIMI_DECODE_GROUPED_STAGE", raising=False)
-    assert grouped_staged("w13") and grouped_staged("w2")
-    for value, w13, w2 in (("0", False, False), ("w13", True, False), ("w2", False, True), ("1", True, True)):
+    # the default: w13 always, w2 on rows of whole quads of MX groups (TP8's 384 values, not TP16's 192)
+    assert grouped_staged("w13") and grouped_staged("w2", 384) and not grouped_staged("w2", 192)
+    for value, w13, w2 in (("0", False, False), ("w13", True, False), ("all", True, True)):
         monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", value)
-        assert (grouped_staged("w13"), grouped_staged("w2")) == (w13, w2)
+        assert (grouped_staged("w13"), grouped_staged("w2", 192), grouped_staged("w2", 384)) == (w13, w2, w2)
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", raw)
     with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_STAGE"):
         grouped_staged("w13")

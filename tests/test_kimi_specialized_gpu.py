@@ -501,11 +501,13 @@ def test_moe_mxfp4_grouped_segment_grid_matches_float64(monkeypatch, seg_ctas, t
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, False)
 
 
+@pytest.mark.parametrize("stage", ["0", "all"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (8, True), (16, False)])
-def test_moe_mxfp4_grouped_unstaged_matches_float64(monkeypatch, tp, pad):
+def test_moe_mxfp4_grouped_staging_settings_match_float64(monkeypatch, tp, pad, stage):
     """KIMI_DECODE_GROUPED_STAGE=0: both grouped kernels loading their weights into registers as their mma loops
-    reach them, on both layouts (the staged default runs in the tests above)."""
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", "0")
+    reach them; "all": both staged, w2 also on TP16's rows of 6 groups (4-byte copies for the two after the quad);
+    on both layouts (the default runs in the tests above)."""
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, True)

@@ -37,7 +37,7 @@ COLS = 8  # pairs per mma tile (the n of m16n8k16)
 ROWS2_CTA = 16 * WARPS  # latent rows per w2 CTA at one row tile per warp
 DEFAULT_TILES = {"w13": 2, "w2": 4}  # measured fastest on the H200 (benchmarks/NOTES.md, v11)
 SEG_CTAS_PER_SM = 8  # w2 CTAs per SM along the segments (`segment_ctas`; benchmarks/NOTES.md, v22)
-STAGE_MODES = ("1", "0", "w13", "w2")
+STAGE_MODES = ("1", "0", "w13", "all")
 W2_STAGE_BYTES = 110 * 1024  # shared memory of a staged w2 CTA's two segment buffers: 2 CTAs per SM (227 KB)
 
 
@@ -66,13 +66,17 @@ def segment_ctas(pairs: int, row_blocks: int) -> int:
     return min(pairs, max(-(-pairs // 32), -(-per_sm * sm_count() // row_blocks)))
 
 
-def grouped_staged(kernel: str) -> bool:
-    """Whether the "w13" or "w2" kernel stages its weights in shared memory with `cp.async` (KIMI_DECODE_GROUPED_STAGE:
-    "1", the default, both; "0" neither; "w13" or "w2" that one only). w13: a CTA copies its whole weight tile as
-    soon as it knows its expert, instead of loading each quad into registers as the mma loop reaches it. w2: a CTA
-    copies the next segment's rows into the other of two buffers while it works on the current one."""
+def grouped_staged(kernel: str, used: int = 0) -> bool:
+    """Whether the "w13" or "w2" kernel (rows of `used` intermediate values) stages its weights in shared memory with
+    `cp.async`, by KIMI_DECODE_GROUPED_STAGE: "1" (the default) w13 always and w2 where its rows are whole quads of
+    MX groups (TP8: 12 groups; at TP16's 6 the two groups left take 4-byte copies, and staging measured slower
+    there, benchmarks/NOTES.md v23), "all" both always, "w13" w13 only, "0" neither. w13: a CTA copies its whole
+    weight tile as soon as it knows its expert, instead of loading each quad into registers as the mma loop reaches
+    it. w2: a CTA copies the next segment's rows into the other of two buffers while it works on the current one."""
     raw = env_choice("KIMI_DECODE_GROUPED_STAGE", "1", STAGE_MODES)
-    return raw == "1" or raw == kernel
+    if kernel == "w13":
+        return raw != "0"
+    return raw == "all" or (raw == "1" and used // GROUP % QUAD == 0)
 
 
 def _tiles(n: int, most: int) -> int:
@@ -488,7 +492,7 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
-    stage13, stage2 = grouped_staged("w13"), grouped_staged("w2")
+    stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
     f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, *signature(*a13)),
                          MoEW13Grouped(L, I, used, k, t13, qm13, stage13), *(fake_like(t, align=16) for t in a13))
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2)
