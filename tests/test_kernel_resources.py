@@ -46,8 +46,8 @@ def test_refuses_no_input_and_an_empty_directory(tmp_path, capsys):
 
 def test_grouped_expert_kernels_compiled_for_sm90a(tmp_path, capsys):
     """The two grouped expert kernels (TP16 batch 64, quad-major codes), compiled in a fresh process that keeps
-    their PTX and cubins, then assembled: 224 / 256 threads, registers within ptxas's 255, no stack, CTAs per SM as the model
-    gives for those registers."""
+    their PTX and cubins, then assembled: 224 / 256 threads, registers within ptxas's 255, no stack, CTAs per SM as
+    the model gives for those registers; the cubins read with cuobjdump give the same registers."""
     pytest.importorskip("cutlass")
     if kr.ptxas() is None:
         pytest.skip("no ptxas on this machine")

@@ -39,7 +39,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are
   sorted by expert (the generic path's alignment kernel) and each selected expert is read once for up to 8 of its
   pairs at a time (`kernels/moe_mxfp4_grouped.py`; the w2 kernel's CTAs each loop over a share of the segments,
-  `KIMI_DECODE_GROUPED_SEG_CTAS`); all of them read copies of the expert codes in quad-major
+  `KIMI_DECODE_GROUPED_SEG_CTAS`; both copy their weights into shared memory with `cp.async`, w13 its whole tile at
+  once, w2 the next segment's rows during the current one where they are whole quads of groups,
+  `KIMI_DECODE_GROUPED_STAGE`); all of them read copies of the expert codes in quad-major
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B);

@@ -13,15 +13,21 @@ weights come in 16-byte loads: lane t of a quad loads group t of the quad for it
 (`quad_transpose`; none on `moe_mxfp4.quad_major` codes) leave it word t of each of the four groups, what the mma
 fragment takes; the four scale bytes of a quad are one 32-bit load. (With one 4-byte load per lane and group, every
 load instruction touched 8 rows for 16 bytes each, and the kernel ran at 1.25 TB/s against 2.4 now: bound by load
-instructions, not bytes.) Each activation group is loaded and converted to fp16 operands once for the two tiles. The
-warps add their partial sums through shared memory, one thread per (row, pair) output; SiTU-GLU(h1, h3) -> act
-[pair, used] fp16. `moe_w2_grouped`: CTA (512 latent rows, every G-th segment: `segment_ctas`), each warp four tiles
-of 16 rows over the whole (short) K = used, its weights loaded the same way (whole quads by 16-byte loads, the two
-groups left at TP16 by 4-byte ones), the act operands converted once for the four tiles -> routing weight x partial
-output per pair [pair, latent] fp32, summed over each token's k pairs afterwards (no atomics: the result does not
-depend on the order in which CTAs finish). Segments past the number of distinct experts have length 0: a w13 CTA
-that finds one exits at once, and a w2 CTA counts its non-empty segments first (lane i loads the length of its i-th
-one)."""
+instructions, not bytes.) Staged (`grouped_staged`, the default) each lane instead copies those 16-byte slices of all
+its quads into its own shared-memory slots with `cp.async` as soon as the segment's expert is known (one round trip
+for the segment's length, start and expert), so the CTA's whole tile is in flight at once without holding registers
+(v22's kernel held about one quad per lane and was bound by load latency at 2.0 TB/s). Each activation group is loaded
+and converted to fp16 operands once for the two tiles. The warps add their partial sums through shared memory, one
+thread per (row, pair) output; SiTU-GLU(h1, h3) -> act [pair, used] fp16.
+
+`moe_w2_grouped`: CTA (512 latent rows, every G-th segment: `segment_ctas`), each warp four tiles of 16 rows over the
+whole (short) K = used, its weights loaded the same way (whole quads by 16-byte loads, the two groups left at TP16 by
+4-byte ones; staged, where the rows are whole quads, a CTA copies the next segment's rows into the other of two
+shared-memory buffers while it works on the current one), the act operands converted once for the four tiles ->
+routing weight x partial output per pair [pair, latent] fp32, summed over each token's k pairs afterwards (no atomics:
+the result does not depend on the order in which CTAs finish). Segments past the number of distinct experts have
+length 0: a w13 CTA that finds one exits at once, and a w2 CTA counts its non-empty segments first (lane i loads the
+length of its i-th one)."""
 from __future__ import annotations
 
 import os
