@@ -118,6 +118,18 @@ if HAVE_CUTE:
         ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
         return [byte_of(ws[G // QUAD], G % QUAD) for G in range(groups)]
 
+    def _group_acc(acc, k: int, wa, wb, bs, sa, sb) -> None:
+        """acc[k], acc[k + 1] (rows a, columns 2t / 2t + 1) and acc[k + 2], acc[k + 3] (rows b) += one MX group's mma
+        of words wa / wb against operands bs, scaled by the rows' ue8m0 scale bytes, which `sa()` / `sb()` give after
+        the mma is issued (`acc` a list or a register tensor; inlined where it is called)."""
+        c = operand_mma(wa, wb, bs)
+        fa = mx_scale(sa())
+        fb = mx_scale(sb())
+        acc[k] = acc[k] + c[0] * fa
+        acc[k + 1] = acc[k + 1] + c[1] * fa
+        acc[k + 2] = acc[k + 2] + c[2] * fb
+        acc[k + 3] = acc[k + 3] + c[3] * fb
+
     def _segments(seg_len: cute.Tensor, by, lane, stride: int):
         """How many segments CTA row `by` works on (segments by, by + stride, ...): lane i loads the i-th one's
         length, and a ballot counts the non-empty ones, which come first since `moe_align` writes the distinct
@@ -206,13 +218,8 @@ if HAVE_CUTE:
                                 sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
                                 sw3 = w_scale[e, self.I + j, G0 // QUAD]
                                 for i in cutlass.range_constexpr(QUAD):
-                                    c = operand_mma(u1[i], u3[i], bs[i])
-                                    s1 = mx_scale(byte_of(sw1, i))
-                                    s3 = mx_scale(byte_of(sw3, i))
-                                    acc[4 * r] = acc[4 * r] + c[0] * s1
-                                    acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
-                                    acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
-                                    acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
+                                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: byte_of(sw1, i),
+                                               lambda: byte_of(sw3, i))
                     for r in cutlass.range_constexpr(self.tiles):
                         red[g, 2 * t, warp, r] = acc[4 * r]
                         red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
@@ -273,7 +280,7 @@ if HAVE_CUTE:
                 cute.arch.cp_async_wait_group(0)  # nothing left after the first quad: no wait
                 cute.arch.sync_warp()
                 for r in cutlass.range_constexpr(self.tiles):
-                    slot = (it * self.tiles + r) * 2
+                    slot = self._slot(it, r, 0)
                     v1 = load4(wbuf[(None, lane, slot, warp)])
                     v3 = load4(wbuf[(None, lane, slot + 1, warp)])
                     u1 = quad_exchange([v1[0], v1[1], v1[2], v1[3]], t, self.qm)
@@ -281,13 +288,7 @@ if HAVE_CUTE:
                     sw1 = sbuf[g, slot, warp]
                     sw3 = sbuf[g, slot + 1, warp]
                     for i in cutlass.range_constexpr(QUAD):
-                        c = operand_mma(u1[i], u3[i], bs[i])
-                        s1 = mx_scale(byte_of(sw1, i))
-                        s3 = mx_scale(byte_of(sw3, i))
-                        acc[4 * r] = acc[4 * r] + c[0] * s1
-                        acc[4 * r + 1] = acc[4 * r + 1] + c[1] * s1
-                        acc[4 * r + 2] = acc[4 * r + 2] + c[2] * s3
-                        acc[4 * r + 3] = acc[4 * r + 3] + c[3] * s3
+                        _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: byte_of(sw1, i), lambda: byte_of(sw3, i))
             return [acc[i] for i in range(4 * self.tiles)]
 
     class MoEW2Grouped:
@@ -386,13 +387,7 @@ if HAVE_CUTE:
                             sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
                             sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
                             for G in cutlass.range_constexpr(self.groups):
-                                c = operand_mma(wa[G], wb[G], bs[G])
-                                fa = mx_scale(sa[G])
-                                fb = mx_scale(sb[G])
-                                acc[4 * r] = acc[4 * r] + c[0] * fa
-                                acc[4 * r + 1] = acc[4 * r + 1] + c[1] * fa
-                                acc[4 * r + 2] = acc[4 * r + 2] + c[2] * fb
-                                acc[4 * r + 3] = acc[4 * r + 3] + c[3] * fb
+                                _group_acc(acc, 4 * r, wa[G], wb[G], bs[G], lambda: sa[G], lambda: sb[G])
                         # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
                         for h in cutlass.range_constexpr(2):
                             n_ = tile * COLS + 2 * t + h
@@ -443,13 +438,9 @@ if HAVE_CUTE:
                 wb = self.staged_row(qbuf, rbuf, buf, 2 * r + 1, lane, warp, t)
                 acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                 for G in cutlass.range_constexpr(self.groups):
-                    c = operand_mma(wa[G], wb[G], bs[G])
-                    fa = mx_scale(byte_of(sbuf[g, 2 * r * self.swords + G // QUAD, buf, warp], G % QUAD))
-                    fb = mx_scale(byte_of(sbuf[g, (2 * r + 1) * self.swords + G // QUAD, buf, warp], G % QUAD))
-                    acc[0] = acc[0] + c[0] * fa
-                    acc[1] = acc[1] + c[1] * fa
-                    acc[2] = acc[2] + c[2] * fb
-                    acc[3] = acc[3] + c[3] * fb
+                    _group_acc(acc, 0, wa[G], wb[G], bs[G],
+                               lambda: byte_of(sbuf[g, 2 * r * self.swords + G // QUAD, buf, warp], G % QUAD),
+                               lambda: byte_of(sbuf[g, (2 * r + 1) * self.swords + G // QUAD, buf, warp], G % QUAD))
                 for h in cutlass.range_constexpr(2):
                     inside, qq, wt = q[h]
                     if inside:
