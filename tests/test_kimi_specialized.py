@@ -1089,8 +1089,9 @@ def test_grouped_stage_setting_refused_by_name(monkeypatch, raw):
 def test_staged_grouped_kernels_fit_their_ctas_per_sm_in_shared_memory():
     """Staged, the w13 kernel's shared memory (weights, scale words, reduction buffer) leaves room for the 3 CTAs
     per SM its registers allow under cutlass-dsl 4.3.5, and the w2 kernel's two segment buffers for 2 (227 KB per
-    SM on the H100 / H200): at TP16 with 4 row tiles per warp, at TP8 with 2. Without scale words (TP16 rows not
-    padded) w2 does not stage."""
+    SM on the H100 / H200): at TP16 with 4 row tiles per warp, at TP8 with 2 (quad-major rows, as the layer runs
+    them). w2 does not stage without scale words (TP16 rows not padded), nor on TP16's natural rows, whose two groups
+    after the quad are not side by side per lane."""
     from kimi_decode.kernels.moe_mxfp4_grouped import COLS, MoEW2Grouped, MoEW13Grouped
 
     for tp, tiles2 in ((16, 4), (8, 2)):
@@ -1099,9 +1100,11 @@ def test_staged_grouped_kernels_fit_their_ctas_per_sm_in_shared_memory():
         k13 = MoEW13Grouped(L, s.expert_inter, used, k, 2, 0, True)
         red = 2 * 8 * COLS * k13.warps * k13.tiles * 4
         assert k13.stage_bytes() > 0 and 3 * (k13.stage_bytes() + red) <= 227 * 1024
-        k2 = MoEW2Grouped(L, used, k, 4, True, 64 * k, 0, True)
+        k2 = MoEW2Grouped(L, used, k, 4, True, 64 * k, s.expert_inter // 32, True)
         assert k2.stage and k2.tiles == tiles2 and 0 < 2 * k2.stage_bytes() <= 227 * 1024
-    assert not MoEW2Grouped(L, 192, k, 4, False, 64 * k, 0, True).stage
+    assert not MoEW2Grouped(L, 192, k, 4, False, 64 * k, 6, True).stage
+    assert not MoEW2Grouped(L, 192, k, 4, True, 64 * k, 0, True).stage
+    assert MoEW2Grouped(L, 384, k, 4, True, 64 * k, 0, True).stage
 
 
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):

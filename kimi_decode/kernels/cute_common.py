@@ -248,13 +248,13 @@ if HAVE_CUTE:
         cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(n)),
                   cute.make_tensor(dst.iterator, cute.make_layout(n)))
 
-    def copy_async_4(src: cute.Tensor, dst: cute.Tensor) -> None:
-        """`copy_async_16` for one 4-byte element (`cp.async.ca`: the 16-byte form is the only one that may skip
-        L1)."""
+    def copy_async_4(src: cute.Tensor, dst: cute.Tensor, words: int = 1) -> None:
+        """`copy_async_16` for 1 or 2 32-bit elements (4 or 8 bytes, aligned to their size; `cp.async.ca`: the
+        16-byte form is the only one that may skip L1)."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), src.element_type,
-                                   num_bits_per_copy=32)
-        cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(1)),
-                  cute.make_tensor(dst.iterator, cute.make_layout(1)))
+                                   num_bits_per_copy=32 * words)
+        cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(words)),
+                  cute.make_tensor(dst.iterator, cute.make_layout(words)))
 
     def _atomic_add_u32(counter, value: int, index=0):
         """atom.global.add.u32 on `counter`'s element `index`; returns the old value."""

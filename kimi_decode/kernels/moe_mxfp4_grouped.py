@@ -308,9 +308,11 @@ if HAVE_CUTE:
             self.groups = used // GROUP
             self.quads = self.groups // QUAD  # 16-byte slices per row and lane
             self.rest = self.groups - self.quads * QUAD  # single words per row and lane after them
+            self.pair_tail = bool(quad_major) and self.rest == 2  # lane t's 2 words side by side (`quad_major`)
             self.swords = -(-self.groups // QUAD)  # scale words per row
             self.scale_words = scale_words
-            self.stage = stage and scale_words and self.swords <= 4
+            # staged rows are whole quads, or quad-major with a last pair of groups (8 bytes side by side per lane)
+            self.stage = stage and scale_words and self.swords <= 4 and (self.rest == 0 or self.pair_tail)
             if self.stage:
                 tiles = next((n for n in (4, 2, 1) if n <= tiles and self.stage_bytes(n) <= W2_STAGE_BYTES), 1)
             self.tiles = _tiles(latent // ROWS2_CTA, tiles)
@@ -346,7 +348,9 @@ if HAVE_CUTE:
             halves = 2 * self.tiles if on else 1
             nb, nw = (2, WARPS) if on else (1, 1)
             qbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, halves * max(self.quads, 1), nb, nw)), 16)
-            rbuf = smem.allocate_tensor(Int32, cute.make_layout((32, halves * max(self.rest, 1), nb, nw)), 16)
+            pair = on and self.pair_tail
+            rbuf = smem.allocate_tensor(Int32, cute.make_layout(
+                ((1, 2), 32 if pair else 1, halves if pair else 1, nb if pair else 1, nw if pair else 1)), 16)
             sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, halves * self.swords, nb, nw)), 16)
             n = _segments(seg_len, by, lane, self.seg_ctas)  # this CTA's non-empty segments
             if cutlass.const_expr(on):
@@ -403,11 +407,11 @@ if HAVE_CUTE:
                        rbuf: cute.Tensor, sbuf: cute.Tensor, buf, r0, lane, warp, g, t):
             """This lane's words of expert e's rows (each row tile's r0 + 16 r and r0 + 16 r + 8: row half v = 2 r +
             h) copied into buffer `buf`: the 16 bytes of quad q at qbuf[lane, v * quads + q], the single word of each
-            group left at rbuf[lane, v * rest + k] (where `_row_words` loads them), and scale word t of the row
+            pair of groups left (quad-major rows) at rbuf[lane, v] as one 8-byte copy, and scale word t of the row
             (lanes t < scale words) at sbuf[g, v * swords + t]."""
             one = (1, 1, 1)
-            gw1, gs1 = cute.zipped_divide(w, one), cute.zipped_divide(w_scale, one)
-            rb1, sb1 = cute.zipped_divide(rbuf, (1, 1, 1, 1)), cute.zipped_divide(sbuf, (1, 1, 1, 1))
+            gw2, gs1 = cute.zipped_divide(w, (1, 1, 2)), cute.zipped_divide(w_scale, one)
+            sb1 = cute.zipped_divide(sbuf, (1, 1, 1, 1))
             for r in cutlass.range_constexpr(self.tiles):
                 for h in cutlass.range_constexpr(2):
                     row = r0 + 16 * r + 8 * h
@@ -415,10 +419,9 @@ if HAVE_CUTE:
                     for q in cutlass.range_constexpr(self.quads):
                         copy_async_16(gW[(None, (e, row, q * QUAD + t))],
                                       qbuf[(None, lane, v * self.quads + q, buf, warp)])
-                    for k in cutlass.range_constexpr(self.rest):
-                        G = self.quads * QUAD + k
-                        copy_async_4(gw1[(None, (e, row, _word_col(G, t, self.qm)))],
-                                     rb1[(None, (lane, v * self.rest + k, buf, warp))])
+                    if cutlass.const_expr(self.pair_tail):
+                        copy_async_4(gw2[(None, (e, row, _word_col(self.quads * QUAD, t, self.qm) // 2))],
+                                     rbuf[(None, lane, v, buf, warp)], 2)
                     if t < self.swords:
                         copy_async_4(gs1[(None, (e, row, t))], sb1[(None, (g, v * self.swords + t, buf, warp))])
 
@@ -453,8 +456,9 @@ if HAVE_CUTE:
             for q in range(self.quads):
                 x = load4(qbuf[(None, lane, v * self.quads + q, buf, warp)])
                 words += quad_exchange([x[0], x[1], x[2], x[3]], t, self.qm)
-            for k in range(self.rest):
-                words.append(rbuf[lane, v * self.rest + k, buf, warp])
+            if self.pair_tail:
+                x = load4(rbuf[(None, lane, v, buf, warp)])
+                words += [x[0], x[1]]
             return words
 
 
