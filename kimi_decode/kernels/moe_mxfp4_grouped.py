@@ -75,8 +75,9 @@ def segment_ctas(pairs: int, row_blocks: int) -> int:
 def grouped_staged(kernel: str, used: int = 0) -> bool:
     """Whether the "w13" or "w2" kernel (rows of `used` intermediate values) stages its weights in shared memory with
     `cp.async`, by KIMI_DECODE_GROUPED_STAGE: "1" (the default) w13 always and w2 where its rows are whole quads of
-    MX groups (TP8: 12 groups; at TP16's 6 the two groups left take 4-byte copies, and staging measured slower
-    there, benchmarks/NOTES.md v23), "all" both always, "w13" w13 only, "0" neither. w13: a CTA copies its whole
+    MX groups (TP8: 12 groups; at TP16's 6 staging measured slower, with the two groups after the quad as two 4-byte
+    copies and as one 8-byte one, and even at 2 row tiles: benchmarks/NOTES.md v23), "all" both wherever w2 can
+    (`MoEW2Grouped`), "w13" w13 only, "0" neither. w13: a CTA copies its whole
     weight tile as soon as it knows its expert, instead of loading each quad into registers as the mma loop reaches
     it. w2: a CTA copies the next segment's rows into the other of two buffers while it works on the current one."""
     raw = env_choice("KIMI_DECODE_GROUPED_STAGE", "1", STAGE_MODES)
@@ -298,11 +299,12 @@ if HAVE_CUTE:
                      quad_major: int = 0, stage: bool = False):
             """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`: as
             `MoEW13Grouped`'s; `pairs`: the segment slots (B x k), over `segment_ctas` CTAs along the segments, each
-            looping over its share. `stage` (`grouped_staged`, with `scale_words`): each lane copies its words of the
-            next segment's rows into one of two shared-memory buffers (`cp.async`: 16 bytes per quad of groups, 4
-            per group left; the four lanes of a row share its scale words) while the CTA works on the current
-            segment from the other; the row tiles are then one per iteration of a loop the compiler keeps, and their
-            number per warp the most of `tiles` whose buffers fit W2_STAGE_BYTES."""
+            looping over its share. `stage` (`grouped_staged`, with `scale_words`, on rows of whole quads of MX
+            groups or quad-major ones with a last pair): each lane copies its words of the next segment's rows into
+            one of two shared-memory buffers (`cp.async`: 16 bytes per quad of groups, 8 for the last pair; the four
+            lanes of a row share its scale words) while the CTA works on the current segment from the other; the row
+            tiles are then one per iteration of a loop the compiler keeps, and their number per warp the most of
+            `tiles` whose buffers fit W2_STAGE_BYTES."""
             self.topk = topk
             self.qm = quad_major
             self.groups = used // GROUP
