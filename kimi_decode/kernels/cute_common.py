@@ -248,7 +248,7 @@ if HAVE_CUTE:
         cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(n)),
                   cute.make_tensor(dst.iterator, cute.make_layout(n)))
 
-    def copy_async_4(src: cute.Tensor, dst: cute.Tensor, words: int = 1) -> None:
+    def copy_async_words(src: cute.Tensor, dst: cute.Tensor, words: int = 1) -> None:
         """`copy_async_16` for 1 or 2 32-bit elements (4 or 8 bytes, aligned to their size; `cp.async.ca`: the
         16-byte form is the only one that may skip L1)."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), src.element_type,

@@ -94,7 +94,7 @@ def _tiles(n: int, most: int) -> int:
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
-    from .cute_common import copy_async_4, copy_async_16, load4, mma_lanes, situ_glu
+    from .cute_common import copy_async_16, copy_async_words, load4, mma_lanes, situ_glu
     from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_exchange, quad_words, select_i32
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
@@ -261,8 +261,8 @@ if HAVE_CUTE:
                 it = slot // (2 * self.tiles)
                 r = slot // 2 % self.tiles
                 h = slot % 2
-                copy_async_4(gS[(None, (e, j0 + r * ROWS13 + h * self.I, warp * self.per_warp + it))],
-                             sS[(None, (g, slot, warp))])
+                copy_async_words(gS[(None, (e, j0 + r * ROWS13 + h * self.I, warp * self.per_warp + it))],
+                                 sS[(None, (g, slot, warp))])
             cute.arch.cp_async_commit_group()
 
         @cute.jit
@@ -422,10 +422,11 @@ if HAVE_CUTE:
                         copy_async_16(gW[(None, (e, row, q * QUAD + t))],
                                       qbuf[(None, lane, v * self.quads + q, buf, warp)])
                     if cutlass.const_expr(self.pair_tail):
-                        copy_async_4(gw2[(None, (e, row, _word_col(self.quads * QUAD, t, self.qm) // 2))],
-                                     rbuf[(None, lane, v, buf, warp)], 2)
+                        copy_async_words(gw2[(None, (e, row, _word_col(self.quads * QUAD, t, self.qm) // 2))],
+                                         rbuf[(None, lane, v, buf, warp)], 2)
                     if t < self.swords:
-                        copy_async_4(gs1[(None, (e, row, t))], sb1[(None, (g, v * self.swords + t, buf, warp))])
+                        copy_async_words(gs1[(None, (e, row, t))],
+                                         sb1[(None, (g, v * self.swords + t, buf, warp))])
 
         @cute.jit
         def staged_tiles(self, qbuf: cute.Tensor, rbuf: cute.Tensor, sbuf: cute.Tensor, buf, bs, weights: cute.Tensor,
