@@ -238,23 +238,24 @@ if HAVE_CUTE:
             if trigger and _pdl_mode["trigger"] == "wait":
                 cute.arch.griddepcontrol_launch_dependents()
 
+    def _copy_async(src: cute.Tensor, dst: cute.Tensor, nbits: int, cache_mode) -> None:
+        """One `cp.async` of `nbits` from the start of global tile `src` to the start of shared tile `dst` (one
+        element type, both aligned to the copy's size)."""
+        n = nbits // src.element_type.width
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cache_mode), src.element_type, num_bits_per_copy=nbits)
+        cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(n)),
+                  cute.make_tensor(dst.iterator, cute.make_layout(n)))
+
     def copy_async_16(src: cute.Tensor, dst: cute.Tensor) -> None:
         """One 16-byte `cp.async` (cached in L2 only) from the start of global tile `src` to the start of shared tile
         `dst` (both 16-byte aligned, of one element type); the thread commits its copies with
         `cute.arch.cp_async_commit_group` and waits for them with `cute.arch.cp_async_wait_group`."""
-        n = 128 // src.element_type.width
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), src.element_type,
-                                   num_bits_per_copy=128)
-        cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(n)),
-                  cute.make_tensor(dst.iterator, cute.make_layout(n)))
+        _copy_async(src, dst, 128, cpasync.LoadCacheMode.GLOBAL)
 
     def copy_async_words(src: cute.Tensor, dst: cute.Tensor, words: int = 1) -> None:
         """`copy_async_16` for 1 or 2 32-bit elements (4 or 8 bytes, aligned to their size; `cp.async.ca`: the
         16-byte form is the only one that may skip L1)."""
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), src.element_type,
-                                   num_bits_per_copy=32 * words)
-        cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(words)),
-                  cute.make_tensor(dst.iterator, cute.make_layout(words)))
+        _copy_async(src, dst, 32 * words, cpasync.LoadCacheMode.ALWAYS)
 
     def _atomic_add_u32(counter, value: int, index=0):
         """atom.global.add.u32 on `counter`'s element `index`; returns the old value."""

@@ -202,10 +202,10 @@ if HAVE_CUTE:
                     if col >= length:  # past the segment: any pair of it, its column is not stored
                         col = length - 1
                     b = order[start + col] // self.topk
-                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
                     if cutlass.const_expr(self.stage):
                         acc = self.staged_sums(gX, wbuf, sbuf, b, warp, lane, g, t)
                     else:
+                        acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
                         for it in cutlass.range_constexpr(self.per_warp):
                             G0 = (warp * self.per_warp + it) * QUAD
                             bs = []  # the quad's activations as fp16 operands, shared by the row tiles
