@@ -505,8 +505,8 @@ def test_moe_mxfp4_grouped_segment_grid_matches_float64(monkeypatch, seg_ctas, t
 @pytest.mark.parametrize("tp, pad", [(16, True), (8, True), (16, False)])
 def test_moe_mxfp4_grouped_staging_settings_match_float64(monkeypatch, tp, pad, stage):
     """KIMI_DECODE_GROUPED_STAGE=0: both grouped kernels loading their weights into registers as their mma loops
-    reach them; "all": both staged, w2 also on TP16's rows of 6 groups (4-byte copies for the two after the quad);
-    on both layouts (the default runs in the tests above)."""
+    reach them; "all": both staged, w2 also on TP16's quad-major rows of 6 groups (one 8-byte copy for the two after
+    the quad; natural TP16 rows do not stage); on both layouts (the default runs in the tests above)."""
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)

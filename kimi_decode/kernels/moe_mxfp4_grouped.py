@@ -74,12 +74,12 @@ def segment_ctas(pairs: int, row_blocks: int) -> int:
 
 def grouped_staged(kernel: str, used: int = 0) -> bool:
     """Whether the "w13" or "w2" kernel (rows of `used` intermediate values) stages its weights in shared memory with
-    `cp.async`, by KIMI_DECODE_GROUPED_STAGE: "1" (the default) w13 always and w2 where its rows are whole quads of
-    MX groups (TP8: 12 groups; at TP16's 6 staging measured slower, with the two groups after the quad as two 4-byte
+    `cp.async`, by KIMI_DECODE_GROUPED_STAGE: "1" (the default) w13 always and w2 where its rows are whole quads of MX
+    groups (TP8: 12 groups; at TP16's 6 staging measured slower, with the two groups after the quad as two 4-byte
     copies and as one 8-byte one, and even at 2 row tiles: benchmarks/NOTES.md v23), "all" both wherever w2 can
-    (`MoEW2Grouped`), "w13" w13 only, "0" neither. w13: a CTA copies its whole
-    weight tile as soon as it knows its expert, instead of loading each quad into registers as the mma loop reaches
-    it. w2: a CTA copies the next segment's rows into the other of two buffers while it works on the current one."""
+    (`MoEW2Grouped`), "w13" w13 only, "0" neither. w13: a CTA copies its whole weight tile as soon as it knows its
+    expert, instead of loading each quad into registers as the mma loop reaches it. w2: a CTA copies the next
+    segment's rows into the other of two buffers while it works on the current one."""
     raw = env_choice("KIMI_DECODE_GROUPED_STAGE", "1", STAGE_MODES)
     if kernel == "w13":
         return raw != "0"
@@ -408,9 +408,9 @@ if HAVE_CUTE:
         def stage_rows(self, gW: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, e, qbuf: cute.Tensor,
                        rbuf: cute.Tensor, sbuf: cute.Tensor, buf, r0, lane, warp, g, t):
             """This lane's words of expert e's rows (each row tile's r0 + 16 r and r0 + 16 r + 8: row half v = 2 r +
-            h) copied into buffer `buf`: the 16 bytes of quad q at qbuf[lane, v * quads + q], the single word of each
-            pair of groups left (quad-major rows) at rbuf[lane, v] as one 8-byte copy, and scale word t of the row
-            (lanes t < scale words) at sbuf[g, v * swords + t]."""
+            h) copied into buffer `buf`: the 16 bytes of quad q at qbuf[lane, v * quads + q], the two words of a last
+            pair of groups (quad-major rows) at rbuf[lane, v] as one 8-byte copy, and scale word t of the row (lanes
+            t < scale words) at sbuf[g, v * swords + t]."""
             one = (1, 1, 1)
             gw2, gs1 = cute.zipped_divide(w, (1, 1, 2)), cute.zipped_divide(w_scale, one)
             sb1 = cute.zipped_divide(sbuf, (1, 1, 1, 1))
