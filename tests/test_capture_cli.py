@@ -24,6 +24,9 @@ FAKE_CHILD = textwrap.dedent("""
     open(os.environ["FAKE_PID_FILE"] + (f".{rank}" if world > 1 else ""), "w").write(str(os.getpid()))
     if mode == "rank1-fails":  # rank 0 waits for rank 1 in a collective that never completes
         mode = "fail" if rank == 1 else "wait"
+        deadline = time.monotonic() + 10  # rank 1 fails only once rank 0 is running, as in a real collective
+        while rank == 1 and not os.path.exists(os.environ["FAKE_PID_FILE"] + ".0") and time.monotonic() < deadline:
+            time.sleep(0.01)
     def progress(phase, done, total):
         print("KPROF-PROGRESS " + json.dumps({"phase": phase, "done": done, "total": total}), flush=True)
     progress("warm-up", 1, 1)
