@@ -6,7 +6,8 @@
 Routing is uniform: each token picks 16 distinct experts at random, a fresh set per launch (4 sets rotated), so the
 distinct experts of a launch are mostly not in L2 (a TP16 layer's experts hold ~1.2 GB). Each variant runs as a CUDA
 graph of back-to-back launches, 20 replays, the median per launch; MB are the distinct experts' used rows and scales
-(what the math needs) and TB/s is against the 4.3 TB/s HBM floor.
+(what the math needs) and TB/s is against the 4.3 TB/s HBM floor. The alignment kernels (no weight bytes: TB/s 0)
+and the w13 kernel on the latent's fp16 operands (`latent_operands`) are timed on the same routing sets.
 """
 import argparse
 import json
@@ -19,7 +20,8 @@ from kimi_decode.bench import expert_bytes
 from kimi_decode.config import shard
 from kimi_decode.kernels import triton_kernels as tk
 from kimi_decode.kernels.cute_common import launch
-from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped, kernel_args, moe_mxfp4_grouped
+from kimi_decode.kernels.moe_align import moe_align as cute_align
+from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped, kernel_args, latent_operands, moe_mxfp4_grouped
 from kimi_decode.weights import init_layer
 
 p = argparse.ArgumentParser()
@@ -64,8 +66,20 @@ for tp in a.tp:
         act_bf = torch.empty(P, w.w2.shape[2] * 2, dtype=torch.bfloat16, device=dev)
         out_t = torch.empty(P, L, device=dev)
 
+        ops = latent_operands(latent)
+        f13o, _ = compile_grouped(ops, ids[0], weights, w.w13, w.w13_scale, w.w2, w.w2_scale, aligns[0], act,
+                                  pair_out, used, x_operands=True)
+        args_o = [kernel_args(ops, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, al, act, pair_out)[0]
+                  for al in aligns]
+        scratch = [torch.empty(P, dtype=torch.int32, device=dev) for _ in range(4)]
+        ops_out = torch.empty_like(ops)
         variants = {
             "grouped w13": (lambda i: launch(f13, *args[i][0]), 2 * used * (L // 2 + L // 32)),
+            "grouped w13 (operands)": (lambda i: launch(f13o, *args_o[i]), 2 * used * (L // 2 + L // 32)),
+            "align (Triton)": (lambda i: tk.moe_align(ids[i].reshape(-1), *scratch), 0),
+            "align (CuTe)": (lambda i: cute_align(ids[i].reshape(-1), *scratch, experts=m.num_experts), 0),
+            "align+operands (CuTe)": (lambda i: cute_align(ids[i].reshape(-1), *scratch, experts=m.num_experts,
+                                                           latent=latent, operands=ops_out), 0),
             "grouped w2": (lambda i: launch(f2, *args[i][1]), L * (used // 2 + used // 32)),
             "grouped (both + sum)": (lambda i: moe_mxfp4_grouped(latent, ids[i], weights, w.w13, w.w13_scale, w.w2,
                                                                  w.w2_scale, used, aligns[i], act=act,
@@ -84,7 +98,7 @@ for tp in a.tp:
             print(f"{tp:>3} {batch:>5} {distinct:>8.0f} {vmb:>7.1f}  {name:<22} {us:>8.2f} {vmb / us:>6.2f}")
             rows.append({"tp": tp, "batch": batch, "distinct": distinct, "mb": round(vmb, 2), "variant": name,
                          "us": round(us, 2)})
-        del h, act_bf, out_t, act, pair_out
+        del h, act_bf, out_t, act, pair_out, ops, ops_out
     del w
     torch.cuda.empty_cache()
 if a.json:

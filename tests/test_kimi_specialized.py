@@ -1057,6 +1057,82 @@ def test_moe_mxfp4_grouped_refuses_bad_shapes():
                           s.expert_inter_used, align[:3] + [torch.empty(5, dtype=torch.int32)])
 
 
+@needs_cute
+@pytest.mark.parametrize("batch, experts", [(9, 896), (64, 896), (64, 2048)])
+def test_counting_alignment_compiles_for_sm90a(sm90a_pdl, batch, experts):
+    """`kernels/moe_align.py` with and without the latent's operands (one and two experts per scan thread), and the
+    grouped w13 kernel that takes them."""
+    from kimi_decode.kernels.moe_align import MoEAlign
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    P, L = batch * 16, 3584
+    ids, outs = torch.empty(P, dtype=torch.int32), [torch.empty(P, dtype=torch.int32) for _ in range(4)]
+    lat, ops = torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, L, dtype=torch.float16)
+    for units, x, xo in ((0, ids.view(1, P), ids.view(1, P)), (batch * L // 8, lat.view(torch.int32),
+                                                                 ops.view(torch.int32))):
+        args = (ids, *outs, x, xo)
+        fake = [cute_common.fake_like(t, align=16 if t.dim() == 2 and units else 4) for t in args]
+        assert cute_common.compile_kernel(("moe_align", experts, units, *cute_common.signature(*args)),
+                                          MoEAlign(P, experts, units), *fake) is not None
+    s = shard("k3", tp=16)
+    m = s.model
+    E, I, k = m.num_experts, s.expert_inter, m.top_k
+    u8 = torch.uint8
+    grouped = (torch.empty(batch, k, dtype=torch.int32), torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
+               torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
+               torch.empty(E, L, I // 32, dtype=u8), outs, torch.empty(P, s.expert_inter_used, dtype=torch.float16),
+               torch.empty(P, L), s.expert_inter_used)
+    plain = compile_grouped(lat, *grouped, quad_major=True)
+    with_ops = compile_grouped(ops, *grouped, quad_major=True, x_operands=True)
+    assert with_ops[0] is not None and with_ops[0] is not plain[0] and with_ops[1] is plain[1]
+
+
+def test_latent_operands_pair_each_value_with_the_one_four_after_it():
+    """The w13 kernel's operand order: in every 8 values, (a0, a4), (a1, a5), (a2, a6), (a3, a7), rounded to fp16
+    as the kernel's conversion rounds (through fp32, to nearest even)."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import latent_operands
+
+    g = torch.Generator().manual_seed(3)
+    latent = (torch.randn(3, 64, generator=g) * 100).bfloat16()
+    got = latent_operands(latent)
+    assert got.dtype == torch.float16 and got.shape == latent.shape
+    for c in range(64):
+        u, i = divmod(c, 8)
+        src = 8 * u + i // 2 + 4 * (i % 2)
+        assert torch.equal(got[:, c], latent[:, src].float().half())
+    out = torch.empty_like(got)
+    assert latent_operands(latent, out) is out and torch.equal(out, got)
+
+
+def test_counting_alignment_refuses_what_it_cannot_sort():
+    from kimi_decode.kernels.moe_align import moe_align
+
+    i32 = torch.int32
+    outs = [torch.empty(16, dtype=i32) for _ in range(4)]
+    with pytest.raises(ValueError, match="1 to 1024 pairs"):
+        moe_align(torch.zeros(1025, dtype=i32), *[torch.empty(1025, dtype=i32) for _ in range(4)], experts=896)
+    with pytest.raises(ValueError, match="1 to 8192 experts"):
+        moe_align(torch.zeros(16, dtype=i32), *outs, experts=10000)
+    with pytest.raises(ValueError, match="int32"):
+        moe_align(torch.zeros(16, dtype=torch.int64), *outs, experts=896)
+    with pytest.raises(ValueError, match="go together"):
+        moe_align(torch.zeros(16, dtype=i32), *outs, experts=896, latent=torch.empty(1, 3584, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="latent bf16 and operands fp16"):
+        moe_align(torch.zeros(16, dtype=i32), *outs, experts=896, latent=torch.empty(1, 3584),
+                  operands=torch.empty(1, 3584, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("raw", ["2", "triton", ""])
+def test_grouped_align_setting_refused_by_name(monkeypatch, raw):
+    from kimi_decode.backends.latency_specialized import grouped_align
+
+    monkeypatch.delenv("KIMI_DECODE_GROUPED_ALIGN", raising=False)
+    assert grouped_align() == "1"
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_ALIGN", raw)
+    with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_ALIGN"):
+        grouped_align()
+
+
 def test_quad_transpose_gives_each_lane_its_word_of_all_four_groups():
     """The expert kernels' word exchange, run on 4 simulated lanes (a tensor over lanes; a shuffle reads lane ^ d):
     lane t loaded the 4 words of group t and must end with word t of groups 0..3, for every word value (random

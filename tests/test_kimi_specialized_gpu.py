@@ -450,10 +450,12 @@ def _check_moe_mxfp4(tp, pad, batch, quad: bool = False):
 @pytest.mark.parametrize("quad", [False, True], ids=["natural", "quad_major"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch, same", [(9, False), (64, False), (64, True), (33, True)])
-def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad):
+def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="triton"):
     """Experts read once per step for all their pairs; `same`: every token picks the same 16 experts, so each
     segment holds the whole batch (several tiles of 8 pairs, the last one partial at batch 33); on natural rows and
-    on `quad_major` codes."""
+    on `quad_major` codes. `how`: the pairs sorted by the Triton kernel, or counted by the CuTe one ("align"), which
+    also writes the latent as the w13 kernel's fp16 operands ("operands")."""
+    from kimi_decode.kernels import moe_align as cute_align
     from kimi_decode.kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
     from kimi_decode.kernels.triton_kernels import moe_align
 
@@ -468,15 +470,77 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad):
     weights = torch.softmax(torch.randn(batch, m.top_k, device="cuda", generator=g), dim=-1)
     P = batch * m.top_k
     align = [torch.full((P,), -1, dtype=torch.int32, device="cuda") for _ in range(4)]
-    moe_align(ids.reshape(-1), *align)
+    x = latent
+    if how == "triton":
+        moe_align(ids.reshape(-1), *align)
+    else:
+        x = torch.full_like(latent, float("nan"), dtype=torch.float16) if how == "operands" else None
+        cute_align.moe_align(ids.reshape(-1), *align, experts=m.num_experts, latent=latent if x is not None else None,
+                             operands=x)
+        x = latent if x is None else x
     act = torch.full((P, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
     pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda")
     w13, w2 = _codes(w, quad)
-    out = moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, align,
-                            act=act, pair_out=pair_out, quad_major=quad)
+    out = moe_mxfp4_grouped(x, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, align,
+                            act=act, pair_out=pair_out, quad_major=quad, x_operands=how == "operands")
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert not act.isnan().any() and not pair_out.isnan().any()
     assert rel_err(out, want) < BF16_TOL
+
+
+@pytest.mark.parametrize("how", ["align", "operands"])
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+@pytest.mark.parametrize("batch, same", [(9, False), (64, False), (33, True)])
+def test_moe_mxfp4_grouped_on_the_counting_alignment_matches_float64(tp, pad, batch, same, how):
+    """The grouped kernels after the CuTe alignment (`kernels/moe_align.py`), with the bf16 latent and with its fp16
+    operand form (the w13 kernel's `x_operands`), on `quad_major` codes as the backend runs them."""
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, True, how)
+
+
+@pytest.mark.parametrize("batch, experts, spread", [(9, 896, "uniform"), (16, 896, "uniform"), (64, 896, "uniform"),
+                                                    (64, 896, "same"), (33, 896, "few"), (1, 896, "uniform"),
+                                                    (64, 2048, "uniform"), (40, 100, "few")])
+def test_counting_alignment_is_the_stable_sort_and_writes_the_operands(batch, experts, spread):
+    """`kernels/moe_align.py` against the Triton sort on the same ids, outputs poisoned: the same pair order, and the
+    same start, length and expert per segment; the slots past the distinct experts all 0; the latent's operands equal
+    `latent_operands` bit for bit. Uniform routing, every token on the same 16 experts, and on a few (`few`: ids
+    drawn from 20, so segments of up to the batch); 2,048 experts (two per scan thread) and 100 (fewer than the
+    pairs); eagerly and replayed in a CUDA graph."""
+    from kimi_decode.kernels.moe_align import moe_align as cute_align
+    from kimi_decode.kernels.moe_mxfp4_grouped import latent_operands
+    from kimi_decode.kernels.triton_kernels import moe_align
+
+    k = 16
+    g = torch.Generator(device="cuda").manual_seed(batch * 7 + experts)
+    pool = 20 if spread == "few" else experts
+    rows = 1 if spread == "same" else batch
+    ids = torch.rand(rows, pool, device="cuda", generator=g).topk(k, dim=-1).indices.int().expand(batch, -1)
+    ids = ids.contiguous().reshape(-1)
+    P = ids.numel()
+    want = [torch.empty(P, dtype=torch.int32, device="cuda") for _ in range(4)]
+    moe_align(ids, *want)
+    n = int((want[2] > 0).sum())
+    assert n == int(ids.unique().numel())
+    latent = torch.randn(batch, 3584, device="cuda", generator=g).bfloat16()
+    got = [torch.empty(P, dtype=torch.int32, device="cuda") for _ in range(4)]
+    ops = torch.empty(batch, 3584, dtype=torch.float16, device="cuda")
+
+    def reset():
+        for t in got:
+            t.fill_(-7)
+        ops.fill_(float("nan"))
+
+    def check():
+        assert torch.equal(got[0], want[0])
+        for t, u in zip(got[1:], want[1:]):
+            assert torch.equal(t[:n], u[:n])
+            assert not t[n:].any()
+        assert torch.equal(ops.view(torch.int16), latent_operands(latent).view(torch.int16))
+
+    eager_then_graphed(lambda: cute_align(ids, *got, experts=experts, latent=latent, operands=ops), reset, check)
+    reset()  # the alignment alone: the operands are not touched
+    cute_align(ids, *got, experts=experts)
+    assert torch.equal(got[0], want[0]) and ops.isnan().all()
 
 
 @pytest.mark.parametrize("tiles", ["1", "4", "1,4"])

@@ -109,6 +109,17 @@ def grouped_from() -> int:
     return cute_common.env_int("KIMI_DECODE_GROUPED_FROM", GEMV_MAX_ROWS + 1, 2, EXPERT_MAX_ROWS + 1, "a batch")
 
 
+GROUPED_ALIGN = ("1", "align", "0")
+
+
+def grouped_align() -> str:
+    """How the grouped experts' pairs are sorted, KIMI_DECODE_GROUPED_ALIGN: "1" (the default) by the CuTe counting
+    kernel (`kernels/moe_align.py`), whose other CTAs also write the latent as the w13 kernel's fp16 operands;
+    "align" the same kernel without the operands (w13 converts the bf16 latent itself); "0" the generic path's Triton
+    sort, with the bf16 latent (for A/B runs)."""
+    return cute_common.env_choice("KIMI_DECODE_GROUPED_ALIGN", "1", GROUPED_ALIGN)
+
+
 def routed_norm_on() -> bool:
     """KIMI_DECODE_ROUTED_NORM ("1", the default, or "0"): whether the MoE tail after the grouped experts sums their
     per-pair outputs inside its RMSNorm kernel (`rmsnorm.routed_norm`); "0" keeps the reduce-then-norm tail, for
@@ -556,11 +567,21 @@ class LatencySpecializedBackend(AutoBackend):
         if B >= self._grouped_from:  # many pairs share an expert: sort them by expert and read each expert once
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
 
-            align = self.expert_alignment(ids)
+            how = grouped_align()
+            if how == "0":
+                align = self.expert_alignment(ids)
+            else:  # the pairs counted into place, and (how == "1") the latent as the w13 kernel's operands
+                from ..kernels.moe_align import moe_align
+
+                align = [self._empty(B * k, dtype=torch.int32, device=x.device) for _ in range(4)]
+                ops = self._empty(*latent.shape, dtype=torch.float16, device=x.device) if how == "1" else None
+                moe_align(ids.reshape(-1), *align, experts=w13.shape[0], latent=latent if how == "1" else None,
+                          operands=ops)
+                latent = ops if how == "1" else latent
             return moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
                                      pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device),
-                                     summed=not self._pairs_to_tail, quad_major=quad)
+                                     summed=not self._pairs_to_tail, quad_major=quad, x_operands=how == "1")
         if self._mlp_fast:  # the expert kernels are latency-bound at small batch; the tail GEMV comes next
             self._prefetch(w.up)
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)

@@ -144,15 +144,18 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0,
-                     stage: bool = False):
+                     stage: bool = False, x_operands: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
             weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `stage`
             (`grouped_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
             w1 and w3) into its own slots of shared memory with `cp.async` once the segment's expert is known, and
             the four lanes of each row a quarter of its scale words, so the CTA's whole weight tile is in flight at
             once without holding registers; the mma loop, one quad per iteration (not unrolled, so that the
-            compiler does not hold every quad's words at once), reads them back."""
+            compiler does not hold every quad's words at once), reads them back. `x_operands`: the activations come
+            as fp16 mma operands (`latent_operands`), used as loaded, instead of bf16 that every CTA converts (12
+            integer and conversion instructions per group and lane, repeated by each row block)."""
             self.I, self.used, self.topk = inter, used, topk
+            self.x_operands = x_operands
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
@@ -171,7 +174,7 @@ if HAVE_CUTE:
                      seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor,
                      stream):
             P = act.shape[0]
-            gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
+            gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16 (or fp16 operands): ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
                 grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream)
@@ -210,8 +213,7 @@ if HAVE_CUTE:
                             G0 = (warp * self.per_warp + it) * QUAD
                             bs = []  # the quad's activations as fp16 operands, shared by the row tiles
                             for i in cutlass.range_constexpr(QUAD):
-                                xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                                bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
+                                bs.append(self.operands(gX, b, G0 + i, t))
                             for r in cutlass.range_constexpr(self.tiles):
                                 j = j0 + r * ROWS13
                                 u1 = quad_words(gW, e, j, G0, t, self.qm)
@@ -242,6 +244,14 @@ if HAVE_CUTE:
                                 act[order[start + tile * COLS + n], bx * ROWS13 * self.tiles + r * ROWS13 + row] = (
                                     situ_glu(h1, h3).to(act.element_type))
                     cute.arch.barrier()  # the next tile reuses `red`
+
+        def operands(self, gX: cute.Tensor, b, G, t):
+            """Token b's activations 8t..8t+7 of MX group G as the four fp16x2 mma operands (inlined where it is
+            called): used as loaded with `x_operands`, else converted from bf16."""
+            xs = load4(gX[(None, (b, G * 4 + t))])
+            if self.x_operands:
+                return [xs[0], xs[1], xs[2], xs[3]]
+            return mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
 
         def stage_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, e, j0,
                           warp, lane, g, t):
@@ -276,8 +286,7 @@ if HAVE_CUTE:
                 G0 = (warp * self.per_warp + it) * QUAD
                 bs = []
                 for i in cutlass.range_constexpr(QUAD):
-                    xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                    bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], True))
+                    bs.append(self.operands(gX, b, G0 + i, t))
                 cute.arch.cp_async_wait_group(0)  # nothing left after the first quad: no wait
                 cute.arch.sync_warp()
                 for r in cutlass.range_constexpr(self.tiles):
@@ -465,9 +474,19 @@ if HAVE_CUTE:
             return words
 
 
-def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out):
+def latent_operands(latent: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """latent bf16 [B, L] -> fp16 [B, L] in the order of the w13 kernel's mma operands (`moe_mxfp4.mma_operands`):
+    every 8 values a0..a7 as a0 a4 a1 a5 a2 a6 a3 a7, each rounded as the kernels round (bf16 -> fp16, to nearest
+    even). What `moe_align.moe_align`'s conversion CTAs write, in torch."""
+    B, L = latent.shape
+    ops = latent.view(B, L // 8, 2, 4).transpose(-1, -2).reshape(B, L).to(torch.float16)
+    return ops if out is None else out.copy_(ops)
+
+
+def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out, x_operands=False):
     """The per-pair kernels' checks (layouts, chaining, dtypes, contiguity, 32-bit offsets), then what grouping adds."""
-    check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, pair_out)
+    check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, pair_out,
+                      torch.float16 if x_operands else torch.bfloat16)
     P, L = ids.numel(), latent.shape[1]
     if not fits_int32_offsets(pair_out):
         raise ValueError("grouped MoE MXFP4: a per-pair output of 2**31 bytes or more needs 64-bit offsets, which "
@@ -491,14 +510,15 @@ def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_
 
 
 def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int,
-                    quad_major: bool = False):
+                    quad_major: bool = False, x_operands: bool = False):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13), *(fake_like(t, align=16) for t in a13))
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands),
+                         *(fake_like(t, align=16) for t in a13))
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2)
     f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
@@ -506,20 +526,20 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
 
 
 def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, align, act=None,
-                      pair_out=None, summed: bool = True, quad_major: bool = False):
+                      pair_out=None, summed: bool = True, quad_major: bool = False, x_operands: bool = False):
     """Routed experts of one rank, each selected expert read once: latent [B, L] bf16, ids [B, k] int32, weights
     [B, k] fp32, `align` the four int32 [B*k] outputs of `moe_align(ids)` (order, segment start, length, expert)
     -> [B, L] fp32, the weighted sum over each token's k experts, or without `summed` the routing-weighted outputs
     per pair [B, k, L] (for a consumer that adds them itself, `rmsnorm.routed_norm`). `act` [B*k, used] fp16 and
     `pair_out` [B*k, L] fp32 may be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major`
-    order."""
+    order. `x_operands`: `latent` comes as fp16 mma operands (`latent_operands`), not bf16."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
     pair_out = pair_out if pair_out is not None else torch.empty(B * k, L, dtype=torch.float32, device=latent.device)
-    _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out)
+    _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out, x_operands)
     f13, f2 = compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used,
-                              quad_major)
+                              quad_major, x_operands)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     launch(f13, *a13)
     launch(f2, *a2)
