@@ -1127,7 +1127,10 @@ def test_grouped_align_setting_refused_by_name(monkeypatch, raw):
     from kimi_decode.backends.latency_specialized import grouped_align
 
     monkeypatch.delenv("KIMI_DECODE_GROUPED_ALIGN", raising=False)
-    assert grouped_align() == "1"
+    assert grouped_align() == "0"
+    for value in ("1", "align", "0"):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_ALIGN", value)
+        assert grouped_align() == value
     monkeypatch.setenv("KIMI_DECODE_GROUPED_ALIGN", raw)
     with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_ALIGN"):
         grouped_align()

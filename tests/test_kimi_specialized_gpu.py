@@ -145,6 +145,15 @@ def test_specialized_layer_on_natural_expert_rows_matches_reference(monkeypatch,
     _layer_matches_with(monkeypatch, "KIMI_DECODE_QUAD_MAJOR", "0", tp, batch, 3300)
 
 
+@pytest.mark.parametrize("how", ["1", "align"])
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [16, 64])
+def test_specialized_layer_with_the_counting_alignment_matches_reference(monkeypatch, how, tp, batch):
+    """KIMI_DECODE_GROUPED_ALIGN: the grouped experts' pairs counted into place by the CuTe alignment kernel, with
+    ("1") and without ("align") the latent written as the w13 kernel's fp16 operands."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_GROUPED_ALIGN", how, tp, batch, 3500)
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 24])
 def test_specialized_layer_with_per_pair_experts_above_batch_8_matches_reference(monkeypatch, tp, batch):

@@ -37,8 +37,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   whose w2 CTAs load their weights and then wait for their token's activations, `MoEExperts`. Off by default: with
   it and the shared experts' one kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since
   CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are
-  sorted by expert (the generic path's alignment kernel) and each selected expert is read once for up to 8 of its
-  pairs at a time (`kernels/moe_mxfp4_grouped.py`; the w2 kernel's CTAs each loop over a share of the segments,
+  sorted by expert (the generic path's alignment kernel; `KIMI_DECODE_GROUPED_ALIGN=1`: a CuTe counting kernel that
+  also writes the latent as the w13 kernel's fp16 operands, `kernels/moe_align.py`, not yet timed) and each selected
+  expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`; the w2 kernel's CTAs each
+  loop over a share of the segments,
   `KIMI_DECODE_GROUPED_SEG_CTAS`; both copy their weights into shared memory with `cp.async`, w13 its whole tile at
   once, w2 the next segment's rows during the current one where they are whole quads of groups,
   `KIMI_DECODE_GROUPED_STAGE`); all of them read copies of the expert codes in quad-major
@@ -113,11 +115,11 @@ GROUPED_ALIGN = ("1", "align", "0")
 
 
 def grouped_align() -> str:
-    """How the grouped experts' pairs are sorted, KIMI_DECODE_GROUPED_ALIGN: "1" (the default) by the CuTe counting
-    kernel (`kernels/moe_align.py`), whose other CTAs also write the latent as the w13 kernel's fp16 operands;
-    "align" the same kernel without the operands (w13 converts the bf16 latent itself); "0" the generic path's Triton
-    sort, with the bf16 latent (for A/B runs)."""
-    return cute_common.env_choice("KIMI_DECODE_GROUPED_ALIGN", "1", GROUPED_ALIGN)
+    """How the grouped experts' pairs are sorted, KIMI_DECODE_GROUPED_ALIGN: "0" (the default) by the generic path's
+    Triton sort, the w13 kernel converting the bf16 latent itself; "1" by the CuTe counting kernel
+    (`kernels/moe_align.py`), whose other CTAs also write the latent as the w13 kernel's fp16 operands; "align" that
+    kernel without the operands. Not the default until timed on the H200 (benchmarks/NOTES.md, item 35)."""
+    return cute_common.env_choice("KIMI_DECODE_GROUPED_ALIGN", "0", GROUPED_ALIGN)
 
 
 def routed_norm_on() -> bool:
@@ -568,7 +570,7 @@ class LatencySpecializedBackend(AutoBackend):
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
 
             how = grouped_align()
-            if how == "0":
+            if how == "0":  # the generic path's sort
                 align = self.expert_alignment(ids)
             else:  # the pairs counted into place, and (how == "1") the latent as the w13 kernel's operands
                 from ..kernels.moe_align import moe_align
