@@ -25,6 +25,22 @@ ROUTED_THREADS = 1024  # `RoutedNorm`: a 3584-wide row is 896 16-byte groups, on
 if HAVE_CUTE:
     from cutlass import Float32
 
+    @cute.jit
+    def inverse_rms(ss, tidx, threads: int, width: int, eps: float):
+        """1 / sqrt(mean square + eps) of a row of `width` values whose sum of squares is spread over the CTA's
+        `threads` threads (`ss` in each): a warp reduction, one shared-memory step and a barrier, then every thread
+        adds the warps' sums (the kernel's only shared memory)."""
+        ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+        smem = cutlass.utils.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout(threads // 32), 16)
+        if tidx % 32 == 0:
+            red[tidx // 32] = ss
+        cute.arch.barrier()
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(threads // 32):
+            total = total + red[i]
+        return cute.math.rsqrt(total / Float32(width) + Float32(eps))
+
     class RMSNormRows:
         def __init__(self, width: int, eps: float):
             self.W, self.eps = width, eps
@@ -49,16 +65,7 @@ if HAVE_CUTE:
                 if c < self.W:
                     vals[i] = x[row, c]
                 ss = ss + vals[i] * vals[i]
-            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
-            if tidx % 32 == 0:
-                red[tidx // 32] = ss
-            cute.arch.barrier()
-            total = Float32(0.0)
-            for i in cutlass.range_constexpr(THREADS // 32):
-                total = total + red[i]
-            scale = cute.math.rsqrt(total / Float32(self.W) + Float32(self.eps))
+            scale = inverse_rms(ss, tidx, THREADS, self.W, self.eps)
             for i in cutlass.range_constexpr(self.per_thread):
                 c = tidx + THREADS * i
                 if c < self.W:
@@ -117,16 +124,7 @@ if HAVE_CUTE:
                     c = tidx + ROUTED_THREADS * i
                     if c < self.H:
                         res[row, c] = upd[i]
-            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout(ROUTED_THREADS // 32), 16)
-            if tidx % 32 == 0:
-                red[tidx // 32] = ss
-            cute.arch.barrier()
-            total = Float32(0.0)
-            for i in cutlass.range_constexpr(ROUTED_THREADS // 32):
-                total = total + red[i]
-            scale = cute.math.rsqrt(total / Float32(self.W) + Float32(self.eps))
+            scale = inverse_rms(ss, tidx, ROUTED_THREADS, self.W, self.eps)
             for i in cutlass.range_constexpr(self.per_thread):
                 g = tidx + ROUTED_THREADS * i
                 if g < self.groups:
