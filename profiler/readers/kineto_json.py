@@ -207,10 +207,12 @@ class _KinetoReader:
             raise TraceReadError(f"{self.name}: JSON without a traceEvents array: not a torch.profiler trace")
         return self._trace()
 
-    def _object(self) -> None:
+    def _members(self, close: bytes):
+        """The first byte of each member of the object or array whose opening bracket is behind the cursor, the
+        cursor on it; commas between members are skipped, the closing bracket ends it (consumed)."""
         while True:
             char = self._peek()
-            if char == b"}":
+            if char == close:
                 self.pos += 1
                 return
             if char == b",":
@@ -218,6 +220,10 @@ class _KinetoReader:
                 continue
             if not char:
                 raise self._truncated()
+            yield char
+
+    def _object(self) -> None:
+        for _ in self._members(b"}"):
             key = self._value()
             if not isinstance(key, str):
                 raise TraceReadError(f"{self.name}: corrupt JSON: object key is not a string")
@@ -230,16 +236,7 @@ class _KinetoReader:
 
     def _events(self) -> None:
         self.events_seen = True
-        while True:
-            char = self._peek()
-            if char == b"]":
-                self.pos += 1
-                return
-            if char == b",":
-                self.pos += 1
-                continue
-            if not char:
-                raise self._truncated()
+        for char in self._members(b"]"):
             if char != b"{":
                 raise TraceReadError(f"{self.name}: corrupt JSON: traceEvents holds a non-object")
             self._take(self._batch())

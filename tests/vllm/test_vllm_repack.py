@@ -71,14 +71,19 @@ def _run(lw, res, state, backend):
     return res, state
 
 
+def _inputs(checkpoint, batch: int, context: int):
+    """The residual stream and the layer's recurrent state (KDA) or latent cache (MLA, `context` tokens)."""
+    res = init_residual(SHARD, batch, checkpoint.index, seed=7)
+    state = (init_kda_state(SHARD, batch, checkpoint.index, seed=7) if checkpoint.attn_kind == KDA
+             else init_mla_cache(SHARD, batch, checkpoint.index, context=context, extra=8, seed=7))
+    return res, state
+
+
 def test_repacked_layer_equals_the_reference_layer(checkpoint):
     prefix = f"model.layers.{checkpoint.index}"
     lw = repack_layer(vllm_params(checkpoint, prefix, SHARD, absorbed_kv_b=checkpoint.attn_kind != KDA), prefix,
                       checkpoint.index, SHARD)
-    batch = 2
-    res = init_residual(SHARD, batch, checkpoint.index, seed=7)
-    state = (init_kda_state(SHARD, batch, checkpoint.index, seed=7) if checkpoint.attn_kind == KDA
-             else init_mla_cache(SHARD, batch, checkpoint.index, context=48, extra=8, seed=7))
+    res, state = _inputs(checkpoint, batch=2, context=48)
     backend = get_backend("auto")
     res_b, state_b = _run(lw, res, state, backend)
     ids = backend.last_routes.get(checkpoint.index)
@@ -99,10 +104,7 @@ def test_a_wrong_layout_is_caught(checkpoint):
     gu = params[key]
     params[key] = torch.cat([gu[n:], gu[:n]])  # up rows first: not vLLM's [gate, up] order
     lw = repack_layer(params, prefix, checkpoint.index, SHARD)
-    batch = 1
-    res = init_residual(SHARD, batch, checkpoint.index, seed=7)
-    state = (init_kda_state(SHARD, batch, checkpoint.index, seed=7) if checkpoint.attn_kind == KDA
-             else init_mla_cache(SHARD, batch, checkpoint.index, context=16, extra=8, seed=7))
+    res, state = _inputs(checkpoint, batch=1, context=16)
     backend = get_backend("auto")
     res_b, _ = _run(lw, res, state, backend)
     res_r, _ = R.decode_layer(checkpoint, res, state, SHARD, route_ids=backend.last_routes.get(checkpoint.index))
