@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_int, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import (copy_async_16, gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2,
@@ -38,10 +38,7 @@ PRELOAD = 2  # slices per lane and row copied into shared memory before the PDL 
 def preload_setting() -> int:
     """KIMI_DECODE_GEMV_PRELOAD: the 16-byte slices per lane and row a GEMV warp copies into shared memory before the
     PDL wait (0: none; default PRELOAD)."""
-    value = os.environ.get("KIMI_DECODE_GEMV_PRELOAD", str(PRELOAD))
-    if not value.isdigit():
-        raise ValueError(f"KIMI_DECODE_GEMV_PRELOAD must be a whole number of slices, not {value!r}")
-    return int(value)
+    return env_int("KIMI_DECODE_GEMV_PRELOAD", PRELOAD, 0, 1024, "a number of slices")
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32

@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait, sigmoid
@@ -217,13 +217,9 @@ SPLIT = 4  # thread groups per head by default (KIMI_DECODE_KDA_SPLIT)
 def kda_split(head_dim: int, rank: int = 0) -> int:
     """Thread groups per head (`KIMI_DECODE_KDA_SPLIT`, default SPLIT; 1 is one thread per state column): each owns
     head_dim / split rows of every column and rank / split of the gate's f_b columns."""
-    raw = os.environ.get("KIMI_DECODE_KDA_SPLIT", str(SPLIT))
-    try:
-        split = int(raw)
-    except ValueError:
-        split = 0
-    if split < 1 or head_dim % split or rank % split or head_dim * split > 1024:
-        raise ValueError(f"KIMI_DECODE_KDA_SPLIT={raw!r}: the thread groups per head must divide head_dim "
+    split = env_int("KIMI_DECODE_KDA_SPLIT", SPLIT, 1, 1024, "a number of thread groups")
+    if head_dim % split or rank % split or head_dim * split > 1024:
+        raise ValueError(f"KIMI_DECODE_KDA_SPLIT={split}: the thread groups per head must divide head_dim "
                          f"({head_dim}) and the gate rank ({rank}), with head_dim * groups <= 1024 threads")
     return split
 
