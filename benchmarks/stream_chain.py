@@ -113,11 +113,7 @@ if HAVE_CUTE:
                 if cutlass.const_expr(self.early < self.iters):
                     acc = self.iterations(data, first, acc, self.early, self.iters)
             else:
-                for it in cutlass.range(self.iters, unroll=1):
-                    base = first + it * (self.ctas * THREADS * UNROLL)
-                    vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
-                    for v in vals:
-                        acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
+                acc = self.iterations(data, first, acc, 0, self.iters)
                 if cutlass.const_expr(self.mode == "pdl-early"):
                     self.wait()
             out[bidx * THREADS + tidx] = acc
