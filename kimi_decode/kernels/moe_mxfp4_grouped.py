@@ -30,6 +30,7 @@ length 0: a w13 CTA that finds one exits at once, and a w2 CTA counts its non-em
 length of its i-th one)."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -161,10 +162,15 @@ if HAVE_CUTE:
             self.tiles = _tiles(used // ROWS13, tiles)
             self.stage = stage
             self.slots = self.per_warp * self.tiles * 2  # a lane's staged slices: (quad, tile, w1 / w3)
+            self.red_shape = (2 * ROWS13, COLS, self.warps, self.tiles)  # the warps' partial sums, fp32
 
         def stage_bytes(self) -> int:
             """Shared memory of the staged weights and scale words per CTA (0 unstaged)."""
             return self.slots * (16 * 32 + 4 * ROWS13) * self.warps if self.stage else 0
+
+        def smem_bytes(self) -> int:
+            """Shared memory per CTA: the staged weights and scale words, and the reduction buffer."""
+            return self.stage_bytes() + 4 * math.prod(self.red_shape)
 
         def _slot(self, it: int, r: int, h: int) -> int:
             return (it * self.tiles + r) * 2 + h
@@ -187,7 +193,7 @@ if HAVE_CUTE:
             warp, lane, g, t = mma_lanes(tidx)
             j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, COLS, self.warps, self.tiles)), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout(self.red_shape), 16)
             n_slots = self.slots if self.stage else 1
             n_warps = self.warps if self.stage else 1
             wbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, n_slots, n_warps)), 16)
