@@ -1060,11 +1060,15 @@ def test_moe_mxfp4_grouped_refuses_bad_shapes():
 @needs_cute
 @pytest.mark.parametrize("batch, experts", [(9, 896), (64, 896), (64, 2048)])
 def test_counting_alignment_compiles_for_sm90a(sm90a_pdl, batch, experts):
-    """`kernels/moe_align.py` with and without the latent's operands (one and two experts per scan thread), and the
-    grouped w13 kernel that takes them."""
+    """`kernels/moe_align.py` with and without the latent's operands (one and two experts per scan thread; and 6
+    pairs, not a multiple of 4), and the grouped w13 kernel that takes them."""
     from kimi_decode.kernels.moe_align import MoEAlign
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
+    six = [torch.empty(6, dtype=torch.int32) for _ in range(5)]
+    args = (*six, six[0].view(1, 6), six[0].view(1, 6))
+    assert cute_common.compile_kernel(("moe_align", 40, 0, *cute_common.signature(*args)), MoEAlign(6, 40, 0),
+                                      *(cute_common.fake_like(t, align=4) for t in args)) is not None
     P, L = batch * 16, 3584
     ids, outs = torch.empty(P, dtype=torch.int32), [torch.empty(P, dtype=torch.int32) for _ in range(4)]
     lat, ops = torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, L, dtype=torch.float16)

@@ -506,20 +506,21 @@ def test_moe_mxfp4_grouped_on_the_counting_alignment_matches_float64(tp, pad, ba
     test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, True, how)
 
 
-@pytest.mark.parametrize("batch, experts, spread", [(9, 896, "uniform"), (16, 896, "uniform"), (64, 896, "uniform"),
-                                                    (64, 896, "same"), (33, 896, "few"), (1, 896, "uniform"),
-                                                    (64, 2048, "uniform"), (40, 100, "few")])
-def test_counting_alignment_is_the_stable_sort_and_writes_the_operands(batch, experts, spread):
+@pytest.mark.parametrize("batch, experts, spread, k", [(9, 896, "uniform", 16), (16, 896, "uniform", 16),
+                                                       (64, 896, "uniform", 16), (64, 896, "same", 16),
+                                                       (33, 896, "few", 16), (1, 896, "uniform", 16),
+                                                       (64, 2048, "uniform", 16), (40, 100, "few", 16),
+                                                       (3, 40, "uniform", 2)])
+def test_counting_alignment_is_the_stable_sort_and_writes_the_operands(batch, experts, spread, k):
     """`kernels/moe_align.py` against the Triton sort on the same ids, outputs poisoned: the same pair order, and the
     same start, length and expert per segment; the slots past the distinct experts all 0; the latent's operands equal
     `latent_operands` bit for bit. Uniform routing, every token on the same 16 experts, and on a few (`few`: ids
     drawn from 20, so segments of up to the batch); 2,048 experts (two per scan thread) and 100 (fewer than the
-    pairs); eagerly and replayed in a CUDA graph."""
+    pairs); 6 pairs (top-2 of 3 tokens); eagerly and replayed in a CUDA graph."""
     from kimi_decode.kernels.moe_align import moe_align as cute_align
     from kimi_decode.kernels.moe_mxfp4_grouped import latent_operands
     from kimi_decode.kernels.triton_kernels import moe_align
 
-    k = 16
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + experts)
     pool = 20 if spread == "few" else experts
     rows = 1 if spread == "same" else batch
