@@ -98,7 +98,7 @@ if HAVE_CUTE:
                 mine = mine + c + (select_i32(c > 0, 1, 0) << PACK)
             scan = mine  # inclusive over the warp
             for d in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(scan, offset=1 << d)
+                up = cute.arch.shuffle_sync_up(scan, offset=1 << d, mask_and_clamp=0)  # (4.3.5 defaults to 31)
                 scan = scan + select_i32(lane >= (1 << d), up, 0)
             if lane == 31:
                 warp_sums[warp] = scan
