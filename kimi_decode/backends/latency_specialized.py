@@ -567,18 +567,17 @@ class LatencySpecializedBackend(AutoBackend):
         L = w.w2.shape[1]
         w13, w2, quad = self._expert_codes(w)
         if B >= self._grouped_from:  # many pairs share an expert: sort them by expert and read each expert once
+            from ..kernels import moe_align as counting
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
 
-            how = grouped_align()
+            how = grouped_align() if B * k <= counting.THREADS else "0"  # (K3: 64 x 16 pairs at the most)
             if how == "0":  # the generic path's sort
                 align = self.expert_alignment(ids)
             else:  # the pairs counted into place, and (how == "1") the latent as the w13 kernel's operands
-                from ..kernels.moe_align import moe_align
-
                 align = [self._empty(B * k, dtype=torch.int32, device=x.device) for _ in range(4)]
                 ops = self._empty(*latent.shape, dtype=torch.float16, device=x.device) if how == "1" else None
-                moe_align(ids.reshape(-1), *align, experts=w13.shape[0], latent=latent if how == "1" else None,
-                          operands=ops)
+                counting.moe_align(ids.reshape(-1), *align, experts=w13.shape[0],
+                                   latent=latent if how == "1" else None, operands=ops)
                 latent = ops if how == "1" else latent
             return moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
