@@ -300,25 +300,19 @@ class _KinetoReader:
             )
         launches = [e for e in complete if e.cat in _LAUNCH_CATS]
         if launches:
-            start = _ns([e.ts for e in launches])
-            self.launches.add(
-                name=self.names.encode([e.name for e in launches]),
-                pid=np.array([_int(e.pid) for e in launches], dtype=np.int64),
-                tid=np.array([_int(e.tid) for e in launches], dtype=np.int64),
-                start_ns=start,
-                end_ns=start + _ns([e.dur for e in launches]),
-                correlation_id=np.array([_int((e.args or _Args()).correlation) for e in launches], dtype=np.int64),
-            )
+            self.launches.add(**self._host_spans(launches), correlation_id=np.array(
+                [_int((e.args or _Args()).correlation) for e in launches], dtype=np.int64))
         ranges = [e for e in complete if e.cat in _RANGE_CATS]
         if ranges:
-            start = _ns([e.ts for e in ranges])
-            self.ranges.add(
-                name=self.names.encode([e.name for e in ranges]),
-                pid=np.array([_int(e.pid) for e in ranges], dtype=np.int64),
-                tid=np.array([_int(e.tid) for e in ranges], dtype=np.int64),
-                start_ns=start,
-                end_ns=start + _ns([e.dur for e in ranges]),
-            )
+            self.ranges.add(**self._host_spans(ranges))
+
+    def _host_spans(self, events: list[_Event]) -> dict:
+        """The columns host-side events share: name, process, thread, start and end."""
+        start = _ns([e.ts for e in events])
+        return {"name": self.names.encode([e.name for e in events]),
+                "pid": np.array([_int(e.pid) for e in events], dtype=np.int64),
+                "tid": np.array([_int(e.tid) for e in events], dtype=np.int64),
+                "start_ns": start, "end_ns": start + _ns([e.dur for e in events])}
 
     def _table(self, columns: _Columns) -> pd.DataFrame:
         frame = {name: np.concatenate(parts) for name, parts in columns.parts.items() if name != "name"}
