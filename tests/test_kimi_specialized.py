@@ -531,6 +531,33 @@ def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_
 
 @needs_cute
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
+def test_moe_w13_with_its_first_quads_loaded_early_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
+    """KIMI_DECODE_W13_FIRST: a variant of the w13 kernel per count ("all" is the count of a warp's quads, the same
+    kernel); "0" (the default) is the kernel without it; other values are refused by name."""
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe, quad_split, w13_first, w13_warps
+
+    s = shard("k3", tp=tp, pad_experts=True)
+    args = _moe_args(s, batch)
+    monkeypatch.delenv("KIMI_DECODE_W13_FIRST", raising=False)
+    assert w13_first() == 0
+    f13, _ = compile_moe(*args)
+    kernels = {}
+    for first in ("1", "2", "all"):
+        monkeypatch.setenv("KIMI_DECODE_W13_FIRST", first)
+        kernels[first], _ = compile_moe(*args)
+        assert kernels[first] is not None and kernels[first] is not f13
+    assert len({id(k) for k in kernels.values()}) == 3
+    quads = quad_split(s.model.moe_latent, w13_warps(s.expert_inter_used, batch, s.model.top_k))[1]
+    monkeypatch.setenv("KIMI_DECODE_W13_FIRST", "4")  # every quad where a warp has 4 (TP8 at one token: 7)
+    assert (compile_moe(*args)[0] is kernels["all"]) == (quads == 4)
+    for bad in ("5", "two", ""):
+        monkeypatch.setenv("KIMI_DECODE_W13_FIRST", bad)
+        with pytest.raises(ValueError, match="KIMI_DECODE_W13_FIRST must be one of"):
+            compile_moe(*args)
+
+
+@needs_cute
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
 def test_moe_w13_with_its_weights_asked_of_l2_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
     """KIMI_DECODE_W13_PREFETCH=1: the w13 kernel's own variant, plain and (at one token) with the shared experts'
     gate/up CTAs; "0" (the default) is the kernel without it; other values are refused by name."""

@@ -145,6 +145,14 @@ def test_specialized_layer_on_natural_expert_rows_matches_reference(monkeypatch,
     _layer_matches_with(monkeypatch, "KIMI_DECODE_QUAD_MAJOR", "0", tp, batch, 3300)
 
 
+@pytest.mark.parametrize("first", ["2", "all"])
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_specialized_layer_with_the_first_w13_quads_loaded_early_matches_reference(monkeypatch, first, tp, batch):
+    """KIMI_DECODE_W13_FIRST: the per-pair w13 kernel's first quads (or all) loaded beside the activations."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_FIRST", first, tp, batch, 3600)
+
+
 @pytest.mark.parametrize("how", ["1", "align"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
@@ -378,6 +386,16 @@ def test_moe_mxfp4_with_the_w13_weights_asked_of_l2_first_matches_float64(monkey
     _check_moe_mxfp4(tp, True, batch)
     if batch == 1:
         test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, True, False)
+
+
+@pytest.mark.parametrize("first", ["1", "2", "all"])
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
+def test_moe_mxfp4_with_the_first_w13_quads_loaded_early_matches_float64(monkeypatch, first, tp, batch):
+    """The w13 kernel with the weights of its warps' first quads (or all of them) loaded before the activations'
+    staging (KIMI_DECODE_W13_FIRST), on both layouts; the shared experts' forms keep their own kernels."""
+    monkeypatch.setenv("KIMI_DECODE_W13_FIRST", first)
+    _check_moe_mxfp4(tp, True, batch)
+    _check_moe_mxfp4(tp, True, batch, quad=True)
 
 
 @pytest.mark.parametrize("x_once", ["0", "1"])

@@ -282,7 +282,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -290,13 +290,17 @@ if HAVE_CUTE:
             `prefetch` (`w13_prefetch`): once the expert id is known, each lane asks L2 for its slices of all of the
             warp's quads, so that their loads, which ptxas places after the activations' staging (the first) and the
             previous quad's mma (the others), find them there or on their way. `quad_major`: the weights' groups per
-            row when they come in `quad_major` order (then no word exchange), 0 for natural rows."""
+            row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
+            (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
+            staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
+            order; the others are loaded as the mma loop reaches them)."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
             self.x_once = x_once
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
+            self.first = min(first, self.per_warp)
 
         def alloc_x(self, smem):
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
@@ -364,16 +368,14 @@ if HAVE_CUTE:
                     G0 = (warp * self.per_warp + it) * QUAD
                     prefetch_l2(gW[(None, (e, j, G0 + t))])
                     prefetch_l2(gW[(None, (e, self.I + j, G0 + t))])
+            early = [self.quad_weights(gW, w_scale, e, j, warp, it, t) for it in range(self.first)]
             if cutlass.const_expr(self.x_once):
                 self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
-                u1 = quad_words(gW, e, j, G0, t, self.qm)
-                u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
-                sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
-                sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
                 for i in cutlass.range_constexpr(QUAD):
                     if cutlass.const_expr(self.x_once):
                         bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
@@ -395,6 +397,15 @@ if HAVE_CUTE:
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
+
+        def quad_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, e, j, warp, it: int, t, loaded=()):
+            """Quad `it` of this warp for row j: the w1 and w3 words (`quad_words`) and their four scale bytes each,
+            or `loaded[it]` where those were loaded already (a plain function, inlined where it is called)."""
+            if it < len(loaded):
+                return loaded[it]
+            G0 = (warp * self.per_warp + it) * QUAD
+            return (quad_words(gW, e, j, G0, t, self.qm), quad_words(gW, e, self.I + j, G0, t, self.qm),
+                    w_scale[e, j, G0 // QUAD], w_scale[e, self.I + j, G0 // QUAD])
 
     class MoEW2Sum:
         """out[b, r] = sum_j weight[b, j] * (w2[e_bj, r, :used] . act[b*k + j, :used]); with `scaled`, also
@@ -778,6 +789,16 @@ def w13_prefetch() -> bool:
     return env_choice("KIMI_DECODE_W13_PREFETCH", "0", ("0", "1")) == "1"
 
 
+def w13_first() -> int:
+    """How many of its quads of MX groups a per-pair w13 warp loads before the activations' staging
+    (`KIMI_DECODE_W13_FIRST`: "0", the default, 1..4, or "all"; capped at the warp's quads). In the SASS of "0" the
+    first weight loads issue only once the activations are in shared memory (their round trip, then the conversion,
+    then the weights'); with "2" two quads issue beside the activations at the same registers; "all" every quad (87
+    registers at TP16, 126 at TP8 under cutlass-dsl 4.8.1). Not yet timed (benchmarks/NOTES.md, item 36)."""
+    raw = env_choice("KIMI_DECODE_W13_FIRST", "0", ("0", "1", "2", "3", "4", "all"))
+    return 64 if raw == "all" else int(raw)
+
+
 SHARED_DOWN_LANES = ("32", "16", "8", "4")
 
 
@@ -819,8 +840,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, *signature(*a13)),
-                              MoEW13Act(L, I, used, k, cap, x_once, pf, qm13),
+        first = min(w13_first(), quad_split(L, cap)[1])  # "all": every quad of a warp
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, first, *signature(*a13)),
+                              MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, first),
                               *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
