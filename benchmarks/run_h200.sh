@@ -28,7 +28,8 @@
 # in AB_ENVS), capture-ab (a batch-1 capture per setting in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels, or NCU_KERNELS, at batch NCU_BATCH (default 1),
 # TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1), resources
-# (benchmarks/kernel_resources.py at RES_TP x RES_BATCHES: each kernel's registers under the machine's cutlass-dsl).
+# (benchmarks/kernel_resources.py at RES_TP x RES_BATCHES: each kernel's registers under the machine's cutlass-dsl),
+# v24 (the A/B runs of benchmarks/NOTES.md items 35 and 36: KIMI_DECODE_GROUPED_ALIGN, KIMI_DECODE_W13_FIRST).
 # AB_LIMIT: seconds per ab setting (default 70).
 set -u
 OUT="${OUT:-runs/h200}"
@@ -219,6 +220,16 @@ for name in "$@"; do
         (export_setting "$setting"
          bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 \
            --batch ${AB_BATCHES:-1})
+      done ;;
+    v24)  # benchmarks/NOTES.md items 35 and 36, each setting in its own process, latency_specialized only: the
+      # grouped path's alignment at batches 16 and 64, then the per-pair w13 kernel's early quads at batches 1 and 8
+      for v in 0 align 1; do
+        KIMI_DECODE_GROUPED_ALIGN=$v bench "align=$v" 60 "bench_align_$v.json" --backend latency_specialized \
+          --tp 16 8 --batch 16 64
+      done
+      for v in 0 2 all; do
+        KIMI_DECODE_W13_FIRST=$v bench "w13first=$v" 45 "bench_w13first_$v.json" --backend latency_specialized \
+          --tp 16 8 --batch 1 8
       done ;;
     chain)  # the layer's bytes as pure streaming reads in its kernel structure (benchmarks/stream_chain.py)
       step chain 150 python3 benchmarks/stream_chain.py --tp 16 8 --batch ${CHAIN_BATCHES:-1} --json "$OUT/chain.json" ;;
