@@ -719,20 +719,29 @@ def test_gemv_split_k_only_for_few_rows():
     assert split_for(768, 128) == 1  # f_b: K too short to split
 
 
+# every projection shape of the TP16 and TP8 shards once (the replicated ones are the same at both)
+TC_SHAPES = sorted(set(projection_shapes(shard("k3", tp=16))) | set(projection_shapes(shard("k3", tp=8))))
+
+
 @needs_cute
-@pytest.mark.parametrize("tp", [16, 8])
-def test_tensor_core_projection_compiles_for_sm90a(sm90a, tp):
+@pytest.mark.parametrize("n, k", TC_SHAPES)
+def test_tensor_core_projection_compiles_for_sm90a(sm90a, n, k):
     from kimi_decode.kernels.gemm_tc import compile_projection, plan_for, workspace
 
-    for n, k in projection_shapes(shard("k3", tp=tp)):
-        for rows in (2, 9, 64):
-            plan = plan_for(rows, n, k)
-            w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(rows, k, dtype=torch.bfloat16)
-            counters = torch.zeros(plan.groups, dtype=torch.int32)
-            ws = workspace(plan, w.device)
-            assert compile_projection(w, x, torch.empty(rows, n, dtype=torch.bfloat16), ws, counters)[0] is not None
-            assert compile_projection(w, x, torch.empty(rows, n), ws, counters, accumulate=True,
-                                      addend=torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
+    for rows in (2, 9, 64):
+        plan = plan_for(rows, n, k)
+        w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(rows, k, dtype=torch.bfloat16)
+        counters = torch.zeros(plan.groups, dtype=torch.int32)
+        ws = workspace(plan, w.device)
+        assert compile_projection(w, x, torch.empty(rows, n, dtype=torch.bfloat16), ws, counters)[0] is not None
+        assert compile_projection(w, x, torch.empty(rows, n), ws, counters, accumulate=True,
+                                  addend=torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
+
+
+@needs_cute
+def test_tensor_core_moe_tail_compiles_for_sm90a(sm90a):
+    from kimi_decode.kernels.gemm_tc import compile_projection, plan_for, workspace
+
     w = torch.empty(7168, 3584, dtype=torch.bfloat16)  # the MoE tail with the RMSNorm's 1/rms per row
     plan = plan_for(8, 7168, 3584)
     assert compile_projection(w, torch.empty(8, 3584, dtype=torch.bfloat16), torch.empty(8, 7168),
