@@ -257,12 +257,15 @@ if HAVE_CUTE:
         16-byte form is the only one that may skip L1)."""
         _copy_async(src, dst, 32 * words, cpasync.LoadCacheMode.ALWAYS)
 
-    def _atomic_add_u32(counter, value: int, index=0):
-        """atom.global.add.u32 on `counter`'s element `index`; returns the old value."""
-        ptr = counter.iterator if isinstance(index, int) and index == 0 else counter.iterator + index
+    def atomic_add_u32(tensor, value, index=0):
+        """atom.add.u32 on `tensor`'s element `index`, in global or shared memory as the tensor lies (a shared
+        address is 32 bits wide); returns the old value."""
+        ptr = tensor.iterator if isinstance(index, int) and index == 0 else tensor.iterator + index
+        addr = ptr.toint()
+        space, width = ("shared", "r") if isinstance(addr, cutlass.Int32) else ("global", "l")
         return cutlass.Int32(_llvm.inline_asm(
-            cutlass.Int32.mlir_type, [ptr.toint().ir_value(), cutlass.Int32(value).ir_value()],
-            "atom.global.add.u32 $0, [$1], $2;", "=r,l,r", has_side_effects=True, is_align_stack=False,
+            cutlass.Int32.mlir_type, [addr.ir_value(), cutlass.Int32(value).ir_value()],
+            f"atom.{space}.add.u32 $0, [$1], $2;", f"=r,{width},r", has_side_effects=True, is_align_stack=False,
             asm_dialect=_llvm.AsmDialect.AD_ATT))
 
     @cute.jit
@@ -276,7 +279,7 @@ if HAVE_CUTE:
         cute.arch.barrier()
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
-            old = _atomic_add_u32(counter, 1, index)
+            old = atomic_add_u32(counter, 1, index)
             last = cutlass.Int32(0)
             if old == n_ctas - 1:
                 last = cutlass.Int32(1)
@@ -308,7 +311,7 @@ if HAVE_CUTE:
     def take_ticket(counter: cute.Tensor, slot: cute.Tensor, tidx):
         """This CTA's ticket, from counter[0] (`slot`: one int32 of shared memory)."""
         if tidx == 0:
-            slot[0] = _atomic_add_u32(counter, 1, 0)
+            slot[0] = atomic_add_u32(counter, 1, 0)
         cute.arch.barrier()
         return slot[0]
 
@@ -318,7 +321,7 @@ if HAVE_CUTE:
         cute.arch.barrier()
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
-            _atomic_add_u32(counter, 1, index)
+            atomic_add_u32(counter, 1, index)
 
     @cute.jit
     def wait_count(counter: cute.Tensor, index, target, tidx):

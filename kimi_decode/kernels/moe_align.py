@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .moe_mxfp4 import _words
 
 THREADS = 1024  # pairs per alignment (one per thread of CTA 0); batch 64 x top-16
 PACK = 16  # counts in bits 0..15 of a packed scan value (at most THREADS), non-empty experts above
@@ -28,17 +29,9 @@ MAX_BINS = 8  # experts per scan thread: two int32 per expert of shared memory, 
 
 if HAVE_CUTE:
     from cutlass import Int32
-    from cutlass._mlir.dialects import llvm as _llvm
 
-    from .cute_common import load4, pdl_launch_dependents, pdl_wait
-    from .moe_mxfp4 import mma_operands, select_i32
-
-    def _shared_add(tensor: cute.Tensor, index, value):
-        """atom.shared.add.u32 on tensor[index] (an int32 of shared memory); returns the old value."""
-        ptr = tensor.iterator + index
-        return Int32(_llvm.inline_asm(
-            Int32.mlir_type, [ptr.toint().ir_value(), Int32(value).ir_value()], "atom.shared.add.u32 $0, [$1], $2;",
-            "=r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT))
+    from .cute_common import atomic_add_u32, pdl_launch_dependents, pdl_wait
+    from .moe_mxfp4 import select_i32, store_operands
 
     class MoEAlign:
         """ids [P] -> order, seg_start, seg_len, seg_expert [P] (CTA 0); latent words -> operand words (CTAs 1..)."""
@@ -89,7 +82,7 @@ if HAVE_CUTE:
             cute.arch.barrier()
             rank = Int32(0)
             if inside:
-                rank = _shared_add(count, e, 1)
+                rank = atomic_add_u32(count, 1, e)
             cute.arch.barrier()
             # this thread's experts (bins consecutive ones): counts and non-empty flags, packed
             mine = Int32(0)
@@ -146,17 +139,7 @@ if HAVE_CUTE:
             if u < self.units:
                 groups = gX.shape[1][1]
                 b, c = u // groups, u % groups
-                xs = load4(gX[(None, (b, c))])
-                ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
-                dst = gO[(None, (b, c))]
-                r = cute.make_rmem_tensor_like(dst)
-                for i in cutlass.range_constexpr(4):
-                    r[i] = ops[i]
-                cute.autovec_copy(r, dst)
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
+                store_operands(gX[(None, (b, c))], gO[(None, (b, c))])
 
 
 def moe_align(ids: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,

@@ -208,6 +208,16 @@ if HAVE_CUTE:
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
 
+    def store_operands(src: cute.Tensor, dst: cute.Tensor) -> None:
+        """Eight bf16 activations (`src`, four int32 words) -> their four fp16x2 mma operands (`mma_operands`) into
+        `dst` (four int32 words, shared or global memory; a plain function, inlined where it is called)."""
+        xs = load4(src)
+        ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
+        r = cute.make_rmem_tensor_like(dst)
+        for i in range(4):
+            r[i] = ops[i]
+        cute.autovec_copy(r, dst)
+
     def operand_mma(wa, wb, bs):
         """`group_mma_fragment` on operands from `mma_operands`."""
         res = llvm.inline_asm(
@@ -325,13 +335,7 @@ if HAVE_CUTE:
 
         @cute.jit
         def _stage_unit(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, slot, u):
-            xs = load4(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))])
-            ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
-            dst = xbuf[None, slot]
-            r = cute.make_rmem_tensor_like(dst)
-            for i in cutlass.range_constexpr(4):
-                r[i] = ops[i]
-            cute.autovec_copy(r, dst)
+            store_operands(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))], xbuf[None, slot])
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
