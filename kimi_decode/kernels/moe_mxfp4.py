@@ -703,7 +703,7 @@ def check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out,
     if ids.dtype != torch.int32 or ids.shape[0] != latent.shape[0]:
         raise ValueError("MoE MXFP4: ids must be int32 [batch, top_k]")
     if latent.dtype != latent_dtype or act.dtype != torch.float16 or out.dtype != torch.float32:
-        name = str(latent_dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[latent_dtype]
         raise ValueError(f"MoE MXFP4: latent {name}, act fp16 and out fp32 expected")
     if act.shape != (ids.numel(), used):  # the w2 kernel's chunks and scale view follow `used`
         raise ValueError(f"MoE MXFP4: act must be [{ids.numel()}, {used}] (pairs, used expert rows)")
@@ -844,9 +844,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        first = min(w13_first(), quad_split(L, cap)[1])  # "all": every quad of a warp
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, first, *signature(*a13)),
-                              MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, first),
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first())  # its `first`: "all" as a count
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
                               *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
