@@ -7,10 +7,12 @@ Routing is uniform: each token picks 16 distinct experts at random, a fresh set 
 distinct experts of a launch are mostly not in L2 (a TP16 layer's experts hold ~1.2 GB). Each variant runs as a CUDA
 graph of back-to-back launches, 20 replays, the median per launch; MB are the distinct experts' used rows and scales
 (what the math needs) and TB/s is against the 4.3 TB/s HBM floor. The alignment kernels (no weight bytes: TB/s 0)
-and the w13 kernel on the latent's fp16 operands (`latent_operands`) are timed on the same routing sets.
+and the w13 kernel on the latent's fp16 operands (`latent_operands`) are timed on the same routing sets, as is the
+w2 kernel with its pairs loaded a segment ahead (`KIMI_DECODE_W2_AHEAD=1`).
 """
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -71,6 +73,15 @@ for tp in a.tp:
                                   pair_out, used, x_operands=True)
         args_o = [kernel_args(ops, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, al, act, pair_out)[0]
                   for al in aligns]
+        ahead_was = os.environ.get("KIMI_DECODE_W2_AHEAD")
+        os.environ["KIMI_DECODE_W2_AHEAD"] = "1" if ahead_was != "1" else "0"  # the other form of the w2 kernel
+        _, f2x = compile_grouped(latent, ids[0], weights, w.w13, w.w13_scale, w.w2, w.w2_scale, aligns[0], act,
+                                 pair_out, used)
+        if ahead_was is None:
+            del os.environ["KIMI_DECODE_W2_AHEAD"]
+        else:
+            os.environ["KIMI_DECODE_W2_AHEAD"] = ahead_was
+        other = "grouped w2 (not ahead)" if ahead_was == "1" else "grouped w2 (ahead)"
         scratch = [torch.empty(P, dtype=torch.int32, device=dev) for _ in range(4)]
         ops_out = torch.empty_like(ops)
         variants = {
@@ -81,6 +92,7 @@ for tp in a.tp:
             "align+operands (CuTe)": (lambda i: cute_align(ids[i].reshape(-1), *scratch, experts=m.num_experts,
                                                            latent=latent, operands=ops_out), 0),
             "grouped w2": (lambda i: launch(f2, *args[i][1]), L * (used // 2 + used // 32)),
+            other: (lambda i: launch(f2x, *args[i][1]), L * (used // 2 + used // 32)),
             "grouped (both + sum)": (lambda i: moe_mxfp4_grouped(latent, ids[i], weights, w.w13, w.w13_scale, w.w2,
                                                                  w.w2_scale, used, aligns[i], act=act,
                                                                  pair_out=pair_out), per_expert),

@@ -1032,6 +1032,46 @@ def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad
 
 
 @needs_cute
+@pytest.mark.parametrize("stage", ["1", "all"], ids=["staged", "all_staged"])
+@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
+def test_moe_w2_grouped_with_its_pairs_loaded_ahead_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad, stage):
+    """KIMI_DECODE_W2_AHEAD=1: the w2 kernel with its segment table in lanes and its pairs loaded a segment ahead,
+    unstaged (TP16 at "1") and staged (TP8; TP16's quad-major rows at "all"), on both layouts."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import MoEW2Grouped, compile_grouped
+
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
+    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", "1")
+    s = shard("k3", tp=tp, pad_experts=pad)
+    m = s.model
+    E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
+    u8 = torch.uint8
+    for quad in (False, True):
+        f13, f2 = compile_grouped(torch.empty(batch, L, dtype=torch.bfloat16),
+                                  torch.empty(batch, k, dtype=torch.int32), torch.empty(batch, k),
+                                  torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
+                                  torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
+                                  [torch.empty(P, dtype=torch.int32)] * 4,
+                                  torch.empty(P, s.expert_inter_used, dtype=torch.float16), torch.empty(P, L),
+                                  s.expert_inter_used, quad_major=quad)
+        assert f13 is not None and f2 is not None
+    w2_keys = [key for key in cute_common._cache if key[0] == "moe_w2_grouped"]
+    assert len(w2_keys) == 2 and all(key[6] is True for key in w2_keys)  # (.., stage, ahead, ..): both layouts
+
+
+@pytest.mark.parametrize("raw", ["2", "yes", ""])
+def test_w2_ahead_setting_refused_by_name(monkeypatch, raw):
+    from kimi_decode.kernels.moe_mxfp4_grouped import w2_ahead
+
+    monkeypatch.delenv("KIMI_DECODE_W2_AHEAD", raising=False)
+    assert w2_ahead() is False
+    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", "1")
+    assert w2_ahead() is True
+    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", raw)
+    with pytest.raises(ValueError, match="KIMI_DECODE_W2_AHEAD"):
+        w2_ahead()
+
+
+@needs_cute
 @pytest.mark.parametrize("tp, batch, pad, chunk", [(16, 1, True, "auto"), (16, 8, False, "2"), (8, 8, True, "4"),
                                                    (8, 1, True, "1"), (16, 3, False, "auto")])
 def test_moe_mxfp4_on_quad_major_codes_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch, pad, chunk):
@@ -1167,7 +1207,7 @@ def test_grouped_align_setting_refused_by_name(monkeypatch, raw):
     from kimi_decode.backends.latency_specialized import grouped_align
 
     monkeypatch.delenv("KIMI_DECODE_GROUPED_ALIGN", raising=False)
-    assert grouped_align() == "0"
+    assert grouped_align() == "1"
     for value in ("1", "align", "0"):
         monkeypatch.setenv("KIMI_DECODE_GROUPED_ALIGN", value)
         assert grouped_align() == value

@@ -37,8 +37,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   whose w2 CTAs load their weights and then wait for their token's activations, `MoEExperts`. Off by default: with
   it and the shared experts' one kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since
   CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are
-  sorted by expert (the generic path's alignment kernel; `KIMI_DECODE_GROUPED_ALIGN=1`: a CuTe counting kernel that
-  also writes the latent as the w13 kernel's fp16 operands, `kernels/moe_align.py`, not yet timed) and each selected
+  counted into place by expert by a CuTe kernel that also writes the latent as the w13 kernel's fp16 operands
+  (`kernels/moe_align.py`; `KIMI_DECODE_GROUPED_ALIGN=0`: the generic path's Triton sort, the w13 kernel converting
+  the bf16 latent itself) and each selected
   expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`; the w2 kernel's CTAs each
   loop over a share of the segments,
   `KIMI_DECODE_GROUPED_SEG_CTAS`; both copy their weights into shared memory with `cp.async`, w13 its whole tile at
@@ -116,11 +117,12 @@ GROUPED_ALIGN = ("1", "align", "0")
 
 
 def grouped_align() -> str:
-    """How the grouped experts' pairs are sorted, KIMI_DECODE_GROUPED_ALIGN: "0" (the default) by the generic path's
-    Triton sort, the w13 kernel converting the bf16 latent itself; "1" by the CuTe counting kernel
-    (`kernels/moe_align.py`), whose other CTAs also write the latent as the w13 kernel's fp16 operands; "align" that
-    kernel without the operands. Not the default until timed on the H200 (benchmarks/NOTES.md, item 35)."""
-    return cute_common.env_choice("KIMI_DECODE_GROUPED_ALIGN", "0", GROUPED_ALIGN)
+    """How the grouped experts' pairs are sorted, KIMI_DECODE_GROUPED_ALIGN: "1" (the default) by the CuTe counting
+    kernel (`kernels/moe_align.py`), whose other CTAs also write the latent as the w13 kernel's fp16 operands;
+    "align" that kernel without the operands; "0" by the generic path's Triton sort, the w13 kernel converting the
+    bf16 latent itself. "1" measured fastest on the H200: 3.5-14 us per layer at batches 16 and 64
+    (benchmarks/NOTES.md, item 35)."""
+    return cute_common.env_choice("KIMI_DECODE_GROUPED_ALIGN", "1", GROUPED_ALIGN)
 
 
 def routed_norm_on() -> bool:

@@ -87,6 +87,16 @@ def grouped_staged(kernel: str, used: int = 0) -> bool:
     return raw == "all" or (raw == "1" and used // GROUP % QUAD == 0)
 
 
+W2_AHEAD = ("0", "1")
+
+
+def w2_ahead() -> bool:
+    """KIMI_DECODE_W2_AHEAD: whether the grouped w2 kernel takes its segments' table from lanes and loads each
+    segment's first pairs during the segment before (`MoEW2Grouped`, "1"), or loads both at the segment's start
+    ("0", the default until timed; benchmarks/NOTES.md, item 37)."""
+    return env_choice("KIMI_DECODE_W2_AHEAD", "0", W2_AHEAD) == "1"
+
+
 def _tiles(n: int, most: int) -> int:
     """The most row tiles per warp (up to `most`) that divide n tiles evenly."""
     return next(k for k in (4, 2, 1) if k <= most and n % k == 0)
@@ -140,6 +150,34 @@ if HAVE_CUTE:
         s = by + lane * stride
         inside = s < P
         return cute.arch.popc(cute.arch.vote_ballot_sync(inside & (seg_len[select_i32(inside, s, P - 1)] > 0)))
+
+    def _segment_table(seg_len: cute.Tensor, seg_start: cute.Tensor, seg_expert: cute.Tensor, by, lane, stride: int):
+        """`_segments` for the look-ahead form: lane i also keeps the i-th segment's start and expert (loaded with its
+        length, one round trip for all of them); the loop takes them from lane i (`_from_lane`) instead of loading
+        them per segment. Returns the count and the lane's (length, start, expert)."""
+        P = seg_len.shape[0]
+        s = by + lane * stride
+        inside = s < P
+        s = select_i32(inside, s, P - 1)
+        mine = (seg_len[s], seg_start[s], seg_expert[s])
+        return cute.arch.popc(cute.arch.vote_ballot_sync(inside & (mine[0] > 0))), mine
+
+    def _from_lane(values, i):
+        """The values lane i holds, in every lane."""
+        return [cute.arch.shuffle_sync(v, offset=i) for v in values]
+
+    def _tile_pairs(order: cute.Tensor, start, length, tile, g, t):
+        """The pairs of tile `tile` of a segment this lane needs: its mma column g's (the act operands) and those of
+        its two output columns 2t and 2t + 1 (columns past the segment read its last pair; an empty segment reads
+        pair slot 0, unused)."""
+        some = length > 0
+        last = length - 1
+
+        def at(c):
+            return order[select_i32(some, start + select_i32(c < length, c, last), 0)]
+
+        c0 = tile * COLS
+        return at(c0 + g), at(c0 + 2 * t), at(c0 + 2 * t + 1)
 
     class MoEW13Grouped:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
@@ -311,7 +349,7 @@ if HAVE_CUTE:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
         def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, pairs: int,
-                     quad_major: int = 0, stage: bool = False):
+                     quad_major: int = 0, stage: bool = False, ahead: bool = False):
             """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`: as
             `MoEW13Grouped`'s; `pairs`: the segment slots (B x k), over `segment_ctas` CTAs along the segments, each
             looping over its share. `stage` (`grouped_staged`, with `scale_words`, on rows of whole quads of MX
@@ -319,8 +357,12 @@ if HAVE_CUTE:
             one of two shared-memory buffers (`cp.async`: 16 bytes per quad of groups, 8 for the last pair; the four
             lanes of a row share its scale words) while the CTA works on the current segment from the other; the row
             tiles are then one per iteration of a loop the compiler keeps, and their number per warp the most of
-            `tiles` whose buffers fit W2_STAGE_BYTES."""
+            `tiles` whose buffers fit W2_STAGE_BYTES. `ahead` (`w2_ahead`): lane i holds the CTA's i-th segment's
+            length, start and expert from the start, and each segment's first tile of pairs (the act operands' pair
+            and the two output columns') is loaded during the segment before it, so a segment starts with its act
+            and weight loads side by side instead of after two round trips (its table entry, then its pairs)."""
             self.topk = topk
+            self.ahead = ahead
             self.qm = quad_major
             self.groups = used // GROUP
             self.quads = self.groups // QUAD  # 16-byte slices per row and lane
@@ -369,55 +411,107 @@ if HAVE_CUTE:
             rbuf = smem.allocate_tensor(Int32, cute.make_layout(
                 ((1, 2), 32 if pair else 1, halves if pair else 1, nb if pair else 1, nw if pair else 1)), 16)
             sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, halves * self.swords, nb, nw)), 16)
-            n = _segments(seg_len, by, lane, self.seg_ctas)  # this CTA's non-empty segments
+            if cutlass.const_expr(self.ahead):
+                n, mine = _segment_table(seg_len, seg_start, seg_expert, by, lane, self.seg_ctas)
+                first = _from_lane(mine, 0)
+                pa, qa0, qa1 = _tile_pairs(order, first[1], first[0], 0, g, t)  # the next segment's first tile
+                e_next = first[2]
+            else:
+                n = _segments(seg_len, by, lane, self.seg_ctas)  # this CTA's non-empty segments
             if cutlass.const_expr(on):
                 if n > 0:
-                    self.stage_rows(gW, w, w_scale, seg_expert[by], qbuf, rbuf, sbuf, 0, r0, lane, warp, g, t)
+                    if cutlass.const_expr(self.ahead):
+                        self.stage_rows(gW, w, w_scale, e_next, qbuf, rbuf, sbuf, 0, r0, lane, warp, g, t)
+                    else:
+                        self.stage_rows(gW, w, w_scale, seg_expert[by], qbuf, rbuf, sbuf, 0, r0, lane, warp, g, t)
                 cute.arch.cp_async_commit_group()
             for i in cutlass.range(n):
-                s = by + i * self.seg_ctas
-                length = seg_len[s]
-                start = seg_start[s]
-                e = seg_expert[s]
+                if cutlass.const_expr(self.ahead):
+                    length, start, e = _from_lane(mine, i)
+                    pf, qf0, qf1 = pa, qa0, qa1  # this segment's first tile, loaded during the one before
+                    nxt = _from_lane(mine, select_i32(i + 1 < n, i + 1, i))
+                    pa, qa0, qa1 = _tile_pairs(order, nxt[1], nxt[0], 0, g, t)
+                    e_next = nxt[2]
+                else:
+                    s = by + i * self.seg_ctas
+                    length = seg_len[s]
+                    start = seg_start[s]
+                    e = seg_expert[s]
                 if cutlass.const_expr(on):
                     cute.arch.sync_warp()  # every lane is done with the buffer the next segment goes into
                     if i + 1 < n:
-                        self.stage_rows(gW, w, w_scale, seg_expert[s + self.seg_ctas], qbuf, rbuf, sbuf, (i + 1) % 2,
-                                        r0, lane, warp, g, t)
+                        if cutlass.const_expr(self.ahead):
+                            self.stage_rows(gW, w, w_scale, e_next, qbuf, rbuf, sbuf, (i + 1) % 2, r0, lane, warp, g,
+                                            t)
+                        else:
+                            self.stage_rows(gW, w, w_scale, seg_expert[s + self.seg_ctas], qbuf, rbuf, sbuf,
+                                            (i + 1) % 2, r0, lane, warp, g, t)
                     cute.arch.cp_async_commit_group()  # (an empty group for the last segment)
-                for tile in cutlass.range((length + COLS - 1) // COLS):
-                    col = tile * COLS + g
-                    if col >= length:
-                        col = length - 1
-                    p = order[start + col]
-                    bs = []  # the act operands of every group, as values (registers)
+                if cutlass.const_expr(self.ahead):
+                    self.pair_tile(gA, gW, w, w_scale, qbuf, rbuf, sbuf, i % 2, e, pf, (qf0, qf1), weights, order,
+                                   out, start, length, 0, r0, lane, warp, g, t)
+                    for tile in cutlass.range(1, (length + COLS - 1) // COLS):
+                        pt, qt0, qt1 = _tile_pairs(order, start, length, tile, g, t)
+                        self.pair_tile(gA, gW, w, w_scale, qbuf, rbuf, sbuf, i % 2, e, pt, (qt0, qt1), weights, order,
+                                       out, start, length, tile, r0, lane, warp, g, t)
+                else:
+                    for tile in cutlass.range((length + COLS - 1) // COLS):
+                        col = tile * COLS + g
+                        if col >= length:
+                            col = length - 1
+                        p = order[start + col]
+                        self.pair_tile(gA, gW, w, w_scale, qbuf, rbuf, sbuf, i % 2, e, p, None, weights, order, out,
+                                       start, length, tile, r0, lane, warp, g, t)
+
+        @cute.jit
+        def pair_tile(self, gA: cute.Tensor, gW: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, qbuf: cute.Tensor,
+                      rbuf: cute.Tensor, sbuf: cute.Tensor, buf, e, p, qs, weights: cute.Tensor, order: cute.Tensor,
+                      out: cute.Tensor, start, length, tile, r0, lane, warp, g, t):
+            """One tile of 8 pairs of a segment of expert e: this lane's act operands (pair p, its mma column), the
+            row tiles' dot products (from buffer `buf` staged, else loaded) and the routing-weighted outputs of its
+            two columns, whose pairs `qs` gives where they were loaded ahead (else they are loaded here)."""
+            bs = []  # the act operands of every group, as values (registers)
+            for G in cutlass.range_constexpr(self.groups):
+                xs = load4(gA[(None, (p, G * 4 + t))])
+                bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], False))
+            if cutlass.const_expr(self.stage):
+                cute.arch.cp_async_wait_group(1)  # all but the newest group: this segment's rows are in
+                cute.arch.sync_warp()  # and the scale words the row's other lanes copied
+                self.staged_tiles(qbuf, rbuf, sbuf, buf, bs, weights, order, out, start, length, tile, r0, lane,
+                                  warp, g, t, qs)
+            else:
+                cols = None if qs is None else self.columns(qs, weights, length, tile, t)
+                acc = [Float32(0.0) for _ in range(4 * self.tiles)]
+                for r in cutlass.range_constexpr(self.tiles):
+                    ra = r0 + 16 * r
+                    wa = _row_words(gW, w, e, ra, t, self.groups, self.qm)
+                    wb = _row_words(gW, w, e, ra + 8, t, self.groups, self.qm)
+                    sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
+                    sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
                     for G in cutlass.range_constexpr(self.groups):
-                        xs = load4(gA[(None, (p, G * 4 + t))])
-                        bs.append(mma_operands([xs[0], xs[1], xs[2], xs[3]], False))
-                    if cutlass.const_expr(on):
-                        cute.arch.cp_async_wait_group(1)  # all but the newest group: this segment's rows are in
-                        cute.arch.sync_warp()  # and the scale words the row's other lanes copied
-                        self.staged_tiles(qbuf, rbuf, sbuf, i % 2, bs, weights, order, out, start, length, tile, r0,
-                                          lane, warp, g, t)
-                    else:
-                        acc = [Float32(0.0) for _ in range(4 * self.tiles)]
-                        for r in cutlass.range_constexpr(self.tiles):
-                            ra = r0 + 16 * r
-                            wa = _row_words(gW, w, e, ra, t, self.groups, self.qm)
-                            wb = _row_words(gW, w, e, ra + 8, t, self.groups, self.qm)
-                            sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
-                            sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
-                            for G in cutlass.range_constexpr(self.groups):
-                                _group_acc(acc, 4 * r, wa[G], wb[G], bs[G], lambda: sa[G], lambda: sb[G])
-                        # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
-                        for h in cutlass.range_constexpr(2):
-                            n_ = tile * COLS + 2 * t + h
-                            if n_ < length:
-                                q = order[start + n_]
-                                wt = weights[q // self.topk, q % self.topk]
-                                for r in cutlass.range_constexpr(self.tiles):
-                                    out[q, r0 + 16 * r] = wt * acc[4 * r + h]
-                                    out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
+                        _group_acc(acc, 4 * r, wa[G], wb[G], bs[G], lambda: sa[G], lambda: sb[G])
+                # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
+                if cutlass.const_expr(qs is None):
+                    for h in cutlass.range_constexpr(2):
+                        n_ = tile * COLS + 2 * t + h
+                        if n_ < length:
+                            q = order[start + n_]
+                            wt = weights[q // self.topk, q % self.topk]
+                            for r in cutlass.range_constexpr(self.tiles):
+                                out[q, r0 + 16 * r] = wt * acc[4 * r + h]
+                                out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
+                else:
+                    for h in cutlass.range_constexpr(2):
+                        if cols[h][0]:  # (inside the segment, pair, routing weight)
+                            for r in cutlass.range_constexpr(self.tiles):
+                                out[cols[h][1], r0 + 16 * r] = cols[h][2] * acc[4 * r + h]
+                                out[cols[h][1], r0 + 16 * r + 8] = cols[h][2] * acc[4 * r + 2 + h]
+
+        def columns(self, qs, weights: cute.Tensor, length, tile, t):
+            """This lane's two output columns 2t, 2t + 1 of a tile: (inside the segment, pair, routing weight) each,
+            from their pairs `qs`."""
+            return [(tile * COLS + 2 * t + h < length, qs[h], weights[qs[h] // self.topk, qs[h] % self.topk])
+                    for h in range(2)]
 
         @cute.jit
         def stage_rows(self, gW: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, e, qbuf: cute.Tensor,
@@ -445,15 +539,19 @@ if HAVE_CUTE:
 
         @cute.jit
         def staged_tiles(self, qbuf: cute.Tensor, rbuf: cute.Tensor, sbuf: cute.Tensor, buf, bs, weights: cute.Tensor,
-                         order: cute.Tensor, out: cute.Tensor, start, length, tile, r0, lane, warp, g, t):
+                         order: cute.Tensor, out: cute.Tensor, start, length, tile, r0, lane, warp, g, t, qs=None):
             """The staged form's row tiles for one tile of 8 pairs, one per iteration of a loop the compiler keeps:
-            each reads its two row halves' words and scale words from buffer `buf` and stores its four outputs."""
-            q = []  # the pairs of this lane's two columns, their routing weights and whether they exist
-            for h in cutlass.range_constexpr(2):
-                n_ = tile * COLS + 2 * t + h
-                inside = n_ < length
-                qq = order[start + select_i32(inside, n_, length - 1)]
-                q.append((inside, qq, weights[qq // self.topk, qq % self.topk]))
+            each reads its two row halves' words and scale words from buffer `buf` and stores its four outputs (for
+            the pairs `qs` where given, else loaded here)."""
+            if cutlass.const_expr(qs is None):
+                q = []  # the pairs of this lane's two columns, their routing weights and whether they exist
+                for h in cutlass.range_constexpr(2):
+                    n_ = tile * COLS + 2 * t + h
+                    inside = n_ < length
+                    qq = order[start + select_i32(inside, n_, length - 1)]
+                    q.append((inside, qq, weights[qq // self.topk, qq % self.topk]))
+            else:
+                q = self.columns(qs, weights, length, tile, t)
             for r in cutlass.range(self.tiles, unroll=1):
                 wa = self.staged_row(qbuf, rbuf, buf, 2 * r, lane, warp, t)
                 wb = self.staged_row(qbuf, rbuf, buf, 2 * r + 1, lane, warp, t)
@@ -463,10 +561,9 @@ if HAVE_CUTE:
                                lambda: byte_of(sbuf[g, 2 * r * self.swords + G // QUAD, buf, warp], G % QUAD),
                                lambda: byte_of(sbuf[g, (2 * r + 1) * self.swords + G // QUAD, buf, warp], G % QUAD))
                 for h in cutlass.range_constexpr(2):
-                    inside, qq, wt = q[h]
-                    if inside:
-                        out[qq, r0 + 16 * r] = wt * acc[h]
-                        out[qq, r0 + 16 * r + 8] = wt * acc[2 + h]
+                    if q[h][0]:  # (inside the segment, pair, routing weight)
+                        out[q[h][1], r0 + 16 * r] = q[h][2] * acc[h]
+                        out[q[h][1], r0 + 16 * r + 8] = q[h][2] * acc[2 + h]
 
         def staged_row(self, qbuf: cute.Tensor, rbuf: cute.Tensor, buf, v, lane, warp, t):
             """Word t of every MX group of row half v (`stage_rows`), from buffer `buf`, as `_row_words` gives them."""
@@ -525,8 +622,9 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, *signature(*a13)),
                          MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands),
                          *(fake_like(t, align=16) for t in a13))
-    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2)
-    f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, *signature(*a2)), k2,
+    ahead = w2_ahead()
+    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
+    f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, ahead, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
