@@ -1034,13 +1034,16 @@ def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad
 @needs_cute
 @pytest.mark.parametrize("stage", ["1", "all"], ids=["staged", "all_staged"])
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
-def test_moe_w2_grouped_with_its_pairs_loaded_ahead_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad, stage):
-    """KIMI_DECODE_W2_AHEAD=1: the w2 kernel with its segment table in lanes and its pairs loaded a segment ahead,
-    unstaged (TP16 at "1") and staged (TP8; TP16's quad-major rows at "all"), on both layouts."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import MoEW2Grouped, compile_grouped
+@pytest.mark.parametrize("ahead", ["1", "0"])
+def test_moe_w2_grouped_with_its_pairs_loaded_ahead_or_not_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad, stage,
+                                                                              ahead):
+    """KIMI_DECODE_W2_AHEAD: the w2 kernel with its segment table in lanes and its pairs loaded a segment ahead ("1",
+    the default) and with both loaded at each segment's start ("0"), unstaged (TP16 at "1") and staged (TP8; TP16's
+    quad-major rows at "all"), on both layouts; the compiled form is the one asked for (the cache key's flag)."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
-    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", "1")
+    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", ahead)
     s = shard("k3", tp=tp, pad_experts=pad)
     m = s.model
     E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
@@ -1055,7 +1058,7 @@ def test_moe_w2_grouped_with_its_pairs_loaded_ahead_compiles_for_sm90a(sm90a, mo
                                   s.expert_inter_used, quad_major=quad)
         assert f13 is not None and f2 is not None
     w2_keys = [key for key in cute_common._cache if key[0] == "moe_w2_grouped"]
-    assert len(w2_keys) == 2 and all(key[6] is True for key in w2_keys)  # (.., stage, ahead, ..): both layouts
+    assert len(w2_keys) == 2 and all(key[6] is (ahead == "1") for key in w2_keys)  # (.., stage, ahead, ..)
 
 
 @pytest.mark.parametrize("raw", ["2", "yes", ""])
@@ -1063,9 +1066,9 @@ def test_w2_ahead_setting_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.moe_mxfp4_grouped import w2_ahead
 
     monkeypatch.delenv("KIMI_DECODE_W2_AHEAD", raising=False)
-    assert w2_ahead() is False
-    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", "1")
     assert w2_ahead() is True
+    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", "0")
+    assert w2_ahead() is False
     monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", raw)
     with pytest.raises(ValueError, match="KIMI_DECODE_W2_AHEAD"):
         w2_ahead()

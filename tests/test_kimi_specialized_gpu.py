@@ -155,9 +155,10 @@ def test_specialized_layer_with_the_first_w13_quads_loaded_early_matches_referen
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
-def test_specialized_layer_with_the_w2_pairs_loaded_ahead_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_W2_AHEAD=1: the grouped w2 kernel's pairs loaded one segment ahead, in a whole layer."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_AHEAD", "1", tp, batch, 3400)
+def test_specialized_layer_with_the_w2_pairs_loaded_at_each_segment_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_W2_AHEAD=0: the grouped w2 kernel's pairs loaded at each segment's start, in a whole layer (the
+    default, one segment ahead, runs in the layer tests above)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_AHEAD", "0", tp, batch, 3400)
 
 
 @pytest.mark.parametrize("how", ["1", "align"])
@@ -614,12 +615,13 @@ def test_moe_mxfp4_grouped_staging_settings_match_float64(monkeypatch, tp, pad, 
 
 @pytest.mark.parametrize("stage", ["1", "0", "all"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (8, True), (16, False)])
-def test_moe_mxfp4_grouped_w2_with_its_pairs_loaded_ahead_matches_float64(monkeypatch, tp, pad, stage):
-    """KIMI_DECODE_W2_AHEAD=1: the grouped w2 kernel's segment table held in lanes and each segment's first pairs
-    loaded during the segment before; staged and not, on both layouts: segments of one tile, of several (every
-    token on the same experts, the last tile partial at batch 33), a CTA per segment slot (most CTAs with no
-    segment) and 32 segment slots per CTA (the whole lane table)."""
-    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", "1")
+@pytest.mark.parametrize("ahead", ["1", "0"])
+def test_moe_mxfp4_grouped_w2_with_its_pairs_loaded_ahead_or_not_matches_float64(monkeypatch, tp, pad, stage, ahead):
+    """KIMI_DECODE_W2_AHEAD=1 (the default): the grouped w2 kernel's segment table held in lanes and each segment's
+    first pairs loaded during the segment before; "0" both loaded at the segment's start. Staged and not, on both
+    layouts: segments of one tile, of several (every token on the same experts, the last tile partial at batch
+    33), a CTA per segment slot (most CTAs with no segment) and 32 segment slots per CTA (the whole lane table)."""
+    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", ahead)
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)

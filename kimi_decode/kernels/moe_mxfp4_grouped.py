@@ -27,7 +27,8 @@ shared-memory buffers while it works on the current one), the act operands conve
 routing weight x partial output per pair [pair, latent] fp32, summed over each token's k pairs afterwards (no atomics:
 the result does not depend on the order in which CTAs finish). Segments past the number of distinct experts have
 length 0: a w13 CTA that finds one exits at once, and a w2 CTA counts its non-empty segments first (lane i loads the
-length of its i-th one)."""
+length, start and expert of its i-th one; each segment takes them from lane i, and loads its first pairs during the
+segment before, `w2_ahead`)."""
 from __future__ import annotations
 
 import math
@@ -92,9 +93,10 @@ W2_AHEAD = ("0", "1")
 
 def w2_ahead() -> bool:
     """KIMI_DECODE_W2_AHEAD: whether the grouped w2 kernel takes its segments' table from lanes and loads each
-    segment's first pairs during the segment before (`MoEW2Grouped`, "1"), or loads both at the segment's start
-    ("0", the default until timed; benchmarks/NOTES.md, item 37)."""
-    return env_choice("KIMI_DECODE_W2_AHEAD", "0", W2_AHEAD) == "1"
+    segment's first pairs during the segment before (`MoEW2Grouped`, "1", the default: measured 2.4-9.2 us faster per
+    layer on the H200 at batches 16 and 64, most at TP8; benchmarks/NOTES.md, item 37), or loads both at the
+    segment's start ("0", for A/B runs)."""
+    return env_choice("KIMI_DECODE_W2_AHEAD", "1", W2_AHEAD) == "1"
 
 
 def _tiles(n: int, most: int) -> int:
