@@ -29,7 +29,8 @@
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels, or NCU_KERNELS, at batch NCU_BATCH (default 1),
 # TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1), resources
 # (benchmarks/kernel_resources.py at RES_TP x RES_BATCHES: each kernel's registers under the machine's cutlass-dsl),
-# v24 (the A/B runs of benchmarks/NOTES.md items 35 and 36: KIMI_DECODE_GROUPED_ALIGN, KIMI_DECODE_W13_FIRST).
+# v24 (the A/B runs of benchmarks/NOTES.md items 35 and 36: KIMI_DECODE_GROUPED_ALIGN, KIMI_DECODE_W13_FIRST),
+# v25 (item 38: KIMI_DECODE_W2_COMPACT at TP16, both backends beside the new setting).
 # AB_LIMIT: seconds per ab setting (default 70).
 set -u
 OUT="${OUT:-runs/h200}"
@@ -221,6 +222,12 @@ for name in "$@"; do
          bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 \
            --batch ${AB_BATCHES:-1})
       done ;;
+    v25)  # benchmarks/NOTES.md item 38, each setting in its own process: TP16 with the w2 copy cut to its used
+      # columns (KIMI_DECODE_W2_COMPACT=1, with auto beside it) and without
+      KIMI_DECODE_W2_COMPACT=0 bench "compact=0" 70 bench_compact_0.json --backend latency_specialized --tp 16 \
+        --batch 1 8 16 64
+      KIMI_DECODE_W2_COMPACT=1 bench "compact=1" 100 bench_compact_1.json --backend auto latency_specialized \
+        --tp 16 --batch 1 8 16 64 ;;
     v24)  # benchmarks/NOTES.md items 35 and 36, each setting in its own process, latency_specialized only: the
       # grouped path's alignment at batches 16 and 64, then the per-pair w13 kernel's early quads at batches 1 and 8
       for v in 0 align 1; do

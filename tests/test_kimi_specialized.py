@@ -1032,6 +1032,35 @@ def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad
 
 
 @needs_cute
+@pytest.mark.parametrize("quad", [True, False], ids=["quad_major", "natural"])
+def test_expert_kernels_on_compact_w2_rows_with_padded_scales_compile_for_sm90a(sm90a, monkeypatch, quad):
+    """KIMI_DECODE_W2_COMPACT=1's form at TP16: w2 codes of the 6 used MX groups per row (96 bytes) beside the padded
+    shard's scales (8 bytes per row, read as int32 words): the per-pair kernels at 1 and 8 tokens (with the fused
+    norm's scaled output) and the grouped ones at 64, w2 staged ("all") and not; each a variant of its own."""
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    s = shard("k3", tp=16)
+    m = s.model
+    L, used = m.moe_latent, s.expert_inter_used
+    for batch in (1, 8):
+        args = list(_moe_args(s, batch))
+        padded = compile_moe(*args, quad_major=quad)
+        args[5] = torch.empty(m.num_experts, L, used // 2, dtype=torch.uint8)  # w2, its used columns only
+        compact = compile_moe(*args, quad_major=quad,
+                              scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)))
+        assert all(f is not None for f in compact) and compact[1] is not padded[1]
+    P = 64 * m.top_k
+    for stage in ("1", "all"):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
+        args = list(_moe_args(s, 64))
+        f13, f2 = compile_grouped(*args[:5], torch.empty(m.num_experts, L, used // 2, dtype=torch.uint8), args[6],
+                                  [torch.empty(P, dtype=torch.int32)] * 4, args[7], torch.empty(P, L), used,
+                                  quad_major=quad)
+        assert f13 is not None and f2 is not None
+
+
+@needs_cute
 @pytest.mark.parametrize("stage", ["1", "all"], ids=["staged", "all_staged"])
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
 @pytest.mark.parametrize("ahead", ["1", "0"])
@@ -1435,16 +1464,41 @@ def test_expert_codes_are_quad_major_copies_made_once_unless_switched_off(monkey
     w = SimpleNamespace(w13=torch.randint(0, 256, (4, 6, 64), dtype=torch.uint8),
                         w2=torch.randint(0, 256, (4, 8, 96), dtype=torch.uint8))
     backend = get_backend("latency_specialized")
-    w13, w2, quad = backend._expert_codes(w)
+    w13, w2, quad = backend._expert_codes(w, 192)
     assert quad and torch.equal(w13, quad_major(w.w13)) and torch.equal(w2, quad_major(w.w2))
-    assert backend._expert_codes(w)[0] is w13
+    assert backend._expert_codes(w, 192)[0] is w13
     odd = SimpleNamespace(w13=w.w13, w2=torch.zeros(4, 8, 48, dtype=torch.uint8))
-    assert backend._expert_codes(odd) == (odd.w13, odd.w2, False)
+    assert backend._expert_codes(odd, 96) == (odd.w13, odd.w2, False)
     monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "0")
-    assert get_backend("latency_specialized")._expert_codes(w) == (w.w13, w.w2, False)
+    assert get_backend("latency_specialized")._expert_codes(w, 192) == (w.w13, w.w2, False)
     monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "2")
     with pytest.raises(ValueError, match="KIMI_DECODE_QUAD_MAJOR"):
         get_backend("latency_specialized")
+
+
+@pytest.mark.parametrize("compact", ["1", "0"])
+def test_w2_codes_copy_drops_a_padded_shards_zero_columns_when_compact(monkeypatch, compact):
+    """KIMI_DECODE_W2_COMPACT=1: the quad-major w2 copy of a padded shard (rows of 8 MX groups, 6 used: TP16) keeps
+    only the used columns, so rows are 96 bytes, not 128; the same copy on a second call; an unpadded shard (all
+    columns used) and "0" keep the stored width. w13 is the same either way."""
+    from types import SimpleNamespace
+
+    from kimi_decode.kernels.moe_mxfp4 import quad_major
+
+    monkeypatch.setenv("KIMI_DECODE_W2_COMPACT", compact)
+    w = SimpleNamespace(w13=torch.randint(0, 256, (4, 6, 64), dtype=torch.uint8),
+                        w2=torch.randint(0, 256, (4, 8, 128), dtype=torch.uint8))
+    backend = get_backend("latency_specialized")
+    w13, w2, quad = backend._expert_codes(w, 192)
+    assert quad and torch.equal(w13, quad_major(w.w13))
+    if compact == "1":
+        assert w2.shape == (4, 8, 96) and w2.is_contiguous()
+        assert torch.equal(w2, quad_major(w.w2[..., :96].contiguous()))
+        assert torch.equal(quad_major(w2, inverse=True), w.w2[..., :96])  # the used columns, unchanged
+    else:
+        assert torch.equal(w2, quad_major(w.w2))
+    assert backend._expert_codes(w, 192)[1] is w2
+    assert torch.equal(backend._expert_codes(w, 256)[1], quad_major(w.w2))  # every column used: nothing to drop
 
 
 def test_f_b_column_copy_is_made_once_outside_captures_and_dropped_with_its_weight(monkeypatch):

@@ -153,6 +153,13 @@ def test_specialized_layer_with_the_first_w13_quads_loaded_early_matches_referen
     _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_FIRST", first, tp, batch, 3600)
 
 
+@pytest.mark.parametrize("batch", [1, 8, 16, 64])
+def test_specialized_layer_with_w2_rows_cut_to_their_used_columns_matches_reference(monkeypatch, batch):
+    """KIMI_DECODE_W2_COMPACT=1 at TP16 (the padded shard): the expert kernels on w2 rows of the used columns only,
+    per-pair (batches 1, 8) and grouped (16, 64)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_COMPACT", "1", 16, batch, 3200)
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
 def test_specialized_layer_with_the_w2_pairs_loaded_at_each_segment_matches_reference(monkeypatch, tp, batch):
@@ -428,11 +435,13 @@ def test_moe_mxfp4_at_each_w2_chunk_matches_float64(monkeypatch, tp, pad, batch,
     _check_moe_mxfp4(tp, pad, batch)
 
 
-def _codes(w, quad: bool):
-    """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies."""
+def _codes(w, quad: bool, used: int | None = None):
+    """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies; with `used`,
+    w2's rows cut to their used columns (the backend's `KIMI_DECODE_W2_COMPACT` copy; the scales stay padded)."""
     from kimi_decode.kernels.moe_mxfp4 import quad_major
 
-    return (quad_major(w.w13), quad_major(w.w2)) if quad else (w.w13, w.w2)
+    w2 = w.w2 if used is None else w.w2[..., :used // 2].contiguous()
+    return (quad_major(w.w13), quad_major(w2)) if quad else (w.w13, w2)
 
 
 @pytest.mark.parametrize("tp, pad, batch, chunk", [(16, True, 1, "auto"), (16, False, 1, "auto"),
@@ -452,7 +461,7 @@ def test_moe_mxfp4_on_quad_major_codes_matches_float64(monkeypatch, tp, pad, bat
             test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
 
 
-def _check_moe_mxfp4(tp, pad, batch, quad: bool = False):
+def _check_moe_mxfp4(tp, pad, batch, quad: bool = False, compact: bool = False):
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
 
     s = shard("k3", tp=tp, pad_experts=pad)
@@ -466,7 +475,7 @@ def _check_moe_mxfp4(tp, pad, batch, quad: bool = False):
     out = torch.full((batch, s.model.moe_latent), float("nan"), device="cuda")
     act = torch.full((batch * s.model.top_k, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
     ssq = torch.full((batch, s.model.moe_latent // 16), float("nan"), device="cuda")
-    w13, w2 = _codes(w, quad)
+    w13, w2 = _codes(w, quad, s.expert_inter_used if compact else None)
     moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, act=act, out=out,
               ssq=ssq, quad_major=quad)
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
@@ -485,7 +494,7 @@ def _check_moe_mxfp4(tp, pad, batch, quad: bool = False):
 @pytest.mark.parametrize("quad", [False, True], ids=["natural", "quad_major"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch, same", [(9, False), (64, False), (64, True), (33, True)])
-def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="triton"):
+def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="triton", compact=False):
     """Experts read once per step for all their pairs; `same`: every token picks the same 16 experts, so each
     segment holds the whole batch (several tiles of 8 pairs, the last one partial at batch 33); on natural rows and
     on `quad_major` codes. `how`: the pairs sorted by the Triton kernel, or counted by the CuTe one ("align"), which
@@ -515,7 +524,7 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="trit
         x = latent if x is None else x
     act = torch.full((P, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
     pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda")
-    w13, w2 = _codes(w, quad)
+    w13, w2 = _codes(w, quad, s.expert_inter_used if compact else None)
     out = moe_mxfp4_grouped(x, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, align,
                             act=act, pair_out=pair_out, quad_major=quad, x_operands=how == "operands")
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
@@ -630,6 +639,20 @@ def test_moe_mxfp4_grouped_w2_with_its_pairs_loaded_ahead_or_not_matches_float64
         monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", seg_ctas)
         test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
         test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
+
+
+@pytest.mark.parametrize("quad", [True, False], ids=["quad_major", "natural"])
+def test_expert_kernels_on_w2_rows_cut_to_their_used_columns_match_float64(monkeypatch, quad):
+    """TP16's padded shard (w2 rows of 128 bytes, 96 used) with w2's codes cut to the used columns and its scales
+    left padded (`KIMI_DECODE_W2_COMPACT=1`): the per-pair kernels at 1, 3 and 8 tokens, the grouped ones at 9, 64
+    and 33 (every token on the same experts), staged w2 ("all") and not."""
+    for batch in (1, 3, 8):
+        _check_moe_mxfp4(16, True, batch, quad, compact=True)
+    for stage in ("1", "all"):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
+        test_moe_mxfp4_grouped_matches_float64(16, True, 9, False, quad, "operands", compact=True)
+        test_moe_mxfp4_grouped_matches_float64(16, True, 64, False, quad, compact=True)
+        test_moe_mxfp4_grouped_matches_float64(16, True, 33, True, quad, compact=True)
 
 
 @pytest.mark.parametrize("rows", [4, 17, 64])

@@ -191,6 +191,9 @@ class LatencySpecializedBackend(AutoBackend):
         # the expert kernels' MXFP4 codes in quad-major order (`moe_mxfp4.quad_major`: no word exchange between
         # lanes); KIMI_DECODE_QUAD_MAJOR=0 reads the natural rows, for A/B
         self._quad_major_on = cute_common.env_choice("KIMI_DECODE_QUAD_MAJOR", "1", ("0", "1")) == "1"
+        # that copy of w2 without the zero columns a padded shard stores past the used ones (TP16: 128-byte rows of
+        # which 96 are used); KIMI_DECODE_W2_COMPACT=0 keeps the stored width, for A/B
+        self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "0", ("0", "1")) == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
@@ -474,15 +477,21 @@ class LatencySpecializedBackend(AutoBackend):
                              "the decay gate's f_b first seen inside a CUDA-graph capture: its column-major copy is "
                              "made outside captures, so the f_b GEMV runs as its own kernel in this graph")
 
-    def _expert_codes(self, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _expert_codes(self, w: MoEWeights, used: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13, w2, whether they are quad-major) for the expert kernels: copies in `moe_mxfp4.quad_major` order
-        (`_copy_of`), else the natural rows."""
+        (`_copy_of`), else the natural rows. With `KIMI_DECODE_W2_COMPACT=1` the w2 copy keeps only the `used`
+        columns of each row: a padded shard's zero columns share the rows' DRAM bursts with the used ones, so they
+        would be read too (TP16: a third more than the used bytes)."""
         from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
-        if self._quad_major_on and quad_major_fits(w.w13) and quad_major_fits(w.w2):
+        compact = self._w2_compact and 2 * w.w2.shape[2] > used
+        w2_used = w.w2[..., :used // 2] if compact else w.w2
+        if self._quad_major_on and quad_major_fits(w.w13) and quad_major_fits(w2_used):
             why = ("expert weights first seen inside a CUDA-graph capture: their quad-major copies are made outside "
                    "captures, so the expert kernels read the natural rows in this graph")
-            w13, w2 = (self._copy_of(t, "quad_major", quad_major, why) for t in (w.w13, w.w2))
+            w13 = self._copy_of(w.w13, "quad_major", quad_major, why)
+            w2 = self._copy_of(w.w2, f"quad_major:{used}" if compact else "quad_major",
+                               lambda t: quad_major(t[..., :used // 2].contiguous() if compact else t), why)
             if w13 is not None and w2 is not None:
                 return w13, w2, True
         return w.w13, w.w2, False
@@ -568,7 +577,7 @@ class LatencySpecializedBackend(AutoBackend):
         B, k = ids.shape
         used = shard.expert_inter_used
         L = w.w2.shape[1]
-        w13, w2, quad = self._expert_codes(w)
+        w13, w2, quad = self._expert_codes(w, used)
         if B >= self._grouped_from:  # many pairs share an expert: sort them by expert and read each expert once
             from ..kernels import moe_align as counting
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
