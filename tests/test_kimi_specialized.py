@@ -1061,9 +1061,9 @@ def test_expert_kernels_on_compact_w2_rows_with_padded_scales_compile_for_sm90a(
 
 
 @needs_cute
-@pytest.mark.parametrize("stage", ["1", "all"], ids=["staged", "all_staged"])
-@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
-@pytest.mark.parametrize("ahead", ["1", "0"])
+@pytest.mark.parametrize("tp, batch, pad, stage, ahead", [(16, 64, True, "1", "1"), (8, 64, True, "1", "1"),
+                                                          (16, 9, False, "1", "1"), (16, 64, True, "all", "1"),
+                                                          (8, 64, True, "1", "0"), (16, 64, True, "all", "0")])
 def test_moe_w2_grouped_with_its_pairs_loaded_ahead_or_not_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad, stage,
                                                                               ahead):
     """KIMI_DECODE_W2_AHEAD: the w2 kernel with its segment table in lanes and its pairs loaded a segment ahead ("1",
@@ -1478,7 +1478,7 @@ def test_expert_codes_are_quad_major_copies_made_once_unless_switched_off(monkey
 
 @pytest.mark.parametrize("compact", ["1", "0"])
 def test_w2_codes_copy_drops_a_padded_shards_zero_columns_when_compact(monkeypatch, compact):
-    """KIMI_DECODE_W2_COMPACT=1: the quad-major w2 copy of a padded shard (rows of 8 MX groups, 6 used: TP16) keeps
+    """KIMI_DECODE_W2_COMPACT=1 (the default): the quad-major w2 copy of a padded shard (rows of 8 MX groups, 6 used: TP16) keeps
     only the used columns, so rows are 96 bytes, not 128; the same copy on a second call; an unpadded shard (all
     columns used) and "0" keep the stored width. w13 is the same either way."""
     from types import SimpleNamespace
@@ -1486,6 +1486,8 @@ def test_w2_codes_copy_drops_a_padded_shards_zero_columns_when_compact(monkeypat
     from kimi_decode.kernels.moe_mxfp4 import quad_major
 
     monkeypatch.setenv("KIMI_DECODE_W2_COMPACT", compact)
+    if compact == "1":  # the default
+        monkeypatch.delenv("KIMI_DECODE_W2_COMPACT")
     w = SimpleNamespace(w13=torch.randint(0, 256, (4, 6, 64), dtype=torch.uint8),
                         w2=torch.randint(0, 256, (4, 8, 128), dtype=torch.uint8))
     backend = get_backend("latency_specialized")

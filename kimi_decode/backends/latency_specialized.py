@@ -192,8 +192,9 @@ class LatencySpecializedBackend(AutoBackend):
         # lanes); KIMI_DECODE_QUAD_MAJOR=0 reads the natural rows, for A/B
         self._quad_major_on = cute_common.env_choice("KIMI_DECODE_QUAD_MAJOR", "1", ("0", "1")) == "1"
         # that copy of w2 without the zero columns a padded shard stores past the used ones (TP16: 128-byte rows of
-        # which 96 are used); KIMI_DECODE_W2_COMPACT=0 keeps the stored width, for A/B
-        self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "0", ("0", "1")) == "1"
+        # which 96 are used; measured 2.4 / 6.6 us faster per layer at batch 16 / 64, benchmarks/NOTES.md item 38);
+        # KIMI_DECODE_W2_COMPACT=0 keeps the stored width, for A/B
+        self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "1", ("0", "1")) == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
@@ -479,8 +480,8 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _expert_codes(self, w: MoEWeights, used: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13, w2, whether they are quad-major) for the expert kernels: copies in `moe_mxfp4.quad_major` order
-        (`_copy_of`), else the natural rows. With `KIMI_DECODE_W2_COMPACT=1` the w2 copy keeps only the `used`
-        columns of each row: a padded shard's zero columns share the rows' DRAM bursts with the used ones, so they
+        (`_copy_of`), else the natural rows. The w2 copy keeps only the `used` columns of each row
+        (`KIMI_DECODE_W2_COMPACT=0`: all of them): a padded shard's zero columns share the rows' DRAM bursts with the used ones, so they
         would be read too (TP16: a third more than the used bytes)."""
         from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
