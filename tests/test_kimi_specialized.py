@@ -95,6 +95,18 @@ def _moe_args(s, batch: int) -> tuple:
             torch.empty(batch, L // 16), s.expert_inter_used)
 
 
+def _grouped_args(s, batch: int, w2_cols: int | None = None) -> list:
+    """`compile_grouped`'s positional arguments at shard `s` (`w2_cols`: w2's bytes per row, else as stored)."""
+    m = s.model
+    E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
+    u8 = torch.uint8
+    return [torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
+            torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
+            torch.empty(E, L, w2_cols or I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
+            [torch.empty(P, dtype=torch.int32)] * 4, torch.empty(P, s.expert_inter_used, dtype=torch.float16),
+            torch.empty(P, L), s.expert_inter_used]
+
+
 @needs_cute
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 8), (1, 1), (8, 64)])
 def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
@@ -1017,26 +1029,17 @@ def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
-
-    s = shard("k3", tp=tp, pad_experts=pad)
-    m = s.model
-    E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
-    u8 = torch.uint8
-    f13, f2 = compile_grouped(torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
-                              torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8),
-                              torch.empty(E, 2 * I, L // 32, dtype=u8), torch.empty(E, L, I // 2, dtype=u8),
-                              torch.empty(E, L, I // 32, dtype=u8), [torch.empty(P, dtype=torch.int32)] * 4,
-                              torch.empty(P, s.expert_inter_used, dtype=torch.float16), torch.empty(P, L),
-                              s.expert_inter_used)
+    f13, f2 = compile_grouped(*_grouped_args(shard("k3", tp=tp, pad_experts=pad), batch))
     assert f13 is not None and f2 is not None
 
 
 @needs_cute
 @pytest.mark.parametrize("quad", [True, False], ids=["quad_major", "natural"])
 def test_expert_kernels_on_compact_w2_rows_with_padded_scales_compile_for_sm90a(sm90a, monkeypatch, quad):
-    """KIMI_DECODE_W2_COMPACT=1's form at TP16: w2 codes of the 6 used MX groups per row (96 bytes) beside the padded
-    shard's scales (8 bytes per row, read as int32 words): the per-pair kernels at 1 and 8 tokens (with the fused
-    norm's scaled output) and the grouped ones at 64, w2 staged ("all") and not; each a variant of its own."""
+    """KIMI_DECODE_W2_COMPACT=1's form (the default) at TP16: w2 codes of the 6 used MX groups per row (96 bytes)
+    beside the padded shard's scales (8 bytes per row, read as int32 words): the per-pair kernels at 1 and 8 tokens
+    (w2 a variant of its own, also with the fused norm's scaled output) and the grouped ones at 64, w2 staged
+    ("all") and not."""
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
@@ -1047,16 +1050,14 @@ def test_expert_kernels_on_compact_w2_rows_with_padded_scales_compile_for_sm90a(
         args = list(_moe_args(s, batch))
         padded = compile_moe(*args, quad_major=quad)
         args[5] = torch.empty(m.num_experts, L, used // 2, dtype=torch.uint8)  # w2, its used columns only
-        compact = compile_moe(*args, quad_major=quad,
-                              scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)))
-        assert all(f is not None for f in compact) and compact[1] is not padded[1]
-    P = 64 * m.top_k
+        compact = compile_moe(*args, quad_major=quad)
+        assert compact[0] is padded[0] and compact[1] is not None and compact[1] is not padded[1]
+        scaled = compile_moe(*args, quad_major=quad,
+                             scaled=(torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16)))
+        assert scaled[1] is not None
     for stage in ("1", "all"):
         monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
-        args = list(_moe_args(s, 64))
-        f13, f2 = compile_grouped(*args[:5], torch.empty(m.num_experts, L, used // 2, dtype=torch.uint8), args[6],
-                                  [torch.empty(P, dtype=torch.int32)] * 4, args[7], torch.empty(P, L), used,
-                                  quad_major=quad)
+        f13, f2 = compile_grouped(*_grouped_args(s, 64, w2_cols=used // 2), quad_major=quad)
         assert f13 is not None and f2 is not None
 
 
@@ -1073,18 +1074,9 @@ def test_moe_w2_grouped_with_its_pairs_loaded_ahead_or_not_compiles_for_sm90a(sm
 
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
     monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", ahead)
-    s = shard("k3", tp=tp, pad_experts=pad)
-    m = s.model
-    E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
-    u8 = torch.uint8
+    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
     for quad in (False, True):
-        f13, f2 = compile_grouped(torch.empty(batch, L, dtype=torch.bfloat16),
-                                  torch.empty(batch, k, dtype=torch.int32), torch.empty(batch, k),
-                                  torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
-                                  torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
-                                  [torch.empty(P, dtype=torch.int32)] * 4,
-                                  torch.empty(P, s.expert_inter_used, dtype=torch.float16), torch.empty(P, L),
-                                  s.expert_inter_used, quad_major=quad)
+        f13, f2 = compile_grouped(*args, quad_major=quad)
         assert f13 is not None and f2 is not None
     w2_keys = [key for key in cute_common._cache if key[0] == "moe_w2_grouped"]
     assert len(w2_keys) == 2 and all(key[6] is (ahead == "1") for key in w2_keys)  # (.., stage, ahead, ..)
@@ -1134,15 +1126,7 @@ def test_moe_mxfp4_on_quad_major_codes_compiles_for_sm90a(sm90a_pdl, monkeypatch
 def test_moe_mxfp4_grouped_on_quad_major_codes_compiles_for_sm90a(sm90a, tp, batch, pad):
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
-    s = shard("k3", tp=tp, pad_experts=pad)
-    m = s.model
-    E, L, I, k, P = m.num_experts, m.moe_latent, s.expert_inter, m.top_k, batch * m.top_k
-    u8 = torch.uint8
-    args = (torch.empty(batch, L, dtype=torch.bfloat16), torch.empty(batch, k, dtype=torch.int32),
-            torch.empty(batch, k), torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
-            torch.empty(E, L, I // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
-            [torch.empty(P, dtype=torch.int32)] * 4, torch.empty(P, s.expert_inter_used, dtype=torch.float16),
-            torch.empty(P, L), s.expert_inter_used)
+    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
     natural, quad = compile_grouped(*args), compile_grouped(*args, quad_major=True)
     assert all(f is not None for f in quad) and quad[0] is not natural[0] and quad[1] is not natural[1]
 
@@ -1478,9 +1462,9 @@ def test_expert_codes_are_quad_major_copies_made_once_unless_switched_off(monkey
 
 @pytest.mark.parametrize("compact", ["1", "0"])
 def test_w2_codes_copy_drops_a_padded_shards_zero_columns_when_compact(monkeypatch, compact):
-    """KIMI_DECODE_W2_COMPACT=1 (the default): the quad-major w2 copy of a padded shard (rows of 8 MX groups, 6 used: TP16) keeps
-    only the used columns, so rows are 96 bytes, not 128; the same copy on a second call; an unpadded shard (all
-    columns used) and "0" keep the stored width. w13 is the same either way."""
+    """KIMI_DECODE_W2_COMPACT=1 (the default): the quad-major w2 copy of a padded shard (rows of 8 MX groups, 6 used:
+    TP16) keeps only the used columns, so rows are 96 bytes, not 128; the same copy on a second call; an unpadded
+    shard (all columns used) and "0" keep the stored width. w13 is the same either way."""
     from types import SimpleNamespace
 
     from kimi_decode.kernels.moe_mxfp4 import quad_major

@@ -481,8 +481,8 @@ class LatencySpecializedBackend(AutoBackend):
     def _expert_codes(self, w: MoEWeights, used: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13, w2, whether they are quad-major) for the expert kernels: copies in `moe_mxfp4.quad_major` order
         (`_copy_of`), else the natural rows. The w2 copy keeps only the `used` columns of each row
-        (`KIMI_DECODE_W2_COMPACT=0`: all of them): a padded shard's zero columns share the rows' DRAM bursts with the used ones, so they
-        would be read too (TP16: a third more than the used bytes)."""
+        (`KIMI_DECODE_W2_COMPACT=0`: all of them): a padded shard's zero columns share the rows' DRAM bursts with
+        the used ones, so they would be read too (TP16: a third more than the used bytes)."""
         from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
         compact = self._w2_compact and 2 * w.w2.shape[2] > used
