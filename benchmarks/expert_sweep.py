@@ -8,7 +8,9 @@ distinct experts of a launch are mostly not in L2 (a TP16 layer's experts hold ~
 graph of back-to-back launches, 20 replays, the median per launch; MB are the distinct experts' used rows and scales
 (what the math needs) and TB/s is against the 4.3 TB/s HBM floor. The alignment kernels (no weight bytes: TB/s 0)
 and the w13 kernel on the latent's fp16 operands (`latent_operands`) are timed on the same routing sets, as is the
-w2 kernel with its pairs loaded a segment ahead (`KIMI_DECODE_W2_AHEAD=1`).
+w2 kernel's other form of `KIMI_DECODE_W2_AHEAD` ("(not ahead)" under the default, each segment's pairs loaded at its
+start; "(ahead)" under "0"). The weights are as stored (TP16: w2 rows with the padded shard's zero columns, which the
+backend's compact copy drops).
 """
 import argparse
 import json

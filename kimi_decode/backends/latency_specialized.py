@@ -47,7 +47,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   `KIMI_DECODE_GROUPED_STAGE`); all of them read copies of the expert codes in quad-major
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
-  natural rows, for A/B);
+  natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored);
 - the MoE tail: up to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes
   beside the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the
   residual in its epilogue; with the grouped experts (batches 9..64) and no cross-rank all-reduce of the routed
