@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+from unittest import mock
 
 import torch
 
@@ -25,7 +26,8 @@ from kimi_decode.config import shard
 from kimi_decode.kernels import triton_kernels as tk
 from kimi_decode.kernels.cute_common import launch
 from kimi_decode.kernels.moe_align import moe_align as cute_align
-from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped, kernel_args, latent_operands, moe_mxfp4_grouped
+from kimi_decode.kernels.moe_mxfp4_grouped import (compile_grouped, kernel_args, latent_operands, moe_mxfp4_grouped,
+                                                   w2_ahead)
 from kimi_decode.weights import init_layer
 
 p = argparse.ArgumentParser()
@@ -75,15 +77,11 @@ for tp in a.tp:
                                   pair_out, used, x_operands=True)
         args_o = [kernel_args(ops, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, al, act, pair_out)[0]
                   for al in aligns]
-        ahead_was = os.environ.get("KIMI_DECODE_W2_AHEAD")
-        os.environ["KIMI_DECODE_W2_AHEAD"] = "1" if ahead_was != "1" else "0"  # the other form of the w2 kernel
-        _, f2x = compile_grouped(latent, ids[0], weights, w.w13, w.w13_scale, w.w2, w.w2_scale, aligns[0], act,
-                                 pair_out, used)
-        if ahead_was is None:
-            del os.environ["KIMI_DECODE_W2_AHEAD"]
-        else:
-            os.environ["KIMI_DECODE_W2_AHEAD"] = ahead_was
-        other = "grouped w2 (not ahead)" if ahead_was == "1" else "grouped w2 (ahead)"
+        ahead = w2_ahead()
+        with mock.patch.dict(os.environ, {"KIMI_DECODE_W2_AHEAD": "0" if ahead else "1"}):  # the w2 kernel's other form
+            _, f2x = compile_grouped(latent, ids[0], weights, w.w13, w.w13_scale, w.w2, w.w2_scale, aligns[0], act,
+                                     pair_out, used)
+        other = "grouped w2 (not ahead)" if ahead else "grouped w2 (ahead)"
         scratch = [torch.empty(P, dtype=torch.int32, device=dev) for _ in range(4)]
         ops_out = torch.empty_like(ops)
         variants = {

@@ -485,14 +485,12 @@ class LatencySpecializedBackend(AutoBackend):
         the used ones, so they would be read too (TP16: a third more than the used bytes)."""
         from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
-        compact = self._w2_compact and 2 * w.w2.shape[2] > used
-        w2_used = w.w2[..., :used // 2] if compact else w.w2
-        if self._quad_major_on and quad_major_fits(w.w13) and quad_major_fits(w2_used):
+        cols = used // 2 if self._w2_compact else w.w2.shape[2]  # w2's bytes per row in the copy
+        if self._quad_major_on and quad_major_fits(w.w13) and quad_major_fits(w.w2[..., :cols]):
             why = ("expert weights first seen inside a CUDA-graph capture: their quad-major copies are made outside "
                    "captures, so the expert kernels read the natural rows in this graph")
             w13 = self._copy_of(w.w13, "quad_major", quad_major, why)
-            w2 = self._copy_of(w.w2, f"quad_major:{used}" if compact else "quad_major",
-                               lambda t: quad_major(t[..., :used // 2].contiguous() if compact else t), why)
+            w2 = self._copy_of(w.w2, f"quad_major:{cols}", lambda t: quad_major(t[..., :cols]), why)
             if w13 is not None and w2 is not None:
                 return w13, w2, True
         return w.w13, w.w2, False

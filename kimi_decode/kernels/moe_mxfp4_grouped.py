@@ -144,25 +144,19 @@ if HAVE_CUTE:
         acc[k + 2] = acc[k + 2] + c[2] * fb
         acc[k + 3] = acc[k + 3] + c[3] * fb
 
-    def _segments(seg_len: cute.Tensor, by, lane, stride: int):
+    def _segments(seg_len: cute.Tensor, by, lane, stride: int, *more: cute.Tensor):
         """How many segments CTA row `by` works on (segments by, by + stride, ...): lane i loads the i-th one's
         length, and a ballot counts the non-empty ones, which come first since `moe_align` writes the distinct
-        experts first and the rest with length 0."""
-        P = seg_len.shape[0]
-        s = by + lane * stride
-        inside = s < P
-        return cute.arch.popc(cute.arch.vote_ballot_sync(inside & (seg_len[select_i32(inside, s, P - 1)] > 0)))
-
-    def _segment_table(seg_len: cute.Tensor, seg_start: cute.Tensor, seg_expert: cute.Tensor, by, lane, stride: int):
-        """`_segments` for the look-ahead form: lane i also keeps the i-th segment's start and expert (loaded with its
-        length, one round trip for all of them); the loop takes them from lane i (`_from_lane`) instead of loading
-        them per segment. Returns the count and the lane's (length, start, expert)."""
+        experts first and the rest with length 0. With tables `more` (the segments' start and expert: the
+        look-ahead form), lane i also loads their i-th entries, in the same round trip, and the count comes with
+        the lane's (length, *entries); the loop then takes them from lane i (`_from_lane`)."""
         P = seg_len.shape[0]
         s = by + lane * stride
         inside = s < P
         s = select_i32(inside, s, P - 1)
-        mine = (seg_len[s], seg_start[s], seg_expert[s])
-        return cute.arch.popc(cute.arch.vote_ballot_sync(inside & (mine[0] > 0))), mine
+        mine = (seg_len[s], *(t[s] for t in more))
+        n = cute.arch.popc(cute.arch.vote_ballot_sync(inside & (mine[0] > 0)))
+        return (n, mine) if more else n
 
     def _from_lane(values, i):
         """The values lane i holds, in every lane."""
@@ -414,7 +408,7 @@ if HAVE_CUTE:
                 ((1, 2), 32 if pair else 1, halves if pair else 1, nb if pair else 1, nw if pair else 1)), 16)
             sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, halves * self.swords, nb, nw)), 16)
             if cutlass.const_expr(self.ahead):
-                n, mine = _segment_table(seg_len, seg_start, seg_expert, by, lane, self.seg_ctas)
+                n, mine = _segments(seg_len, by, lane, self.seg_ctas, seg_start, seg_expert)
                 first = _from_lane(mine, 0)
                 pa, qa0, qa1 = _tile_pairs(order, first[1], first[0], 0, g, t)  # the next segment's first tile
                 e_next = first[2]
