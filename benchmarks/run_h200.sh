@@ -214,12 +214,12 @@ for name in "$@"; do
     epilate)  # batch 1 and 8 with the accumulating GEMVs reading y and the addend after the weight loop
       KIMI_DECODE_GEMV_EPI_EARLY=0 bench epilate 60 bench_epilate.json --backend latency_specialized --tp 16 8 \
         --batch 1 8 ;;
-    ab)  # latency_specialized at AB_BATCHES (default 1) once per setting in AB_ENVS ("NAME=VALUE[,NAME=VALUE]" each,
-      # separated by spaces), e.g. AB_ENVS="KIMI_DECODE_GEMV_PRELOAD=0 KIMI_DECODE_OPROJ_EARLY=1"
+    ab)  # latency_specialized at AB_BATCHES (default 1) and AB_TPS (default 16 8) once per setting in AB_ENVS
+      # ("NAME=VALUE[,NAME=VALUE]" each, separated by spaces), e.g. AB_ENVS="KIMI_DECODE_GEMV_PRELOAD=0 KIMI_DECODE_OPROJ_EARLY=1"
       for setting in ${AB_ENVS:-}; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
         (export_setting "$setting"
-         bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp 16 8 \
+         bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp ${AB_TPS:-16 8} \
            --batch ${AB_BATCHES:-1})
       done ;;
     v25)  # benchmarks/NOTES.md item 38, each setting in its own process: TP16 with the w2 copy cut to its used
