@@ -1082,36 +1082,6 @@ def test_moe_w2_grouped_with_its_pairs_loaded_ahead_or_not_compiles_for_sm90a(sm
     assert len(w2_keys) == 2 and all(key[6] is (ahead == "1") for key in w2_keys)  # (.., stage, ahead, ..)
 
 
-@needs_cute
-@pytest.mark.parametrize("tp, pad, ctas", [(16, True, "3"), (8, True, "3"), (16, False, "4")])
-def test_moe_w2_grouped_under_a_register_cap_compiles_for_sm90a(sm90a, monkeypatch, tp, pad, ctas):
-    """KIMI_DECODE_W2_MIN_CTAS: the w2 kernel compiled for 3 or 4 CTAs per SM, unstaged (TP16) and staged (TP8), on
-    both layouts, with no GPU to ask for its shared memory (the launch brings a carve-out of its own); the
-    compiled form is the one asked for (the cache key's count)."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
-
-    monkeypatch.setenv("KIMI_DECODE_W2_MIN_CTAS", ctas)
-    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), 64)
-    for quad in (False, True):
-        f13, f2 = compile_grouped(*args, quad_major=quad)
-        assert f13 is not None and f2 is not None
-    w2_keys = [key for key in cute_common._cache if key[0] == "moe_w2_grouped"]
-    assert len(w2_keys) == 2 and all(key[7] == int(ctas) for key in w2_keys)  # (.., stage, ahead, min_ctas, ..)
-
-
-@pytest.mark.parametrize("raw", ["9", "-1", "x", ""])
-def test_w2_min_ctas_setting_refused_by_name(monkeypatch, raw):
-    from kimi_decode.kernels.moe_mxfp4_grouped import min_ctas_launch, w2_min_ctas
-
-    monkeypatch.delenv("KIMI_DECODE_W2_MIN_CTAS", raising=False)
-    assert w2_min_ctas() == 0 and min_ctas_launch(0) == {}
-    monkeypatch.setenv("KIMI_DECODE_W2_MIN_CTAS", "3")
-    assert w2_min_ctas() == 3
-    monkeypatch.setenv("KIMI_DECODE_W2_MIN_CTAS", raw)
-    with pytest.raises(ValueError, match="KIMI_DECODE_W2_MIN_CTAS"):
-        w2_min_ctas()
-
-
 @pytest.mark.parametrize("raw", ["2", "yes", ""])
 def test_w2_ahead_setting_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.moe_mxfp4_grouped import w2_ahead

@@ -169,12 +169,6 @@ def test_specialized_layer_with_the_w2_pairs_loaded_at_each_segment_matches_refe
     _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_AHEAD", "0", tp, batch, 3400)
 
 
-@pytest.mark.parametrize("batch", [16, 64])
-def test_specialized_layer_with_the_w2_kernel_under_a_register_cap_matches_reference(monkeypatch, batch):
-    """KIMI_DECODE_W2_MIN_CTAS=3: the grouped w2 kernel at 80 registers (3 CTAs per SM) in a whole TP16 layer."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_MIN_CTAS", "3", 16, batch, 3500)
-
-
 @pytest.mark.parametrize("how", ["1", "align"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
@@ -646,18 +640,6 @@ def test_moe_mxfp4_grouped_w2_with_its_pairs_loaded_ahead_or_not_matches_float64
         monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", seg_ctas)
         test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
         test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
-
-
-@pytest.mark.parametrize("ctas", ["3", "4"])
-@pytest.mark.parametrize("tp, pad", [(16, True), (8, True)])
-def test_moe_mxfp4_grouped_w2_under_a_register_cap_matches_float64(monkeypatch, tp, pad, ctas):
-    """KIMI_DECODE_W2_MIN_CTAS=3 / 4: the grouped w2 kernel compiled for that many CTAs per SM (80 / 64 registers,
-    the rest spilled to local memory), on both layouts, staged (TP8) and not (TP16), with the compact w2 copy at
-    TP16."""
-    monkeypatch.setenv("KIMI_DECODE_W2_MIN_CTAS", ctas)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True, compact=tp == 16)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, True, "operands")
 
 
 @pytest.mark.parametrize("quad", [True, False], ids=["quad_major", "natural"])

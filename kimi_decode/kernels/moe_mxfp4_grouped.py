@@ -99,26 +99,6 @@ def w2_ahead() -> bool:
     return env_choice("KIMI_DECODE_W2_AHEAD", "1", W2_AHEAD) == "1"
 
 
-def w2_min_ctas() -> int:
-    """KIMI_DECODE_W2_MIN_CTAS: CTAs of the grouped w2 kernel that its registers must let share an SM (ptxas'
-    `.minnctapersm`, which caps the registers per thread: 3 CTAs of 256 threads leave 80, 4 leave 64), for A/B timing
-    of more warps in flight against fewer registers each. 0, the default, leaves it to the compiler (128 registers at
-    TP16 and TP8: 2 CTAs)."""
-    return env_int("KIMI_DECODE_W2_MIN_CTAS", 0, 0, 8, "CTAs per SM")
-
-
-def min_ctas_launch(n: int) -> dict:
-    """The launch options that ask for `n` CTAs per SM (none for 0). A preferred shared-memory carveout comes with
-    them where cutlass-dsl takes one (4.8): without it, it asks the device for its shared memory at compile time,
-    which a machine without a GPU cannot answer; 4.3 computes one from the launch's shared memory."""
-    if not n:
-        return {}
-    from cutlass.base_dsl.dsl import BaseDSL
-
-    fields = BaseDSL.LaunchConfig.__dataclass_fields__
-    return {"min_blocks_per_mp": n, **({"preferred_smem_carveout": 0} if "preferred_smem_carveout" in fields else {})}
-
-
 def _tiles(n: int, most: int) -> int:
     """The most row tiles per warp (up to `most`) that divide n tiles evenly."""
     return next(k for k in (4, 2, 1) if k <= most and n % k == 0)
@@ -365,7 +345,7 @@ if HAVE_CUTE:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
         def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, pairs: int,
-                     quad_major: int = 0, stage: bool = False, ahead: bool = False, min_ctas: int = 0):
+                     quad_major: int = 0, stage: bool = False, ahead: bool = False):
             """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`: as
             `MoEW13Grouped`'s; `pairs`: the segment slots (B x k), over `segment_ctas` CTAs along the segments, each
             looping over its share. `stage` (`grouped_staged`, with `scale_words`, on rows of whole quads of MX
@@ -376,10 +356,8 @@ if HAVE_CUTE:
             `tiles` whose buffers fit W2_STAGE_BYTES. `ahead` (`w2_ahead`): lane i holds the CTA's i-th segment's
             length, start and expert from the start, and each segment's first tile of pairs (the act operands' pair
             and the two output columns') is loaded during the segment before it, so a segment starts with its act
-            and weight loads side by side instead of after two round trips (its table entry, then its pairs).
-            `min_ctas` (`w2_min_ctas`): CTAs per SM the registers must allow, 0 for the compiler's choice."""
+            and weight loads side by side instead of after two round trips (its table entry, then its pairs)."""
             self.topk = topk
-            self.min_ctas = min_ctas
             self.ahead = ahead
             self.qm = quad_major
             self.groups = used // GROUP
@@ -410,8 +388,7 @@ if HAVE_CUTE:
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile
             self.kernel(gA, weights, w, gW, w_scale, order, seg_start, seg_len, seg_expert, out).launch(
-                grid=[L // (ROWS2_CTA * self.tiles), self.seg_ctas, 1], block=[32 * WARPS, 1, 1], stream=stream,
-                **min_ctas_launch(self.min_ctas))
+                grid=[L // (ROWS2_CTA * self.tiles), self.seg_ctas, 1], block=[32 * WARPS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, gW: cute.Tensor,
@@ -641,10 +618,9 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, *signature(*a13)),
                          MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands),
                          *(fake_like(t, align=16) for t in a13))
-    ahead, min_ctas = w2_ahead(), w2_min_ctas()
-    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead, min_ctas)
-    f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, ahead, min_ctas,
-                         *signature(*a2)), k2,
+    ahead = w2_ahead()
+    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
+    f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, ahead, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
