@@ -1096,6 +1096,55 @@ def test_w2_ahead_setting_refused_by_name(monkeypatch, raw):
 
 
 @needs_cute
+@pytest.mark.parametrize("tp, batch, pad, chunk", [(16, 1, True, "auto"), (8, 8, True, "4"), (16, 3, False, "2")])
+def test_expert_kernels_with_their_integer_work_off_the_alu_pipe_compile_for_sm90a(sm90a_pdl, monkeypatch, tp, batch,
+                                                                                  pad, chunk):
+    """KIMI_DECODE_MX_ALU=1: every MXFP4 expert kernel with the dequantisation's shift as a `mul.hi` and the scale
+    bytes taken out by a mask and a `mad`: the per-pair kernels (two-kernel, one-kernel and shared-experts forms,
+    scale words and single bytes, w2 chunks of 4 / 2 groups) and the grouped ones (staged and not, both layouts), as
+    variants of their own (the compile key carries the setting)."""
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    monkeypatch.setenv("KIMI_DECODE_W2_CHUNK", chunk)
+    s = shard("k3", tp=tp, pad_experts=pad)
+    L, bf = s.model.moe_latent, torch.bfloat16
+    scaled = (torch.empty(L), torch.empty(batch, L, dtype=bf))
+    alu = compile_moe(*_moe_args(s, batch), scaled=scaled, quad_major=True)
+    monkeypatch.setenv("KIMI_DECODE_MX_ALU", "1")
+    for quad in (False, True):
+        fns = compile_moe(*_moe_args(s, batch), scaled=scaled, quad_major=quad)
+        assert all(f is not None for f in fns)
+        assert compile_moe(*_moe_args(s, batch), counters=torch.zeros(2 + batch, dtype=torch.int32),
+                           quad_major=quad) is not None
+    assert all(f is not g for f, g in zip(fns, alu))
+    if batch == 1:
+        S, H = s_inter(tp), s.model.hidden
+        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled, shared=shared,
+                                                      quad_major=True))
+    for stage in ("1", "all"):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
+        for quad in (False, True):
+            assert all(f is not None for f in compile_grouped(*_grouped_args(s, 64), quad_major=quad))
+    assert all(key[-1] is True for key in cute_common._cache if key[0].startswith("moe_w") and "grouped" in key[0])
+
+
+@pytest.mark.parametrize("raw", ["2", "yes", ""])
+def test_mx_alu_setting_refused_by_name(monkeypatch, raw):
+    from kimi_decode.kernels.cute_common import mx_alu
+
+    monkeypatch.delenv("KIMI_DECODE_MX_ALU", raising=False)
+    assert mx_alu() is False
+    monkeypatch.setenv("KIMI_DECODE_MX_ALU", "1")
+    assert mx_alu() is True
+    monkeypatch.setenv("KIMI_DECODE_MX_ALU", raw)
+    with pytest.raises(ValueError, match="KIMI_DECODE_MX_ALU"):
+        mx_alu()
+
+
+@needs_cute
 @pytest.mark.parametrize("tp, batch, pad, chunk", [(16, 1, True, "auto"), (16, 8, False, "2"), (8, 8, True, "4"),
                                                    (8, 1, True, "1"), (16, 3, False, "auto")])
 def test_moe_mxfp4_on_quad_major_codes_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch, pad, chunk):

@@ -169,6 +169,13 @@ def test_specialized_layer_with_the_w2_pairs_loaded_at_each_segment_matches_refe
     _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_AHEAD", "0", tp, batch, 3400)
 
 
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_specialized_layer_with_the_expert_integer_work_off_the_alu_pipe_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_MX_ALU=1 in whole layers: the per-pair expert kernels (batches 1, 8) and the grouped ones (64)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_MX_ALU", "1", tp, batch, 3700)
+
+
 @pytest.mark.parametrize("how", ["1", "align"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
@@ -640,6 +647,22 @@ def test_moe_mxfp4_grouped_w2_with_its_pairs_loaded_ahead_or_not_matches_float64
         monkeypatch.setenv("KIMI_DECODE_GROUPED_SEG_CTAS", seg_ctas)
         test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
         test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
+
+
+@pytest.mark.parametrize("tp, pad", [(16, True), (8, True), (16, False)])
+def test_expert_kernels_with_their_integer_work_off_the_alu_pipe_match_float64(monkeypatch, tp, pad):
+    """KIMI_DECODE_MX_ALU=1 (the dequantisation's shift as a `mul.hi`, the scale bytes by a mask and a `mad`): the
+    per-pair kernels at 1, 3 and 8 tokens on both layouts and the grouped ones at 64, 33 (every token on the same
+    experts) and 9, w2 staged ("all") and not."""
+    monkeypatch.setenv("KIMI_DECODE_MX_ALU", "1")
+    for batch in (1, 3, 8):
+        for quad in (False, True):
+            _check_moe_mxfp4(tp, pad, batch, quad)
+    for stage in ("1", "all"):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
+        test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
+        test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)
+        test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, True, "operands")
 
 
 @pytest.mark.parametrize("quad", [True, False], ids=["quad_major", "natural"])

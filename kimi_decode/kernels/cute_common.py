@@ -98,6 +98,18 @@ def pdl_setting() -> str:
     return env_choice("KIMI_DECODE_PDL", "auto", PDL_SETTINGS)
 
 
+MX_ALU = ("0", "1")
+
+
+def mx_alu() -> bool:
+    """KIMI_DECODE_MX_ALU: whether the MXFP4 expert kernels move integer work from the ALU pipe, where their mma loops
+    are bound at batches 8 to 64, to the multiply-add pipe ("1"): the dequantisation's right shift as a `mul.hi`
+    (`moe_mxfp4._DEQUANT`), and each ue8m0 scale byte taken out of its word and turned into an fp32 by one mask and
+    one `mad` (`moe_mxfp4.mx_scale_of`) instead of a shift, a mask, an add and a shift. The same bits either way.
+    "0" (the default until measured on the H200) keeps the ALU forms."""
+    return env_choice("KIMI_DECODE_MX_ALU", "0", MX_ALU) == "1"
+
+
 def set_layer_pdl(on: bool) -> None:
     """The backend's choice for the kernels of the layer it is about to run (under KIMI_DECODE_PDL=auto)."""
     _pdl_mode["layer"] = bool(on)
@@ -158,11 +170,12 @@ def target_arch() -> str | None:
 def compile_kernel(key: tuple, op, *fake_args):
     """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
     from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
-    trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`."""
+    trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`; the
+    key carries `mx_alu()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode)
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()

@@ -29,7 +29,8 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, signature,
+                          sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -53,12 +54,20 @@ F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
 # masks and shifts put every even code's fields, then every odd code's, at the bit places an fp16's high byte wants
 # (magnitude in bits 1-3, sign in bit 7), and a byte permute (`prmt`, zero bytes from z) moves two of those bytes into
 # the high bytes of each fp16 pair: 11 instructions per word, bit-for-bit the values of the 20 of shifts and masks
-# per register this replaced.
+# per register this replaced. ptxas makes the left shifts multiplies (the FMA pipe) and the rest, 9 per word, runs on
+# the ALU pipe; {shr} is the odd codes' right shift by 3, a shift (ALU) or, with `mx_alu()`, the high word of a
+# multiply by 2**29 (`mul.hi`, which ptxas keeps as a multiply: 8 ALU instructions per word).
 _DEQUANT = """
     shl.b32 t0, {w}, 1;  and.b32 t0, t0, 0x0E0E0E0E;  shl.b32 t1, {w}, 4;  and.b32 t1, t1, 0x80808080;  or.b32 t0, t0, t1;
-    shr.u32 t1, {w}, 3;  and.b32 t1, t1, 0x0E0E0E0E;  and.b32 t2, {w}, 0x80808080;  or.b32 t1, t1, t2;
+    {shr};  and.b32 t1, t1, 0x0E0E0E0E;  and.b32 t2, {w}, 0x80808080;  or.b32 t1, t1, t2;
     prmt.b32 {h}0, t0, z, 0x2404;  prmt.b32 {h}2, t0, z, 0x3414;  prmt.b32 {h}1, t1, z, 0x2404;  prmt.b32 {h}3, t1, z, 0x3414;
 """
+
+
+def _dequant(w: str, h: str) -> str:
+    """`_DEQUANT` of word `w` into registers h0..h3, in the form `mx_alu()` asks for."""
+    shr = f"mul.hi.u32 t1, {w}, 0x20000000" if mx_alu() else f"shr.u32 t1, {w}, 3"
+    return _DEQUANT.format(w=w, h=h, shr=shr)
 # Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
 # (x0,x4) (x1,x5) (x2,x6) (x3,x7), matching the dequantised codes. From bf16 pairs: widen to fp32, round to fp16.
 _B_FROM_BF16 = """
@@ -89,14 +98,14 @@ _MMA_REGS = "{\n .reg .b32 t0, t1, t2, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.
 def _group_mma_asm(bf16_activations: bool) -> str:
     """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8, $6..$9 the activations;
     outputs $0..$3 the fp32 accumulator fragment (c0, c1: row g; c2, c3: row g + 8), unscaled."""
-    return (_MMA_REGS + _DEQUANT.format(w="$4", h="ha") + _DEQUANT.format(w="$5", h="hb")
+    return (_MMA_REGS + _dequant("$4", "ha") + _dequant("$5", "hb")
             + _b_operands(bf16_activations, 6, "b") + _MMA_PAIR)
 
 
 def _operand_mma_asm() -> str:
     """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
     use one activation group against several weight tiles convert it once."""
-    return (_MMA_REGS + _DEQUANT.format(w="$4", h="ha") + _DEQUANT.format(w="$5", h="hb")
+    return (_MMA_REGS + _dequant("$4", "ha") + _dequant("$5", "hb")
             + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR)
 
 
@@ -288,6 +297,30 @@ if HAVE_CUTE:
                                        "=f,r", has_side_effects=False, is_align_stack=False,
                                        asm_dialect=llvm.AsmDialect.AD_ATT))
 
+    def mx_scale_of(word, i: int):
+        """`mx_scale(byte_of(word, i))`: with `mx_alu()` as one mask (a `mul.hi` for the top byte, i = 3) and one
+        `mad` that shifts the byte into an fp32's exponent field and adds the 14: `(word & 0xFF << 8i) * 2**(23 - 8i)
+        + 14 * 2**23`, the same bits as `(byte + 14) << 23`."""
+        if not mx_alu():
+            return mx_scale(byte_of(word, i))
+        pick = ("and.b32 t, $1, 0xFF;", "and.b32 t, $1, 0xFF00;", "and.b32 t, $1, 0xFF0000;",
+                "mul.hi.u32 t, $1, 0x100;")[i]
+        asm = "{\n .reg .b32 t;\n %s\n mad.lo.u32 t, t, %d, %d;\n mov.b32 $0, t;\n}" % (
+            pick, (1 << 23, 1 << 15, 1 << 7, 1 << 23)[i], F16_SHIFT << 23)
+        return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value()], asm, "=f,r", has_side_effects=False,
+                                       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def byte_scales(scale_bytes):
+        """The fp32 scales of ue8m0 bytes, as functions to call where each is used (`mx_scale`)."""
+        return [lambda b=b: mx_scale(b) for b in scale_bytes]
+
+    def word_scales(word, n: int = QUAD):
+        """The fp32 scales of a scale word's first n bytes, as functions to call where each is used: `mx_scale_of`;
+        in the ALU form the bytes are taken out of the word here and converted at the call."""
+        if mx_alu():
+            return [lambda i=i: mx_scale_of(word, i) for i in range(n)]
+        return byte_scales([byte_of(word, i) for i in range(n)])
+
     class MoEW13Act:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
@@ -388,8 +421,8 @@ if HAVE_CUTE:
                     else:
                         xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
                         d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
-                    acc1 = acc1 + d1 * mx_scale(byte_of(sw1, i))
-                    acc3 = acc3 + d3 * mx_scale(byte_of(sw3, i))
+                    acc1 = acc1 + d1 * mx_scale_of(sw1, i)
+                    acc3 = acc3 + d3 * mx_scale_of(sw3, i)
             if t == 0:
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3
@@ -440,11 +473,12 @@ if HAVE_CUTE:
             self.early_items = W2_EARLY_ITEMS // chunk
 
         def scales(self, w_scale: cute.Tensor, e, row, G0):
-            """The scale bytes of one row's chunk from group G0: one word load with `scale_words`, else a byte each."""
+            """The fp32 scales of one row's chunk from group G0, as functions to call where each is used
+            (`word_scales`): one word load with `scale_words`, else a byte each."""
             if self.scale_words:
                 word = w_scale[e, row, G0 // QUAD]
-                return [byte_of(word, i) for i in range(QUAD)]
-            return [w_scale[e, row, G0 + i] for i in range(self.chunk)]
+                return word_scales(word)
+            return byte_scales([w_scale[e, row, G0 + i] for i in range(self.chunk)])
 
         @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -511,8 +545,8 @@ if HAVE_CUTE:
                 for i in cutlass.range_constexpr(C):
                     xs = load4(gA[(None, (b * self.topk + k, (G0 + i) * 4 + t))])
                     da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
-                    acc_a = acc_a + da * (wt * mx_scale(ka[i]))
-                    acc_b = acc_b + db * (wt * mx_scale(kb[i]))
+                    acc_a = acc_a + da * (wt * ka[i]())
+                    acc_b = acc_b + db * (wt * kb[i]())
             if t == 0:
                 red[g, warp] = acc_a
                 red[ROWS2 // 2 + g, warp] = acc_b

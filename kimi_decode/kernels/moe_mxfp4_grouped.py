@@ -108,7 +108,8 @@ if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     from .cute_common import copy_async_16, copy_async_words, load4, mma_lanes, situ_glu
-    from .moe_mxfp4 import byte_of, mma_operands, mx_scale, operand_mma, quad_exchange, quad_words, select_i32
+    from .moe_mxfp4 import (byte_scales, mma_operands, mx_scale_of, operand_mma, quad_exchange, quad_words, select_i32,
+                            word_scales)
 
     def _row_words(gW: cute.Tensor, w: cute.Tensor, e, row, t, groups: int, qm: int):
         """Word t of every MX group of a row: whole quads as `quad_words`, the rest one 4-byte load per group (`qm`:
@@ -125,20 +126,20 @@ if HAVE_CUTE:
         return quad_major_offset(G, t, qm) if qm else G * 4 + t
 
     def _row_scales(w_scale: cute.Tensor, e, row, groups: int, words: bool):
-        """The scale bytes of a row's groups: one 32-bit load per 4 groups where `w_scale` is a word view, else one
-        load per byte."""
+        """The fp32 scales of a row's groups, as functions to call where each is used (`word_scales`): one 32-bit
+        load per 4 groups where `w_scale` is a word view, else one load per byte."""
         if not words:
-            return [w_scale[e, row, G] for G in range(groups)]
+            return byte_scales([w_scale[e, row, G] for G in range(groups)])
         ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
-        return [byte_of(ws[G // QUAD], G % QUAD) for G in range(groups)]
+        return [f for i, word in enumerate(ws) for f in word_scales(word, min(QUAD, groups - QUAD * i))]
 
     def _group_acc(acc, k: int, wa, wb, bs, sa, sb) -> None:
         """acc[k], acc[k + 1] (rows a, columns 2t / 2t + 1) and acc[k + 2], acc[k + 3] (rows b) += one MX group's mma
-        of words wa / wb against operands bs, scaled by the rows' ue8m0 scale bytes, which `sa()` / `sb()` give after
-        the mma is issued (`acc` a list or a register tensor; inlined where it is called)."""
+        of words wa / wb against operands bs, scaled by the rows' fp32 scales, which `sa()` / `sb()` give after the
+        mma is issued (`acc` a list or a register tensor; inlined where it is called)."""
         c = operand_mma(wa, wb, bs)
-        fa = mx_scale(sa())
-        fb = mx_scale(sb())
+        fa = sa()
+        fb = sb()
         acc[k] = acc[k] + c[0] * fa
         acc[k + 1] = acc[k + 1] + c[1] * fa
         acc[k + 2] = acc[k + 2] + c[2] * fb
@@ -261,8 +262,8 @@ if HAVE_CUTE:
                                 sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
                                 sw3 = w_scale[e, self.I + j, G0 // QUAD]
                                 for i in cutlass.range_constexpr(QUAD):
-                                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: byte_of(sw1, i),
-                                               lambda: byte_of(sw3, i))
+                                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
+                                               lambda: mx_scale_of(sw3, i))
                     for r in cutlass.range_constexpr(self.tiles):
                         red[g, 2 * t, warp, r] = acc[4 * r]
                         red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
@@ -338,7 +339,8 @@ if HAVE_CUTE:
                     sw1 = sbuf[g, slot, warp]
                     sw3 = sbuf[g, slot + 1, warp]
                     for i in cutlass.range_constexpr(QUAD):
-                        _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: byte_of(sw1, i), lambda: byte_of(sw3, i))
+                        _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
+                                   lambda: mx_scale_of(sw3, i))
             return [acc[i] for i in range(4 * self.tiles)]
 
     class MoEW2Grouped:
@@ -485,7 +487,7 @@ if HAVE_CUTE:
                     sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
                     sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
                     for G in cutlass.range_constexpr(self.groups):
-                        _group_acc(acc, 4 * r, wa[G], wb[G], bs[G], lambda: sa[G], lambda: sb[G])
+                        _group_acc(acc, 4 * r, wa[G], wb[G], bs[G], sa[G], sb[G])
                 # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
                 if cutlass.const_expr(qs is None):
                     for h in cutlass.range_constexpr(2):
@@ -554,8 +556,9 @@ if HAVE_CUTE:
                 acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                 for G in cutlass.range_constexpr(self.groups):
                     _group_acc(acc, 0, wa[G], wb[G], bs[G],
-                               lambda: byte_of(sbuf[g, 2 * r * self.swords + G // QUAD, buf, warp], G % QUAD),
-                               lambda: byte_of(sbuf[g, (2 * r + 1) * self.swords + G // QUAD, buf, warp], G % QUAD))
+                               lambda: mx_scale_of(sbuf[g, 2 * r * self.swords + G // QUAD, buf, warp], G % QUAD),
+                               lambda: mx_scale_of(sbuf[g, (2 * r + 1) * self.swords + G // QUAD, buf, warp],
+                                                   G % QUAD))
                 for h in cutlass.range_constexpr(2):
                     if q[h][0]:  # (inside the segment, pair, routing weight)
                         out[q[h][1], r0 + 16 * r] = q[h][2] * acc[h]
