@@ -1,5 +1,6 @@
 """latency_specialized on the CPU: it falls back to `auto` (and says so once), and its CuTe DSL kernels compile for
 sm_90a with the cutlass-dsl version installed here (no GPU needed)."""
+import importlib
 import logging
 
 import pytest
@@ -1083,16 +1084,20 @@ def test_moe_w2_grouped_with_its_pairs_loaded_ahead_or_not_compiles_for_sm90a(sm
 
 
 @pytest.mark.parametrize("raw", ["2", "yes", ""])
-def test_w2_ahead_setting_refused_by_name(monkeypatch, raw):
-    from kimi_decode.kernels.moe_mxfp4_grouped import w2_ahead
-
-    monkeypatch.delenv("KIMI_DECODE_W2_AHEAD", raising=False)
-    assert w2_ahead() is True
-    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", "0")
-    assert w2_ahead() is False
-    monkeypatch.setenv("KIMI_DECODE_W2_AHEAD", raw)
-    with pytest.raises(ValueError, match="KIMI_DECODE_W2_AHEAD"):
-        w2_ahead()
+@pytest.mark.parametrize("name, where, default", [("KIMI_DECODE_W2_AHEAD", "moe_mxfp4_grouped.w2_ahead", True),
+                                                  ("KIMI_DECODE_MX_ALU", "cute_common.mx_alu", False)])
+def test_on_off_settings_refused_by_name(monkeypatch, name, where, default, raw):
+    """The kernels' "0" / "1" switches: the default when unset, each value, and anything else refused by name."""
+    module, fn = where.split(".")
+    setting = getattr(importlib.import_module(f"kimi_decode.kernels.{module}"), fn)
+    monkeypatch.delenv(name, raising=False)
+    assert setting() is default
+    for value in ("0", "1"):
+        monkeypatch.setenv(name, value)
+        assert setting() is (value == "1")
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=name):
+        setting()
 
 
 @needs_cute
@@ -1129,19 +1134,6 @@ def test_expert_kernels_with_their_integer_work_off_the_alu_pipe_compile_for_sm9
         for quad in (False, True):
             assert all(f is not None for f in compile_grouped(*_grouped_args(s, 64), quad_major=quad))
     assert all(key[-1] is True for key in cute_common._cache if key[0].startswith("moe_w") and "grouped" in key[0])
-
-
-@pytest.mark.parametrize("raw", ["2", "yes", ""])
-def test_mx_alu_setting_refused_by_name(monkeypatch, raw):
-    from kimi_decode.kernels.cute_common import mx_alu
-
-    monkeypatch.delenv("KIMI_DECODE_MX_ALU", raising=False)
-    assert mx_alu() is False
-    monkeypatch.setenv("KIMI_DECODE_MX_ALU", "1")
-    assert mx_alu() is True
-    monkeypatch.setenv("KIMI_DECODE_MX_ALU", raw)
-    with pytest.raises(ValueError, match="KIMI_DECODE_MX_ALU"):
-        mx_alu()
 
 
 @needs_cute
