@@ -215,7 +215,8 @@ for name in "$@"; do
       KIMI_DECODE_GEMV_EPI_EARLY=0 bench epilate 60 bench_epilate.json --backend latency_specialized --tp 16 8 \
         --batch 1 8 ;;
     ab)  # latency_specialized at AB_BATCHES (default 1) and AB_TPS (default 16 8) once per setting in AB_ENVS
-      # ("NAME=VALUE[,NAME=VALUE]" each, separated by spaces), e.g. AB_ENVS="KIMI_DECODE_GEMV_PRELOAD=0 KIMI_DECODE_OPROJ_EARLY=1"
+      # ("NAME=VALUE[,NAME=VALUE]" each, separated by spaces), e.g.
+      # AB_ENVS="KIMI_DECODE_GEMV_PRELOAD=0 KIMI_DECODE_OPROJ_EARLY=1"
       for setting in ${AB_ENVS:-}; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
         (export_setting "$setting"

@@ -68,6 +68,8 @@ def _dequant(w: str, h: str) -> str:
     """`_DEQUANT` of word `w` into registers h0..h3, in the form `mx_alu()` asks for."""
     shr = f"mul.hi.u32 t1, {w}, 0x20000000" if mx_alu() else f"shr.u32 t1, {w}, 3"
     return _DEQUANT.format(w=w, h=h, shr=shr)
+
+
 # Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
 # (x0,x4) (x1,x5) (x2,x6) (x3,x7), matching the dequantised codes. From bf16 pairs: widen to fp32, round to fp16.
 _B_FROM_BF16 = """
