@@ -173,7 +173,8 @@ def test_w2_chunk_under_auto_takes_the_widest_load_that_divides_the_row(monkeypa
 
 
 def _run_ptx_bits(asm: str, regs: dict) -> dict:
-    """A few integer PTX instructions (shl, shr, and, or, prmt on 32-bit values) run on int64 tensors of words."""
+    """A few integer PTX instructions (shl, shr, and, or, prmt, mul.hi and mad.lo by constants under 2**31, on 32-bit
+    values) run on int64 tensors of words."""
     def val(x):
         x = x.strip()
         return regs[x] if x in regs else torch.tensor(int(x, 0), dtype=torch.int64)
@@ -182,8 +183,14 @@ def _run_ptx_bits(asm: str, regs: dict) -> dict:
         src = a | (b << 32)
         return sum(((src >> (8 * ((int(sel) >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
 
+    def small(b):  # a constant factor, so that products stay inside int64
+        assert int(b) < 2**31
+        return b
+
     ops = {"shl.b32": lambda a, n: (a << int(n)) & 0xFFFFFFFF, "shr.u32": lambda a, n: a >> int(n),
-           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "prmt.b32": prmt}
+           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "prmt.b32": prmt,
+           "mul.hi.u32": lambda a, b: (a * small(b)) >> 32,
+           "mad.lo.u32": lambda a, b, c: (a * small(b) + c) & 0xFFFFFFFF}
     for ins in filter(None, (i.strip() for i in asm.split(";"))):
         op, args = ins.split(None, 1)
         dst, *srcs = args.split(",")
@@ -191,16 +198,19 @@ def _run_ptx_bits(asm: str, regs: dict) -> dict:
     return regs
 
 
-def test_mxfp4_dequant_ptx_gives_each_code_times_2_to_the_minus_14_as_fp16():
-    """The expert kernels' e2m1 -> fp16 PTX (`_DEQUANT`), run bit for bit on random words: register k holds codes k
-    (low half) and k + 4 (high half) of the word as fp16, each exactly its e2m1 value times 2**-14."""
-    from kimi_decode.kernels.moe_mxfp4 import _DEQUANT, F16_SHIFT
+@pytest.mark.parametrize("alu", ["0", "1"])
+def test_mxfp4_dequant_ptx_gives_each_code_times_2_to_the_minus_14_as_fp16(monkeypatch, alu):
+    """The expert kernels' e2m1 -> fp16 PTX (`_DEQUANT`, both `KIMI_DECODE_MX_ALU` forms), run bit for bit on random
+    words: register k holds codes k (low half) and k + 4 (high half) of the word as fp16, each exactly its e2m1 value
+    times 2**-14."""
+    from kimi_decode.kernels.moe_mxfp4 import F16_SHIFT, _dequant
     from kimi_decode.quant import _e2m1_table
 
+    monkeypatch.setenv("KIMI_DECODE_MX_ALU", alu)
     g = torch.Generator().manual_seed(7)
     words = torch.randint(0, 2**32, (4096,), generator=g, dtype=torch.int64)
     words[:16] = torch.arange(16) * 0x11111111  # every code in every place
-    regs = _run_ptx_bits(_DEQUANT.format(w="w", h="h"), {"w": words, "z": torch.tensor(0, dtype=torch.int64)})
+    regs = _run_ptx_bits(_dequant("w", "h"), {"w": words, "z": torch.tensor(0, dtype=torch.int64)})
     table = _e2m1_table("cpu", torch.float64) * 2.0**-F16_SHIFT
     codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=1)
     for k in range(4):
@@ -208,6 +218,19 @@ def test_mxfp4_dequant_ptx_gives_each_code_times_2_to_the_minus_14_as_fp16():
         got = halves.view(torch.float16).double()
         want = table[codes[:, [k, k + 4]]]
         assert torch.equal(got, want), k
+
+
+def test_mx_scale_multiply_add_ptx_gives_the_bits_of_the_shift_form():
+    """`mx_scale_of`'s multiply-add PTX (`KIMI_DECODE_MX_ALU=1`), run bit for bit on random scale words: byte i's fp32
+    bits are (byte + 14) << 23 as `mx_scale` makes them, for every byte value in every place."""
+    from kimi_decode.kernels.moe_mxfp4 import F16_SHIFT, _scale_of_asm
+
+    g = torch.Generator().manual_seed(8)
+    words = torch.randint(0, 2**32, (4096,), generator=g, dtype=torch.int64)
+    words[:256] = torch.arange(256) * 0x01010101  # every byte value in every place
+    for i in range(4):
+        got = _run_ptx_bits(_scale_of_asm(i, "w", "t"), {"w": words})["t"]
+        assert torch.equal(got, (((words >> (8 * i)) & 0xFF) + F16_SHIFT << 23) & 0xFFFFFFFF), i
 
 
 def test_pair_transpose_gives_each_lane_its_word_of_both_groups():
@@ -1437,6 +1460,33 @@ def test_moe_entry_compiles_for_sm90a(sm90a_pdl):
         for S in (384, 768):  # with the shared experts' gate/up GEMV (TP16, TP8)
             glu = (torch.empty(2 * S, K, dtype=bf), torch.empty(1, S, dtype=bf))
             assert compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5, glu=glu) is not None
+    # with the selected experts' w13 rows asked of L2 (TP16's padded shard, TP8), with and without the gate/up part
+    flags = torch.zeros(2, dtype=torch.int32)
+    for I, used, S in ((256, 192, 384), (384, 384, 768), (384, 384, 0)):
+        bf = torch.bfloat16
+        latent = (torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584, dtype=bf))
+        glu = (torch.empty(2 * S, 7168, dtype=bf), torch.empty(1, S, dtype=bf)) if S else None
+        prefetch = (torch.empty(896, 2 * I, 1792, dtype=torch.uint8), flags, used)
+        plain = compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu)
+        assert compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu,
+                                 prefetch=prefetch) not in (None, plain)
+
+
+def test_moe_entry_prefetch_layout_and_checks():
+    """The prefetch's chunk counts of K3's w13 (TP16's padded shard, TP8), None where the rows are not whole 4 KB
+    chunks, and codes or flags the kernel cannot take refused by name."""
+    from kimi_decode.kernels.moe_entry import _check, prefetch_layout
+
+    u8, bf = torch.uint8, torch.bfloat16
+    assert prefetch_layout(torch.empty(896, 512, 1792, dtype=u8), 192) == (84, 112, 224)
+    assert prefetch_layout(torch.empty(896, 768, 1792, dtype=u8), 384) == (168, 168, 336)
+    assert prefetch_layout(torch.empty(8, 512, 1792, dtype=u8), 100) is None  # 100 rows: 43.75 chunks
+    args = (*_router_args(1), torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584, dtype=bf))
+    flags = torch.zeros(2, dtype=torch.int32)
+    for bad in ((torch.empty(8, 512, 1792, dtype=u8), flags, 100), (torch.empty(8, 512, 1792), flags, 192),
+                (torch.empty(8, 512, 1792, dtype=u8), torch.zeros(1, dtype=torch.int32), 192)):
+        with pytest.raises(ValueError, match="prefetch"):
+            _check(*args, prefetch=bad)
 
 
 def test_moe_entry_refuses_a_down_projection_that_does_not_chain():

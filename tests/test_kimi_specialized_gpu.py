@@ -170,6 +170,13 @@ def test_specialized_layer_with_the_w2_pairs_loaded_at_each_segment_matches_refe
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_layer_with_the_experts_asked_of_l2_by_the_entry_kernel_matches_reference(monkeypatch, tp):
+    """KIMI_DECODE_ENTRY_PREFETCH=1: at batch 1 the entry kernel's down-projection CTAs ask L2 for the selected
+    experts' w13 rows (`moe_entry`'s prefetch), in a whole layer."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ENTRY_PREFETCH", "1", tp, 1, 3800)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_specialized_layer_with_the_expert_integer_work_off_the_alu_pipe_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_MX_ALU=1 in whole layers: the per-pair expert kernels (batches 1, 8) and the grouped ones (64)."""
@@ -981,20 +988,28 @@ def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypa
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 
-@pytest.mark.parametrize("E, K, L, k, S", [(896, 7168, 3584, 16, 0), (896, 7168, 3584, 16, 768),
-                                           (200, 512, 384, 8, 64)])
+@pytest.mark.parametrize("E, K, L, k, S, pf", [(896, 7168, 3584, 16, 0, None), (896, 7168, 3584, 16, 768, None),
+                                               (896, 7168, 3584, 16, 768, (256, 192)), (200, 512, 384, 8, 64, None),
+                                               (200, 512, 384, 8, 64, (64, 64))])
 @pytest.mark.parametrize("pdl", ["0", "1"])
-def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
+def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pf, pdl):
     """The router and the latent down-projection in one kernel against float64: the routes as the one-kernel
     router's test checks them, the latent within bf16 rounding, and with S the shared experts' gate/up activation;
     eagerly and replayed in a CUDA graph (the router's counter back at 0), outputs poisoned before each run. Under
-    PDL each part's first weight slices pass through shared memory (`KIMI_DECODE_GEMV_PRELOAD`)."""
+    PDL each part's first weight slices pass through shared memory (`KIMI_DECODE_GEMV_PRELOAD`). With `pf` = (I,
+    used) the down-projection CTAs also ask L2 for the chosen experts' used w13 rows (`prefetch`): the results are
+    the same and its two flags are back at 0 after every run."""
     from kimi_decode.kernels.moe_entry import moe_entry
     from kimi_decode.testing import check_routing
 
     monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
     g = torch.Generator(device="cuda").manual_seed(E + K)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+    prefetch = None
+    if pf is not None:
+        w13 = torch.randint(0, 256, (E, 2 * pf[0], L // 2), dtype=torch.uint8, device="cuda", generator=g)
+        prefetch = (w13, flags, pf[1])
     w = (torch.randn(E, K, device="cuda", generator=g) * 0.02).bfloat16()
     w_down = torch.randn(L, K, device="cuda", generator=g).bfloat16()
     x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
@@ -1012,7 +1027,7 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
 
     def run():
         moe_entry(w, x, logits, bias, ids, weights, counter, w_down, latent, scaling=2.5,
-                  glu=(gate_up, act) if S else None)
+                  glu=(gate_up, act) if S else None, prefetch=prefetch)
 
     def poison():
         for t in (logits, weights, latent, act):
@@ -1029,6 +1044,7 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pdl):
         s = scores.gather(-1, ids.long())
         assert rel_err(weights, s / s.sum(-1, keepdim=True) * 2.5) < 1e-4
         assert counter.item() == 0
+        assert flags.tolist() == [0, 0]
 
     eager_then_graphed(run, poison, check)
 

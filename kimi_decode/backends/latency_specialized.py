@@ -213,6 +213,9 @@ class LatencySpecializedBackend(AutoBackend):
         # where their gate/up GEMV goes then: "entry" (the router's and latent down-projection's kernel; TP16 batch 1
         # 94.4 us on the H200) or "w13" (CTAs in the w13 expert kernel, 96.1 us); NOTES, v13
         self._glu_in_entry = os.environ.get("KIMI_DECODE_SHARED_GLU_IN", "entry") != "w13"
+        # 1: the entry kernel's down-projection CTAs also ask L2 for the selected experts' w13 rows once the router
+        # has chosen them (`moe_entry`'s prefetch), for the w13 kernel after it; off until measured (NOTES, item 41)
+        self._entry_prefetch = cute_common.env_choice("KIMI_DECODE_ENTRY_PREFETCH", "0", ("0", "1")) == "1"
         self._pending_shared = None  # (gate_up, x, act, down, out) of those, until routed_experts
         self._pending_route = None  # (x, logits, ids, weights) of that router, until routed_experts
         # 0: the output projection and the AttnRes after it as two kernels (A/B)
@@ -236,6 +239,7 @@ class LatencySpecializedBackend(AutoBackend):
             self._o_proj_parts(device)
             self._counter("experts", device, EXPERT_COUNTERS)
             self._counter("shared", device, SHARED_COUNTERS)
+            self._counter("entry_prefetch", device, 2)
             for name in ("main", *BRANCHES):
                 self._counter(f"tc.{name}", device, TC_COUNTERS)
 
@@ -560,23 +564,26 @@ class LatencySpecializedBackend(AutoBackend):
         pending, self._pending_route = self._pending_route, None
         # the shared experts' gate/up in the entry kernel, or (with their down-projection) in the expert kernels
         glu_in_entry = shared is not None and pending is not None and self._glu_in_entry
+        used = shard.expert_inter_used
+        w13, w2, quad = self._expert_codes(w, used)
         if pending is not None:  # the router and the latent down-projection in one kernel
-            from ..kernels.moe_entry import moe_entry
+            from ..kernels.moe_entry import moe_entry, prefetch_layout
 
             rx, logits, rids, rweights = pending
             if rx is not x or rids is not ids or rweights is not weights:
                 raise RuntimeError("latency_specialized: a deferred router must route the routed experts' input")
+            prefetch = None  # the w13 rows the expert kernel will read, asked of L2 by the entry kernel
+            if self._entry_prefetch and ids.shape[0] < self._grouped_from and prefetch_layout(w13, used) is not None:
+                prefetch = (w13, self._counter("entry_prefetch", x.device, 2), used)
             latent = moe_entry(w.router, x, logits, w.router_bias, ids, weights, self._counter("router", x.device),
                                w.down, self._empty(x.shape[0], w.down.shape[0], device=x.device),
                                scaling=shard.model.routed_scaling,
-                               glu=(shared[0], shared[2]) if glu_in_entry else None)
+                               glu=(shared[0], shared[2]) if glu_in_entry else None, prefetch=prefetch)
         else:
             latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
         self.join("router", ids, weights)
         B, k = ids.shape
-        used = shard.expert_inter_used
         L = w.w2.shape[1]
-        w13, w2, quad = self._expert_codes(w, used)
         if B >= self._grouped_from:  # many pairs share an expert: sort them by expert and read each expert once
             from ..kernels import moe_align as counting
             from ..kernels.moe_mxfp4_grouped import moe_mxfp4_grouped

@@ -304,6 +304,14 @@ if HAVE_CUTE:
             cute.arch.fence_acq_rel_gpu()
         return is_last
 
+    def load_acquire(counter: cute.Tensor, index=0):
+        """counter[index] (an int32 in global memory) read with acquire ordering at gpu scope, without waiting: what
+        the thread that released it stored before is then visible to this thread."""
+        ptr = counter.iterator if isinstance(index, int) and index == 0 else counter.iterator + index
+        return cutlass.Int32(_llvm.inline_asm(
+            cutlass.Int32.mlir_type, [ptr.toint().ir_value()], "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l",
+            has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT))
+
     _WAIT_ASM = ("{\n .reg .pred p;\n .reg .u32 v;\n WAIT:\n ld.acquire.gpu.global.u32 v, [$0];\n"
                  " setp.ge.u32 p, v, $1;\n @p bra DONE;\n nanosleep.u32 32;\n bra WAIT;\n DONE:\n}")
 

@@ -70,6 +70,13 @@ def _dequant(w: str, h: str) -> str:
     return _DEQUANT.format(w=w, h=h, shr=shr)
 
 
+def _scale_of_asm(i: int, word: str = "$1", out: str = "t") -> str:
+    """PTX of `mx_scale_of`'s multiply-add form: the fp32 bits of ue8m0 byte i of `word` times 2**14, into `out`."""
+    pick = (f"and.b32 {out}, {word}, 0xFF", f"and.b32 {out}, {word}, 0xFF00", f"and.b32 {out}, {word}, 0xFF0000",
+            f"mul.hi.u32 {out}, {word}, 0x100")[i]
+    return f"{pick}; mad.lo.u32 {out}, {out}, {(1 << 23, 1 << 15, 1 << 7, 1 << 23)[i]}, {F16_SHIFT << 23};"
+
+
 # Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
 # (x0,x4) (x1,x5) (x2,x6) (x3,x7), matching the dequantised codes. From bf16 pairs: widen to fp32, round to fp16.
 _B_FROM_BF16 = """
@@ -305,10 +312,7 @@ if HAVE_CUTE:
         + 14 * 2**23`, the same bits as `(byte + 14) << 23`."""
         if not mx_alu():
             return mx_scale(byte_of(word, i))
-        pick = ("and.b32 t, $1, 0xFF;", "and.b32 t, $1, 0xFF00;", "and.b32 t, $1, 0xFF0000;",
-                "mul.hi.u32 t, $1, 0x100;")[i]
-        asm = "{\n .reg .b32 t;\n %s\n mad.lo.u32 t, t, %d, %d;\n mov.b32 $0, t;\n}" % (
-            pick, (1 << 23, 1 << 15, 1 << 7, 1 << 23)[i], F16_SHIFT << 23)
+        asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i)
         return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value()], asm, "=f,r", has_side_effects=False,
                                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
