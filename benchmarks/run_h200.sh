@@ -30,7 +30,8 @@
 # TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1), resources
 # (benchmarks/kernel_resources.py at RES_TP x RES_BATCHES: each kernel's registers under the machine's cutlass-dsl),
 # v24 (the A/B runs of benchmarks/NOTES.md items 35 and 36: KIMI_DECODE_GROUPED_ALIGN, KIMI_DECODE_W13_FIRST),
-# v25 (item 38: KIMI_DECODE_W2_COMPACT at TP16, both backends beside the new setting).
+# v25 (item 38: KIMI_DECODE_W2_COMPACT at TP16, both backends beside the new setting), v26 (items 40 and 41:
+# KIMI_DECODE_MX_ALU, KIMI_DECODE_ENTRY_PREFETCH).
 # AB_LIMIT: seconds per ab setting (default 70).
 set -u
 OUT="${OUT:-runs/h200}"
@@ -222,6 +223,16 @@ for name in "$@"; do
         (export_setting "$setting"
          bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp ${AB_TPS:-16 8} \
            --batch ${AB_BATCHES:-1})
+      done ;;
+    v26)  # benchmarks/NOTES.md items 40 and 41, each setting in its own process, latency_specialized only: the expert
+      # kernels' integer work off the ALU pipe at batches 1 / 8 / 64, then the entry kernel's expert prefetch at batch 1
+      for v in 0 1; do
+        KIMI_DECODE_MX_ALU=$v bench "mx_alu=$v" 100 bench_mx_alu_$v.json --backend latency_specialized --tp 16 8 \
+          --batch 1 8 64
+      done
+      for v in 0 1; do
+        KIMI_DECODE_ENTRY_PREFETCH=$v bench "entry_prefetch=$v" 60 bench_entry_prefetch_$v.json \
+          --backend latency_specialized --tp 16 8 --batch 1
       done ;;
     v25)  # benchmarks/NOTES.md item 38, each setting in its own process: TP16 with the w2 copy cut to its used
       # columns (KIMI_DECODE_W2_COMPACT=1, with auto beside it) and without
