@@ -270,11 +270,14 @@ if HAVE_CUTE:
         16-byte form is the only one that may skip L1)."""
         _copy_async(src, dst, 32 * words, cpasync.LoadCacheMode.ALWAYS)
 
+    def _element(tensor, index):
+        """A pointer to `tensor`'s element `index` (its iterator itself for a constant 0)."""
+        return tensor.iterator if isinstance(index, int) and index == 0 else tensor.iterator + index
+
     def atomic_add_u32(tensor, value, index=0):
         """atom.add.u32 on `tensor`'s element `index`, in global or shared memory as the tensor lies (a shared
         address is 32 bits wide); returns the old value."""
-        ptr = tensor.iterator if isinstance(index, int) and index == 0 else tensor.iterator + index
-        addr = ptr.toint()
+        addr = _element(tensor, index).toint()
         space, width = ("shared", "r") if isinstance(addr, cutlass.Int32) else ("global", "l")
         return cutlass.Int32(_llvm.inline_asm(
             cutlass.Int32.mlir_type, [addr.ir_value(), cutlass.Int32(value).ir_value()],
@@ -307,9 +310,8 @@ if HAVE_CUTE:
     def load_acquire(counter: cute.Tensor, index=0):
         """counter[index] (an int32 in global memory) read with acquire ordering at gpu scope, without waiting: what
         the thread that released it stored before is then visible to this thread."""
-        ptr = counter.iterator if isinstance(index, int) and index == 0 else counter.iterator + index
         return cutlass.Int32(_llvm.inline_asm(
-            cutlass.Int32.mlir_type, [ptr.toint().ir_value()], "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l",
+            cutlass.Int32.mlir_type, [_element(counter, index).toint().ir_value()], "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l",
             has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT))
 
     _WAIT_ASM = ("{\n .reg .pred p;\n .reg .u32 v;\n WAIT:\n ld.acquire.gpu.global.u32 v, [$0];\n"
@@ -317,9 +319,9 @@ if HAVE_CUTE:
 
     def _wait_at_least(counter, index, target) -> None:
         """Spin in this thread until counter[index] >= target (an acquire load per poll, a short sleep between)."""
-        ptr = counter.iterator if isinstance(index, int) and index == 0 else counter.iterator + index
-        _llvm.inline_asm(None, [ptr.toint().ir_value(), cutlass.Int32(target).ir_value()], _WAIT_ASM, "l,r",
-                         has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
+        _llvm.inline_asm(None, [_element(counter, index).toint().ir_value(), cutlass.Int32(target).ir_value()],
+                         _WAIT_ASM, "l,r", has_side_effects=True, is_align_stack=False,
+                         asm_dialect=_llvm.AsmDialect.AD_ATT)
 
     # Two dependent stages in one kernel. Each CTA takes a ticket (the order CTAs start in) and the ticket, not the
     # block index, says what it does: tickets below the first stage's CTA count run the first stage, the others the

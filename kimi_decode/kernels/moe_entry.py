@@ -51,7 +51,6 @@ if HAVE_CUTE:
             self.n_router = -(-E // self.router.rows)  # the grid's first CTAs
             self.n_down = -(-latent // self.down.rows)
             self.n_glu = -(-shared_inter // self.glu.rows)
-            self.topk = topk
             if prefetch is not None:
                 self.pf_chunks = M * topk * 2 * prefetch[0]  # (row, expert slot, w1 / w3, chunk)
                 self.pf_per_cta = -(-self.pf_chunks // self.n_down)
@@ -98,18 +97,21 @@ if HAVE_CUTE:
                         self.prefetch_done(mPf, flag, tidx)
             else:
                 if cutlass.const_expr(self.n_glu == 0):
-                    self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, bidx - self.n_router, pre)
-                    if cutlass.const_expr(self.prefetch is not None):
-                        self.prefetch_experts(mIds, mW13, mPf, flag, tidx, bidx - self.n_router)
+                    self.down_rows(gWd, gX, mLat, mIds, mW13, mPf, red, flag, tidx, bidx - self.n_router, pre)
                 else:
                     if bidx < self.n_router + self.n_down:
-                        self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, bidx - self.n_router,
-                                          pre)
-                        if cutlass.const_expr(self.prefetch is not None):
-                            self.prefetch_experts(mIds, mW13, mPf, flag, tidx, bidx - self.n_router)
+                        self.down_rows(gWd, gX, mLat, mIds, mW13, mPf, red, flag, tidx, bidx - self.n_router, pre)
                     else:
                         self.glu.project(gWgu, gX, mAct, mAct, mAct, Int32(self.S), red, tidx,
                                          bidx - self.n_router - self.n_down, pre)
+
+        @cute.jit
+        def down_rows(self, gWd: cute.Tensor, gX: cute.Tensor, mLat: cute.Tensor, mIds: cute.Tensor,
+                      mW13: cute.Tensor, mPf: cute.Tensor, red: cute.Tensor, flag: cute.Tensor, tidx, j, pre):
+            """Down-projection CTA j: its rows of the latent, then (with `prefetch`) its share of the experts' rows."""
+            self.down.project(gWd, gX, mLat, mLat, mLat, Int32(self.L), red, tidx, j, pre)
+            if cutlass.const_expr(self.prefetch is not None):
+                self.prefetch_experts(mIds, mW13, mPf, flag, tidx, j)
 
         @cute.jit
         def prefetch_experts(self, mIds: cute.Tensor, mW13: cute.Tensor, mPf: cute.Tensor, flag: cute.Tensor, tidx,
@@ -123,7 +125,7 @@ if HAVE_CUTE:
                 if c < self.pf_chunks:
                     if load_acquire(mPf, 0) != 0:
                         p = c // (2 * used)  # the (row, expert slot) pair
-                        e = mIds[p // self.topk, p % self.topk]
+                        e = mIds[p // self.router.topk, p % self.router.topk]
                         bulk_prefetch_l2(mW13[e * per_expert + c // used % 2 * gap + c % used, None], CHUNK)
             self.prefetch_done(mPf, flag, tidx)
 
