@@ -1462,9 +1462,8 @@ def test_moe_entry_compiles_for_sm90a(sm90a_pdl):
             assert compile_moe_entry(*_router_args(1, E, K, k), *latent, 2.5, glu=glu) is not None
     # with the selected experts' w13 rows asked of L2 (TP16's padded shard, TP8), with and without the gate/up part
     flags = torch.zeros(2, dtype=torch.int32)
+    latent = (torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584, dtype=bf))
     for I, used, S in ((256, 192, 384), (384, 384, 768), (384, 384, 0)):
-        bf = torch.bfloat16
-        latent = (torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584, dtype=bf))
         glu = (torch.empty(2 * S, 7168, dtype=bf), torch.empty(1, S, dtype=bf)) if S else None
         prefetch = (torch.empty(896, 2 * I, 1792, dtype=torch.uint8), flags, used)
         plain = compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu)
