@@ -34,6 +34,10 @@
 # KIMI_DECODE_MX_ALU, KIMI_DECODE_ENTRY_PREFETCH).
 # AB_LIMIT: seconds per ab setting (default 70).
 set -u
+# The device bundle has no msgspec (the Kineto JSON reader's decoder, which torch.profiler captures and their tests
+# need): carry a cp312 wheel unpacked at .whl/site (`pip download msgspec --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 -d .whl/dl && python3 -m zipfile -e .whl/dl/*.whl .whl/site`, carry ".whl").
+if [ -d .whl/site ]; then export PYTHONPATH="$PWD/.whl/site${PYTHONPATH:+:$PYTHONPATH}"; fi
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
 BUDGET="${1:-540}"
