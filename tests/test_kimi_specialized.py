@@ -716,6 +716,60 @@ def test_routed_norm_compiles_for_sm90a(sm90a, batch, hidden):
                                for t in (x, torch.empty(m.moe_latent), out, res, add))) is not None
 
 
+@needs_cute
+@pytest.mark.parametrize("batch", [9, 16, 64])
+@pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
+def test_routed_norm_split_compiles_for_sm90a(sm90a, batch, hidden):
+    """The split form (`RoutedNormSplit`) at the decode path's grouped batches, with and without the residual."""
+    from kimi_decode.kernels import cute_common as cc
+    from kimi_decode.kernels.rmsnorm import RoutedNormSplit, routed_norm_scratch
+
+    m = shard("k3", tp=16).model
+    x = torch.empty(batch * m.top_k, m.moe_latent)
+    out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
+    res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
+    counters, parts = routed_norm_scratch(m.moe_latent, torch.device("cpu"))
+    assert cc.compile_kernel(("rns", batch, hidden), RoutedNormSplit(m.moe_latent, 1e-5, m.top_k, hidden,
+                                                                     counters.numel() // 2),
+                             *(cc.fake_like(t, align=16 if t is x else 4)
+                               for t in (x, torch.empty(m.moe_latent), out, res, add, counters, parts))) is not None
+
+
+def test_routed_norm_split_scratch_fits_the_rows_it_serves():
+    """`routed_norm_scratch` holds two counters per token and a part per CTA for the largest decode batch, and the
+    split form spreads a 3584-wide row over 7 CTAs of 128 threads (a 16-byte group each)."""
+    from kimi_decode.kernels.rmsnorm import SPLIT_MAX_ROWS, routed_norm_scratch, split_ctas
+
+    counters, parts = routed_norm_scratch(3584, torch.device("cpu"))
+    assert split_ctas(3584) == 7 and split_ctas(128) == 1 and split_ctas(1028) == 3
+    assert counters.dtype == torch.int32 and counters.numel() == 2 * SPLIT_MAX_ROWS and not counters.any()
+    assert parts.dtype == torch.float32 and parts.numel() == 7 * SPLIT_MAX_ROWS
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(split=(torch.zeros(4, dtype=torch.int32), torch.zeros(7 * 4))), "split must be"),
+    (dict(split=(torch.zeros(8), torch.zeros(7 * 4))), "split must be"),
+    (dict(split=(torch.zeros(8, dtype=torch.int32), torch.zeros(7 * 3))), "split must be"),
+])
+def test_routed_norm_split_refuses_scratch_too_small_or_of_the_wrong_type(bad, match):
+    from kimi_decode.kernels.rmsnorm import routed_norm
+
+    with pytest.raises(ValueError, match=match):
+        routed_norm(torch.empty(4, 16, 3584), torch.empty(3584), torch.empty(4, 3584, dtype=torch.bfloat16), 1e-5,
+                    split=bad["split"])
+
+
+def test_routed_norm_split_setting_is_validated(monkeypatch):
+    from kimi_decode.backends.latency_specialized import routed_norm_split
+
+    assert not routed_norm_split()
+    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM_SPLIT", "1")
+    assert routed_norm_split()
+    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM_SPLIT", "yes")
+    with pytest.raises(Exception, match="KIMI_DECODE_ROUTED_NORM_SPLIT"):
+        routed_norm_split()
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(pairs=torch.empty(4, 3584)), "pairs \\[B, k, W\\]"),
     (dict(out=torch.empty(4, 3584)), "bf16 out"),

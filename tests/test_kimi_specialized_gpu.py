@@ -170,6 +170,14 @@ def test_specialized_layer_with_the_w2_pairs_loaded_at_each_segment_matches_refe
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [16, 64])
+def test_specialized_layer_with_the_routed_norm_split_over_ctas_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_ROUTED_NORM_SPLIT=1: the MoE tail's norm of the grouped experts' pairs on several CTAs per token,
+    on the tensor-core tail (batch 16) and with the residual update inside (batch 64)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ROUTED_NORM_SPLIT", "1", tp, batch, 3700)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 def test_specialized_layer_with_the_experts_asked_of_l2_by_the_entry_kernel_matches_reference(monkeypatch, tp):
     """KIMI_DECODE_ENTRY_PREFETCH=1: at batch 1 the entry kernel's down-projection CTAs ask L2 for the selected
     experts' w13 rows (`moe_entry`'s prefetch), in a whole layer."""
@@ -777,6 +785,61 @@ def test_routed_norm_matches_float64(batch, k, width, with_residual):
         assert rel_err(res, res0.double() + add.double()) < 1e-6
     else:
         assert torch.equal(res, res0)
+
+
+@pytest.mark.parametrize("batch, k, width", [(9, 16, 3584), (16, 16, 3584), (64, 16, 3584), (5, 3, 128),
+                                             (3, 2, 1028)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "norm+residual"])
+def test_routed_norm_split_over_ctas_matches_float64_and_replays(batch, k, width, with_residual):
+    """The split form (`routed_norm(..., split=)`: `split_ctas` CTAs per token meeting on a counter) against float64
+    with poisoned outputs, then twice more replayed in one CUDA graph on new inputs: the counters are back at 0 after
+    every run and the second replay's result is right (a counter left behind would let a CTA read parts too early).
+    Width 1028 is 257 groups: three CTAs per token, the last with one group; 128 is one CTA; the residual's columns
+    (2 W + 8) end partway through a CTA's share."""
+    from kimi_decode.kernels.rmsnorm import routed_norm, routed_norm_scratch, split_ctas
+
+    g = torch.Generator(device="cuda").manual_seed(900 + batch + k + width)
+    split = routed_norm_scratch(width, torch.device("cuda"))
+    H = 2 * width + 8
+    pairs = torch.empty(batch, k, width, device="cuda")
+    w = 1 + 0.1 * torch.randn(width, device="cuda", generator=g)
+    res = torch.empty(batch, H, device="cuda")
+    add = torch.empty(batch, H, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(batch, width, dtype=torch.bfloat16, device="cuda")
+
+    def fresh():
+        pairs.copy_(torch.randn(batch, k, width, device="cuda", generator=g) * 3)
+        res.copy_(torch.randn(batch, H, device="cuda", generator=g))
+        add.copy_(torch.randn(batch, H, device="cuda", generator=g))
+        out.fill_(float("nan"))
+        return res.clone()
+
+    def run():
+        routed_norm(pairs, w, out, 1e-5, residual=(res, add) if with_residual else None, split=split)
+
+    def check(res0):
+        torch.cuda.synchronize()
+        x = pairs.double().sum(1)
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+        assert not out.isnan().any()
+        assert rel_err(out, want) < 1e-2
+        if with_residual:
+            assert rel_err(res, res0.double() + add.double()) < 1e-6
+        else:
+            assert torch.equal(res, res0)
+        assert not split[0].any(), "counters left behind"
+
+    res0 = fresh()
+    run()
+    check(res0)
+    assert split_ctas(width) == -(-width // 512)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        res0 = fresh()
+        graph.replay()
+        check(res0)
 
 
 @pytest.mark.parametrize("tp", [16, 8])

@@ -132,6 +132,14 @@ def routed_norm_on() -> bool:
     return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM", "1", ("0", "1")) == "1"
 
 
+def routed_norm_split() -> bool:
+    """KIMI_DECODE_ROUTED_NORM_SPLIT ("0", the default, or "1"): whether that norm kernel spreads each token over
+    `rmsnorm.split_ctas` CTAs that copy the pair rows into shared memory, all of a thread's in flight at once
+    (`rmsnorm.RoutedNormSplit`), instead of one CTA of 1024 threads per token, whose loads ptxas keeps one or two in
+    flight at a time (benchmarks/NOTES.md, item 43)."""
+    return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM_SPLIT", "0", ("0", "1")) == "1"
+
+
 # bf16 x bf16 -> fp32 accumulated into an fp32 C by one cuBLAS GEMM (torch's `addmm(..., out_dtype=)`, torch 2.9+)
 _ADDMM_FP32_OUT = "out_dtype" in (torch.addmm.__doc__ or "")
 
@@ -287,6 +295,7 @@ class LatencySpecializedBackend(AutoBackend):
         # above it the tail takes the grouped kernels' per-pair outputs and sums them in its norm kernel
         self._pairs_to_tail = (self._mlp_fast and self._experts_fast and not reduced and batch >= self._grouped_from
                                and routed_norm_on())
+        self._norm_split = routed_norm_split()
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
                             and not reduced)
@@ -327,6 +336,16 @@ class LatencySpecializedBackend(AutoBackend):
         key = (device, name)
         if key not in self._counters:
             self._counters[key] = torch.zeros(n, dtype=torch.int32, device=device)
+        return self._counters[key]
+
+    def _routed_norm_scratch(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split routed norm's counters (0 between launches) and parts (`rmsnorm.routed_norm_scratch`), one set
+        per device and width: the MoE tails of a step run one after another on one stream."""
+        from ..kernels.rmsnorm import routed_norm_scratch
+
+        key = (device, "routed_norm", width)
+        if key not in self._counters:
+            self._counters[key] = routed_norm_scratch(width, device)
         return self._counters[key]
 
     def _o_proj_parts(self, device: torch.device) -> torch.Tensor:
@@ -637,11 +656,12 @@ class LatencySpecializedBackend(AutoBackend):
 
         B, _, L = pairs.shape
         normed = self._empty(B, L, device=pairs.device)
+        split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
         if self._cute_rows(B):
-            routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps)
+            routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
             self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
             return
-        routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared))
+        routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared), split=split)
         if _ADDMM_FP32_OUT:
             torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
         else:  # an older torch: the GEMM's bf16 output added in a kernel of its own
