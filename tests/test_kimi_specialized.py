@@ -701,38 +701,28 @@ def test_rmsnorm_compiles_for_sm90a(sm90a, batch):
 
 
 @needs_cute
+@pytest.mark.parametrize("split", [False, True], ids=["one-cta", "split"])
 @pytest.mark.parametrize("batch", [9, 16, 64])
 @pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
-def test_routed_norm_compiles_for_sm90a(sm90a, batch, hidden):
+def test_routed_norm_compiles_for_sm90a(sm90a, batch, hidden, split):
+    """Both forms at the decode path's grouped batches, with and without the residual: one CTA per token
+    (`RoutedNorm`) and several meeting on a counter (`RoutedNormSplit`, with its scratch)."""
     from kimi_decode.kernels import cute_common as cc
-    from kimi_decode.kernels.rmsnorm import RoutedNorm
+    from kimi_decode.kernels.rmsnorm import RoutedNorm, RoutedNormSplit, routed_norm_scratch
 
     m = shard("k3", tp=16).model
     x = torch.empty(batch * m.top_k, m.moe_latent)
     out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
     res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
-    assert cc.compile_kernel(("rn", batch, hidden), RoutedNorm(m.moe_latent, 1e-5, m.top_k, hidden),
-                             *(cc.fake_like(t, align=16 if t is x else 4)
-                               for t in (x, torch.empty(m.moe_latent), out, res, add))) is not None
-
-
-@needs_cute
-@pytest.mark.parametrize("batch", [9, 16, 64])
-@pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
-def test_routed_norm_split_compiles_for_sm90a(sm90a, batch, hidden):
-    """The split form (`RoutedNormSplit`) at the decode path's grouped batches, with and without the residual."""
-    from kimi_decode.kernels import cute_common as cc
-    from kimi_decode.kernels.rmsnorm import RoutedNormSplit, routed_norm_scratch
-
-    m = shard("k3", tp=16).model
-    x = torch.empty(batch * m.top_k, m.moe_latent)
-    out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
-    res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
-    counters, parts = routed_norm_scratch(m.moe_latent, torch.device("cpu"))
-    assert cc.compile_kernel(("rns", batch, hidden), RoutedNormSplit(m.moe_latent, 1e-5, m.top_k, hidden,
-                                                                     counters.numel() // 2),
-                             *(cc.fake_like(t, align=16 if t is x else 4)
-                               for t in (x, torch.empty(m.moe_latent), out, res, add, counters, parts))) is not None
+    tensors = [x, torch.empty(m.moe_latent), out, res, add]
+    if split:
+        counters, parts = routed_norm_scratch(m.moe_latent, torch.device("cpu"))
+        op = RoutedNormSplit(m.moe_latent, 1e-5, m.top_k, hidden, counters.numel() // 2)
+        tensors += [counters, parts]
+    else:
+        op = RoutedNorm(m.moe_latent, 1e-5, m.top_k, hidden)
+    assert cc.compile_kernel(("rn", split, batch, hidden), op,
+                             *(cc.fake_like(t, align=16 if t is x else 4) for t in tensors)) is not None
 
 
 def test_routed_norm_split_scratch_fits_the_rows_it_serves():
