@@ -234,7 +234,8 @@ class LatencySpecializedBackend(AutoBackend):
                          int(os.environ.get("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS)))
         self._tc_plain = os.environ.get("KIMI_DECODE_TC_PLAIN", "0") == "1"  # plain projections on tensor cores too
         self._streams: dict[tuple, torch.cuda.Stream] = {}
-        self._counters: dict[tuple, torch.Tensor] = {}  # last-CTA kernels' self-resetting counters, o_proj's scratch
+        # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
+        self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
         self._ssq = None  # partial sums of squares of the routed output, from the expert kernel to the tail
         self._scaled = None  # bf16(routed sum * latent norm weight), from the expert kernel to the tail

@@ -10,11 +10,12 @@ output into the residual (`residual += addend`, another width), so that the MoE 
 projection's rows is this kernel and one cuBLAS GEMM accumulating into the residual, where the generic tail runs six
 kernels (sum over k, norm, cast, GEMM, two adds).
 
-`routed_norm(..., split=(counters, parts))` spreads each token over SPLIT_CTAS CTAs of SPLIT_THREADS threads
-(`RoutedNormSplit`), so that a batch of B tokens runs on 7 B CTAs instead of B: each CTA sums its slice of the pair
-rows and updates its slice of the residual, stores its part of the sum of squares, and waits until its token's other
-CTAs have stored theirs (a counter per token; every CTA of the grid is resident at once, so the wait ends), then adds
-the parts in a fixed order and writes its slice of the norm. The last CTA of a token to leave sets its counters back
+`routed_norm(..., split=(counters, parts))` spreads each token over `split_ctas(W)` CTAs of SPLIT_THREADS threads
+(`RoutedNormSplit`; at the K3 latent width a batch of B tokens then runs on 7 B CTAs instead of B): each CTA sums its
+slice of the pair rows and updates its slice of the residual, stores its part of the sum of squares, and waits until
+its token's other CTAs have stored theirs (a counter per token; a token's CTAs are adjacent in launch order and the
+host checks that the grid fits on the GPU at SPLIT_MAX_CTAS_PER_SM, so the wait ends), then adds the parts in a fixed
+order and writes its slice of the norm. The last CTA of a token to leave sets its counters back
 to 0, so the kernel replays in a CUDA graph as it is.
 """
 from __future__ import annotations
@@ -285,7 +286,8 @@ def _routed_norm_split(x, weight, out, res, add, eps: float, k: int, hidden: int
             or parts.numel() < B * S or not (counters.is_contiguous() and parts.is_contiguous())):
         raise ValueError("routed_norm: split must be routed_norm_scratch's (int32 counters, fp32 parts) for the rows")
     if B * S > SPLIT_MAX_CTAS_PER_SM * sm_count(out.device):
-        raise ValueError(f"routed_norm: {B} rows need {B * S} CTAs resident at once, more than this GPU holds")
+        raise ValueError(f"routed_norm: {B} rows need {B * S} CTAs resident at once, more than "
+                         f"{SPLIT_MAX_CTAS_PER_SM} per SM on this GPU")
     key = ("routed_norm_split", eps, k, hidden, *signature(x, weight, out, res, add, counters, parts))
     fn = compile_kernel(key, RoutedNormSplit(W, eps, k, hidden, counters.numel() // 2),
                         *(fake_like(t, align=16 if t is x else 4) for t in (x, weight, out, res, add, counters, parts)))
