@@ -25,7 +25,7 @@
 # captures-pdl8 (TP8 batch 8 with KIMI_DECODE_PDL=1 and 0), pdl8 (batch 8 under PDL, the w2 weights after / before
 # the wait), w2late (batch 1, the w2 weights after the wait),
 # oprojlate (batch 1, the output projection's first rows after the wait), ab (latency_specialized once per setting
-# in AB_ENVS), capture-ab (a batch-1 capture per setting in AB_ENVS), w13warps (batch 1 and 8, the w13 kernel on
+# in AB_ENVS), capture-ab (a capture per setting in AB_ENVS, at CAPTURE_BATCH, default 1), w13warps (batch 1 and 8, the w13 kernel on
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels, or NCU_KERNELS, at batch NCU_BATCH (default 1),
 # TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1), resources
 # (benchmarks/kernel_resources.py at RES_TP x RES_BATCHES: each kernel's registers under the machine's cutlass-dsl),
@@ -256,14 +256,16 @@ for name in "$@"; do
       done ;;
     chain)  # the layer's bytes as pure streaming reads in its kernel structure (benchmarks/stream_chain.py)
       step chain 150 python3 benchmarks/stream_chain.py --tp 16 8 --batch ${CHAIN_BATCHES:-1} --json "$OUT/chain.json" ;;
-    capture-ab)  # latency_specialized batch 1 captures at CAPTURE_TP (default 16) once per setting in AB_ENVS, for
-      # benchmarks/per_kernel.py
+    capture-ab)  # latency_specialized captures at CAPTURE_TP (default 16) and CAPTURE_BATCH (default 1) once per
+      # setting in AB_ENVS, for benchmarks/per_kernel.py
       for setting in ${AB_ENVS:-}; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
         for tp in ${CAPTURE_TP:-16}; do
           (export_setting "$setting"
-           step "capture $setting tp$tp" 60 python3 -m profiler.cli capture --backend latency_specialized --tp "$tp" \
-             --batch 1 --layers 4 --context 8192 --steps 30 --profiler cupti -o "$OUT/ab_${tag}_tp${tp}.kprof")
+           cb=${CAPTURE_BATCH:-1}
+           step "capture $setting tp$tp b$cb" 60 python3 -m profiler.cli capture --backend latency_specialized \
+             --tp "$tp" --batch "$cb" --layers 4 --context 8192 --steps 30 --profiler cupti \
+             -o "$OUT/ab_${tag}_tp${tp}$([ "$cb" = 1 ] || echo "_b$cb").kprof")
         done
       done ;;
     ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
