@@ -222,7 +222,7 @@ class LatencySpecializedBackend(AutoBackend):
         # 94.4 us on the H200) or "w13" (CTAs in the w13 expert kernel, 96.1 us); NOTES, v13
         self._glu_in_entry = os.environ.get("KIMI_DECODE_SHARED_GLU_IN", "entry") != "w13"
         # 1: the entry kernel's down-projection CTAs also ask L2 for the selected experts' w13 rows once the router
-        # has chosen them (`moe_entry`'s prefetch), for the w13 kernel after it; off until measured (NOTES, item 41)
+        # has chosen them (`moe_entry`'s prefetch), for the w13 kernel after it; off: 0.6-1.8 us slower (NOTES, item 41)
         self._entry_prefetch = cute_common.env_choice("KIMI_DECODE_ENTRY_PREFETCH", "0", ("0", "1")) == "1"
         self._pending_shared = None  # (gate_up, x, act, down, out) of those, until routed_experts
         self._pending_route = None  # (x, logits, ids, weights) of that router, until routed_experts

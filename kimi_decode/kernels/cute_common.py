@@ -106,7 +106,8 @@ def mx_alu() -> bool:
     are bound at batches 8 to 64, to the multiply-add pipe ("1"): the dequantisation's right shift as a `mul.hi`
     (`moe_mxfp4._DEQUANT`), and each ue8m0 scale byte taken out of its word and turned into an fp32 by one mask and
     one `mad` (`moe_mxfp4.mx_scale_of`) instead of a shift, a mask, an add and a shift. The same bits either way.
-    "0" (the default until measured on the H200) keeps the ALU forms."""
+    "0", the default, keeps the ALU forms: on the H200 "1" measured 2-5 us slower per layer at batches 8 and 64 and
+    even at batch 1 (benchmarks/NOTES.md, item 40)."""
     return env_choice("KIMI_DECODE_MX_ALU", "0", MX_ALU) == "1"
 
 

@@ -33,8 +33,9 @@ from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, 
                           sm_count)
 
 if HAVE_CUTE:
-    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
-                              pdl_wait, prefetch_l2, situ_glu, take_ticket, wait_count)
+    from .cute_common import (copy_async_16, copy_async_words, count_done, last_cta, load4, mma_lanes,
+                              pdl_launch_dependents, pdl_reads_ahead, pdl_wait, prefetch_l2, situ_glu, take_ticket,
+                              wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -273,12 +274,15 @@ if HAVE_CUTE:
         for natural ones): word t of each of the chunk's groups, side by side (G0 a multiple of `chunk`)."""
         if chunk == 1:
             return [gW[e, row, quad_major_offset(G0, t, qm, select_i32) if qm else G0 * 4 + t]]
+        v = load4(chunk_tile(gW, e, row, G0, t, chunk, qm))
+        return [v[i] for i in range(chunk)]
+
+    def chunk_tile(gW: cute.Tensor, e, row, G0, t, chunk: int, qm: int = 0):
+        """The 8- or 16-byte tile (chunk 2 or 4) of `gW` that `chunk_load` loads."""
         if chunk == 2:
-            v = load4(gW[(None, (e, row, quad_major_offset(G0, t, qm, select_i32) >> 1 if qm
-                                      else (G0 + (t >> 1)) * 2 + (t & 1)))])
-            return [v[0], v[1]]
-        v = load4(gW[(None, (e, row, G0 + t))])  # the same 16 bytes in both layouts
-        return [v[0], v[1], v[2], v[3]]
+            return gW[(None, (e, row, quad_major_offset(G0, t, qm, select_i32) >> 1 if qm
+                                else (G0 + (t >> 1)) * 2 + (t & 1)))]
+        return gW[(None, (e, row, G0 + t))]  # the same 16 bytes in both layouts
 
     def chunk_words(v, t, lane, chunk: int, qm: int = 0):
         """`chunk_load`'s words -> word t of each of the chunk's groups (what the mma fragment takes)."""
@@ -458,10 +462,16 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, stage: bool = False):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
-            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s."""
+            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s. `stage` (`w2_staged`, chunks of 2
+            or 4, without PDL): every lane copies the weight chunks of all its items into its own shared-memory
+            slots with `cp.async`, and the CTA the token's k activation rows, before the first mma (`staged_tile`),
+            so that a CTA's whole tile is in flight at once instead of the one or two items ahead of the mma that
+            ptxas keeps in registers."""
+            self.used = used
+            self.stage = stage and chunk > 1
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
@@ -504,7 +514,14 @@ if HAVE_CUTE:
             pdl_launch_dependents(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
-            self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bx, b, tidx, ssq, -1)
+            if cutlass.const_expr(self.stage and not self.pdl):
+                wbuf = smem.allocate_tensor(Int32, cute.make_layout((self.chunk, 32, self.per_warp, 2, self.warps)),
+                                            16)
+                abuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), self.topk, self.used // 8)), 16)
+                self.staged_tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, wbuf, abuf, bx, b,
+                                 tidx)
+            else:
+                self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bx, b, tidx, ssq, -1)
 
         @cute.jit
         def tile(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -553,6 +570,67 @@ if HAVE_CUTE:
                     da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
                     acc_a = acc_a + da * (wt * ka[i]())
                     acc_b = acc_b + db * (wt * kb[i]())
+            self.finish(acc_a, acc_b, out, ssq, norm_w, scaled, red, bx, b, ra, rb, warp, lane, g, t)
+
+        @cute.jit
+        def staged_tile(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
+                        w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
+                        scaled: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, abuf: cute.Tensor, bx, b, tidx):
+            """`tile` (no PDL) with its weights and activations staged (`stage`): `wbuf` [chunk, lane, item, row,
+            warp] int32, `abuf` [16 bytes, slot, used / 8] of shared memory. All copies are issued, then the
+            scales loaded, before the one wait."""
+            warp, lane, g, t = mma_lanes(tidx)
+            ra = bx * ROWS2 + g
+            rb = ra + ROWS2 // 2
+            C = self.chunk
+            gW = chunk_view(w, C)
+            cols = self.used // 8  # 16-byte tiles of an activation row
+            threads = 32 * self.warps
+            for r in cutlass.range_constexpr(-(-self.topk * cols // threads)):
+                u = tidx + threads * r
+                if u < self.topk * cols:
+                    copy_async_16(gA[(None, (b * self.topk + u // cols, u % cols))], abuf[(None, u // cols, u % cols)])
+            # per item: its expert slot k, expert e, first group G0, routing weight (0 past the end: the last warp's
+            # last items may lie there) and its two rows' scales, all loaded before the copies are issued (in
+            # program order, so that ptxas does not put them after the wait)
+            items = []
+            for it in cutlass.range_constexpr(self.per_warp):
+                item = warp * self.per_warp + it
+                valid = item < self.items
+                item = select_i32(valid, item, self.items - 1)
+                k = item // self.chunks
+                G0 = item % self.chunks * C
+                e = ids[b, k]
+                wt = Float32(cutlass.select_(valid, weights[b, k], Float32(0.0)))
+                items.append((k, e, G0, wt, self.scales(w_scale, e, ra, G0), self.scales(w_scale, e, rb, G0)))
+            for it, (k, e, G0, wt, ka, kb) in enumerate(items):
+                for h, row in ((0, ra), (1, rb)):
+                    src, dst = chunk_tile(gW, e, row, G0, t, C, self.qm), wbuf[(None, lane, it, h, warp)]
+                    if cutlass.const_expr(C == QUAD):
+                        copy_async_16(src, dst)
+                    else:
+                        copy_async_words(src, dst, C)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()  # the activation rows other threads copied
+            acc_a = Float32(0.0)
+            acc_b = Float32(0.0)
+            for it, (k, e, G0, wt, ka, kb) in enumerate(items):
+                va, vb = load4(wbuf[(None, lane, it, 0, warp)]), load4(wbuf[(None, lane, it, 1, warp)])
+                wa = chunk_words([va[i] for i in range(C)], t, lane, C, self.qm)
+                wb = chunk_words([vb[i] for i in range(C)], t, lane, C, self.qm)
+                for i in cutlass.range_constexpr(C):
+                    xs = load4(abuf[(None, k, (G0 + i) * 4 + t)])
+                    da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
+                    acc_a = acc_a + da * (wt * ka[i]())
+                    acc_b = acc_b + db * (wt * kb[i]())
+            self.finish(acc_a, acc_b, out, ssq, norm_w, scaled, red, bx, b, ra, rb, warp, lane, g, t)
+
+        @cute.jit
+        def finish(self, acc_a, acc_b, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor, scaled: cute.Tensor,
+                   red: cute.Tensor, bx, b, ra, rb, warp, lane, g, t):
+            """The warps' partial sums of rows ra and rb added through `red`, stored (and scaled), and the tile's
+            share of the row's sum of squares."""
             if t == 0:
                 red[g, warp] = acc_a
                 red[ROWS2 // 2 + g, warp] = acc_b
@@ -775,6 +853,14 @@ def w2_chunk(used: int) -> int:
     return int(raw)
 
 
+def w2_staged(tokens: int) -> bool:
+    """Whether the per-pair w2 kernel stages a CTA's weight chunks and activation rows in shared memory with
+    `cp.async` (`MoEW2Sum.staged_tile`; `KIMI_DECODE_W2_STAGE`: "0", the default, or "1"). Above one token only: at
+    one token the kernel runs under PDL and loads its first weights before the wait. Chunks of 2 or 4 MX groups
+    (`w2_chunk`), what K3's shards use. Not yet timed (benchmarks/NOTES.md, item 44)."""
+    return tokens > 1 and env_choice("KIMI_DECODE_W2_STAGE", "0", ("0", "1")) == "1"
+
+
 def w2_layout(used: int, w2_scale: torch.Tensor) -> tuple[int, bool]:
     """(`w2_chunk`, whether the w2 kernel reads its scales as int32 words: chunks of 4 on rows of whole words)."""
     chunk = w2_chunk(used)
@@ -913,9 +999,11 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *signature(*w2_args)),
+    stage = w2_staged(B) and chunk > 1
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *((stage,) if stage else ()),
+                         *signature(*w2_args)),
                         MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
-                                 quad_major=qm2),
+                                 quad_major=qm2, stage=stage),
                         *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
