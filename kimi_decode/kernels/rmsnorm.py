@@ -37,20 +37,25 @@ if HAVE_CUTE:
     from cutlass import Float32
 
     @cute.jit
-    def inverse_rms(ss, tidx, threads: int, width: int, eps: float):
-        """1 / sqrt(mean square + eps) of a row of `width` values whose sum of squares is spread over the CTA's
-        `threads` threads (`ss` in each): a warp reduction, one shared-memory step and a barrier, then every thread
-        adds the warps' sums (the kernel's only shared memory)."""
-        ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-        smem = cutlass.utils.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout(threads // 32), 16)
+    def block_sum(v, tidx, threads: int, red: cute.Tensor):
+        """The sum of `v` over the CTA's `threads` threads, in every thread: a warp reduction, one step through `red`
+        (threads / 32 fp32 of shared memory) and a barrier, then every thread adds the warps' sums in a fixed order."""
+        v = cute.arch.warp_reduction(v, lambda a, b: a + b)
         if tidx % 32 == 0:
-            red[tidx // 32] = ss
+            red[tidx // 32] = v
         cute.arch.barrier()
         total = Float32(0.0)
         for i in cutlass.range_constexpr(threads // 32):
             total = total + red[i]
-        return cute.math.rsqrt(total / Float32(width) + Float32(eps))
+        return total
+
+    @cute.jit
+    def inverse_rms(ss, tidx, threads: int, width: int, eps: float):
+        """1 / sqrt(mean square + eps) of a row of `width` values whose sum of squares is spread over the CTA's
+        `threads` threads (`ss` in each): `block_sum` through the kernel's only shared memory."""
+        smem = cutlass.utils.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout(threads // 32), 16)
+        return cute.math.rsqrt(block_sum(ss, tidx, threads, red) / Float32(width) + Float32(eps))
 
     class RMSNormRows:
         def __init__(self, width: int, eps: float):
@@ -211,14 +216,8 @@ if HAVE_CUTE:
                     c = s * self.cols_h + tidx + SPLIT_THREADS * i
                     if c < self.H and tidx + SPLIT_THREADS * i < self.cols_h:
                         res[row, c] = old[i] + inc[i]
-            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-            if tidx % 32 == 0:
-                red[tidx // 32] = ss
-            cute.arch.barrier()
+            part = block_sum(ss, tidx, SPLIT_THREADS, red)
             if tidx == 0:
-                part = Float32(0.0)
-                for i in cutlass.range_constexpr(SPLIT_THREADS // 32):
-                    part = part + red[i]
                 parts[row * self.S + s] = part
             count_done(counters, row, tidx)  # this CTA's part is stored
             wait_count(counters, row, self.S, tidx)  # ... and every CTA's of the token
