@@ -488,6 +488,14 @@ if HAVE_CUTE:
             self.per_warp = -(-self.items // warps)
             self.early_items = W2_EARLY_ITEMS // chunk
 
+        def item_at(self, warp, it: int):
+            """Item `it` of `warp`: (its expert slot k, its first group G0, whether it is one: the last warp's last
+            items may lie past the end, and then stand for the last item with routing weight 0)."""
+            item = warp * self.per_warp + it
+            valid = item < self.items
+            item = select_i32(valid, item, self.items - 1)
+            return item // self.chunks, item % self.chunks * self.chunk, valid
+
         def scales(self, w_scale: cute.Tensor, e, row, G0):
             """The fp32 scales of one row's chunk from group G0, as functions to call where each is used
             (`word_scales`): one word load with `scale_words`, else a byte each."""
@@ -541,11 +549,7 @@ if HAVE_CUTE:
             gW = chunk_view(w, C)
             items = []  # per item: (its expert slot k, first group G0, whether it is one, row ra's and rb's loads)
             for it in cutlass.range_constexpr(self.per_warp):
-                item = warp * self.per_warp + it
-                valid = item < self.items  # the last warp's last items may lie past the end: weight 0
-                item = select_i32(valid, item, self.items - 1)
-                k = item // self.chunks
-                G0 = item % self.chunks * C
+                k, G0, valid = self.item_at(warp, it)
                 e = ids[b, k]
                 if cutlass.const_expr(it < self.early_items):
                     items.append((k, G0, valid, chunk_load(gW, e, ra, G0, t, C, self.qm),
@@ -590,16 +594,12 @@ if HAVE_CUTE:
                 u = tidx + threads * r
                 if u < self.topk * cols:
                     copy_async_16(gA[(None, (b * self.topk + u // cols, u % cols))], abuf[(None, u // cols, u % cols)])
-            # per item: its expert slot k, expert e, first group G0, routing weight (0 past the end: the last warp's
-            # last items may lie there) and its two rows' scales, all loaded before the copies are issued (in
+            # per item: its expert slot k, expert e, first group G0, routing weight (0 past the end) and its two
+            # rows' scales, all loaded before the copies are issued (in
             # program order, so that ptxas does not put them after the wait)
             items = []
             for it in cutlass.range_constexpr(self.per_warp):
-                item = warp * self.per_warp + it
-                valid = item < self.items
-                item = select_i32(valid, item, self.items - 1)
-                k = item // self.chunks
-                G0 = item % self.chunks * C
+                k, G0, valid = self.item_at(warp, it)
                 e = ids[b, k]
                 wt = Float32(cutlass.select_(valid, weights[b, k], Float32(0.0)))
                 items.append((k, e, G0, wt, self.scales(w_scale, e, ra, G0), self.scales(w_scale, e, rb, G0)))
@@ -999,12 +999,11 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    stage = w2_staged(B) and chunk > 1
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *((stage,) if stage else ()),
+    op2 = MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words, quad_major=qm2,
+                   stage=w2_staged(B))
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *((True,) if op2.stage else ()),
                          *signature(*w2_args)),
-                        MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
-                                 quad_major=qm2, stage=stage),
-                        *(fake_like(t, align=16) for t in w2_args))
+                        op2, *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
 
