@@ -523,36 +523,6 @@ def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk(sm90a_pdl, monkeypatch, t
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch, pad, quad", [(16, 8, True, True), (16, 3, False, False), (8, 8, True, True),
-                                                  (8, 2, True, False)])
-def test_moe_mxfp4_with_the_w2_weights_staged_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch, pad, quad):
-    """KIMI_DECODE_W2_STAGE=1: the per-pair w2 kernel with its weight chunks (8 bytes at TP16, 16 at TP8) and the
-    token's activation rows copied into shared memory, on both layouts, as a variant of its own (under PDL it keeps
-    its loads in registers, the form that loads before the wait)."""
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe
-
-    s = shard("k3", tp=tp, pad_experts=pad)
-    L = s.model.moe_latent
-    scaled = (torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16))
-    plain = compile_moe(*_moe_args(s, batch), scaled=scaled, quad_major=quad)
-    monkeypatch.setenv("KIMI_DECODE_W2_STAGE", "1")
-    staged = compile_moe(*_moe_args(s, batch), scaled=scaled, quad_major=quad)
-    assert all(f is not None for f in staged)
-    assert staged[0] is plain[0] and staged[1] is not plain[1]
-
-
-def test_w2_staging_is_validated_and_only_above_one_token(monkeypatch):
-    from kimi_decode.kernels.moe_mxfp4 import w2_staged
-
-    assert not w2_staged(8)
-    monkeypatch.setenv("KIMI_DECODE_W2_STAGE", "1")
-    assert w2_staged(8) and w2_staged(2) and not w2_staged(1)
-    monkeypatch.setenv("KIMI_DECODE_W2_STAGE", "on")
-    with pytest.raises(ValueError, match="KIMI_DECODE_W2_STAGE"):
-        w2_staged(8)
-
-
-@needs_cute
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
 def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(sm90a_pdl, monkeypatch, tp, batch):
     """The w13 kernels with the activation operands made once per warp in shared memory (the default) and per lane

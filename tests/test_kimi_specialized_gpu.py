@@ -458,23 +458,6 @@ def test_moe_mxfp4_at_each_w2_chunk_matches_float64(monkeypatch, tp, pad, batch,
     _check_moe_mxfp4(tp, pad, batch)
 
 
-@pytest.mark.parametrize("tp, pad, batch", [(16, True, 8), (16, False, 3), (8, True, 8), (8, True, 2)])
-def test_moe_mxfp4_with_the_w2_weights_staged_matches_float64(monkeypatch, tp, pad, batch):
-    """KIMI_DECODE_W2_STAGE=1 (PDL off, as above one token): the per-pair w2 kernel with its weight chunks and
-    activation rows in shared memory, on natural and quad-major codes and on the compact w2 copy."""
-    monkeypatch.setenv("KIMI_DECODE_W2_STAGE", "1")
-    monkeypatch.setenv("KIMI_DECODE_PDL", "0")
-    _check_moe_mxfp4(tp, pad, batch)
-    _check_moe_mxfp4(tp, pad, batch, quad=True)
-    _check_moe_mxfp4(tp, pad, batch, quad=True, compact=True)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_the_w2_weights_staged_matches_reference(monkeypatch, tp):
-    """KIMI_DECODE_W2_STAGE=1 in a whole layer at batch 8 (per-pair experts, no PDL)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_STAGE", "1", tp, 8, 3800)
-
-
 def _codes(w, quad: bool, used: int | None = None):
     """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies; with `used`,
     w2's rows cut to their used columns (the backend's `KIMI_DECODE_W2_COMPACT` copy; the scales stay padded)."""

@@ -33,9 +33,8 @@ from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, 
                           sm_count)
 
 if HAVE_CUTE:
-    from .cute_common import (copy_async_16, copy_async_words, count_done, last_cta, load4, mma_lanes,
-                              pdl_launch_dependents, pdl_reads_ahead, pdl_wait, prefetch_l2, situ_glu, take_ticket,
-                              wait_count)
+    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
+                              pdl_wait, prefetch_l2, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -462,16 +461,11 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, stage: bool = False):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
-            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s. `stage` (`w2_staged`, chunks of 2
-            or 4, without PDL): every lane copies the weight chunks of all its items into its own shared-memory
-            slots with `cp.async`, and the CTA the token's k activation rows, before the first mma (`staged_tile`),
-            so that a CTA's whole tile is in flight at once instead of the one or two items ahead of the mma that
-            ptxas keeps in registers."""
+            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s."""
             self.used = used
-            self.stage = stage and chunk > 1
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
@@ -522,14 +516,7 @@ if HAVE_CUTE:
             pdl_launch_dependents(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
-            if cutlass.const_expr(self.stage and not self.pdl):
-                wbuf = smem.allocate_tensor(Int32, cute.make_layout((self.chunk, 32, self.per_warp, 2, self.warps)),
-                                            16)
-                abuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), self.topk, self.used // 8)), 16)
-                self.staged_tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, wbuf, abuf, bx, b,
-                                 tidx)
-            else:
-                self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bx, b, tidx, ssq, -1)
+            self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bx, b, tidx, ssq, -1)
 
         @cute.jit
         def tile(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -571,56 +558,6 @@ if HAVE_CUTE:
                 ka, kb = self.scales(w_scale, e, ra, G0), self.scales(w_scale, e, rb, G0)
                 for i in cutlass.range_constexpr(C):
                     xs = load4(gA[(None, (b * self.topk + k, (G0 + i) * 4 + t))])
-                    da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
-                    acc_a = acc_a + da * (wt * ka[i]())
-                    acc_b = acc_b + db * (wt * kb[i]())
-            self.finish(acc_a, acc_b, out, ssq, norm_w, scaled, red, bx, b, ra, rb, warp, lane, g, t)
-
-        @cute.jit
-        def staged_tile(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
-                        w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
-                        scaled: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, abuf: cute.Tensor, bx, b, tidx):
-            """`tile` (no PDL) with its weights and activations staged (`stage`): `wbuf` [chunk, lane, item, row,
-            warp] int32, `abuf` [16 bytes, slot, used / 8] of shared memory. All copies are issued, then the
-            scales loaded, before the one wait."""
-            warp, lane, g, t = mma_lanes(tidx)
-            ra = bx * ROWS2 + g
-            rb = ra + ROWS2 // 2
-            C = self.chunk
-            gW = chunk_view(w, C)
-            cols = self.used // 8  # 16-byte tiles of an activation row
-            threads = 32 * self.warps
-            for r in cutlass.range_constexpr(-(-self.topk * cols // threads)):
-                u = tidx + threads * r
-                if u < self.topk * cols:
-                    copy_async_16(gA[(None, (b * self.topk + u // cols, u % cols))], abuf[(None, u // cols, u % cols)])
-            # per item: its expert slot k, expert e, first group G0, routing weight (0 past the end) and its two
-            # rows' scales, all loaded before the copies are issued (in
-            # program order, so that ptxas does not put them after the wait)
-            items = []
-            for it in cutlass.range_constexpr(self.per_warp):
-                k, G0, valid = self.item_at(warp, it)
-                e = ids[b, k]
-                wt = Float32(cutlass.select_(valid, weights[b, k], Float32(0.0)))
-                items.append((k, e, G0, wt, self.scales(w_scale, e, ra, G0), self.scales(w_scale, e, rb, G0)))
-            for it, (k, e, G0, wt, ka, kb) in enumerate(items):
-                for h, row in ((0, ra), (1, rb)):
-                    src, dst = chunk_tile(gW, e, row, G0, t, C, self.qm), wbuf[(None, lane, it, h, warp)]
-                    if cutlass.const_expr(C == QUAD):
-                        copy_async_16(src, dst)
-                    else:
-                        copy_async_words(src, dst, C)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()  # the activation rows other threads copied
-            acc_a = Float32(0.0)
-            acc_b = Float32(0.0)
-            for it, (k, e, G0, wt, ka, kb) in enumerate(items):
-                va, vb = load4(wbuf[(None, lane, it, 0, warp)]), load4(wbuf[(None, lane, it, 1, warp)])
-                wa = chunk_words([va[i] for i in range(C)], t, lane, C, self.qm)
-                wb = chunk_words([vb[i] for i in range(C)], t, lane, C, self.qm)
-                for i in cutlass.range_constexpr(C):
-                    xs = load4(abuf[(None, k, (G0 + i) * 4 + t)])
                     da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
                     acc_a = acc_a + da * (wt * ka[i]())
                     acc_b = acc_b + db * (wt * kb[i]())
@@ -853,14 +790,6 @@ def w2_chunk(used: int) -> int:
     return int(raw)
 
 
-def w2_staged(tokens: int) -> bool:
-    """Whether the per-pair w2 kernel stages a CTA's weight chunks and activation rows in shared memory with
-    `cp.async` (`MoEW2Sum.staged_tile`; `KIMI_DECODE_W2_STAGE`: "0", the default, or "1"). Above one token only: at
-    one token the kernel runs under PDL and loads its first weights before the wait. Chunks of 2 or 4 MX groups
-    (`w2_chunk`), what K3's shards use. Not yet timed (benchmarks/NOTES.md, item 44)."""
-    return tokens > 1 and env_choice("KIMI_DECODE_W2_STAGE", "0", ("0", "1")) == "1"
-
-
 def w2_layout(used: int, w2_scale: torch.Tensor) -> tuple[int, bool]:
     """(`w2_chunk`, whether the w2 kernel reads its scales as int32 words: chunks of 4 on rows of whole words)."""
     chunk = w2_chunk(used)
@@ -999,10 +928,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    op2 = MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words, quad_major=qm2,
-                   stage=w2_staged(B))
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *((True,) if op2.stage else ()),
-                         *signature(*w2_args)),
+    op2 = MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words, quad_major=qm2)
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *signature(*w2_args)),
                         op2, *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
