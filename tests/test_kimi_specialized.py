@@ -702,26 +702,27 @@ def test_rmsnorm_compiles_for_sm90a(sm90a, batch):
 
 @needs_cute
 @pytest.mark.parametrize("split", [False, True], ids=["one-cta", "split"])
-@pytest.mark.parametrize("batch", [9, 16, 64])
+@pytest.mark.parametrize("batch, k", [(9, 16), (16, 16), (64, 16), (4, 1), (8, 1)])
 @pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
-def test_routed_norm_compiles_for_sm90a(sm90a, batch, hidden, split):
-    """Both forms at the decode path's grouped batches, with and without the residual: one CTA per token
-    (`RoutedNorm`) and several meeting on a counter (`RoutedNormSplit`, with its scratch)."""
+def test_routed_norm_compiles_for_sm90a(sm90a, batch, k, hidden, split):
+    """Both forms at the decode path's grouped batches (K3's 16 per-pair parts per token) and on a routed sum (k = 1, the
+    MoE tail on cuBLAS above the tensor-core rows), with and without the residual: one CTA per token (`RoutedNorm`)
+    and several meeting on a counter (`RoutedNormSplit`, with its scratch)."""
     from kimi_decode.kernels import cute_common as cc
     from kimi_decode.kernels.rmsnorm import RoutedNorm, RoutedNormSplit, routed_norm_scratch
 
     m = shard("k3", tp=16).model
-    x = torch.empty(batch * m.top_k, m.moe_latent)
+    x = torch.empty(batch * k, m.moe_latent)
     out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
     res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
     tensors = [x, torch.empty(m.moe_latent), out, res, add]
     if split:
         counters, parts = routed_norm_scratch(m.moe_latent, torch.device("cpu"))
-        op = RoutedNormSplit(m.moe_latent, 1e-5, m.top_k, hidden, counters.numel() // 2)
+        op = RoutedNormSplit(m.moe_latent, 1e-5, k, hidden, counters.numel() // 2)
         tensors += [counters, parts]
     else:
-        op = RoutedNorm(m.moe_latent, 1e-5, m.top_k, hidden)
-    assert cc.compile_kernel(("rn", split, batch, hidden), op,
+        op = RoutedNorm(m.moe_latent, 1e-5, k, hidden)
+    assert cc.compile_kernel(("rn", split, batch, k, hidden), op,
                              *(cc.fake_like(t, align=16 if t is x else 4) for t in tensors)) is not None
 
 

@@ -138,6 +138,15 @@ def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch, most", [(4, "3"), (8, "3"), (16, "8")])
+def test_specialized_layer_with_the_moe_tail_on_cublas_matches_reference(monkeypatch, tp, batch, most):
+    """KIMI_DECODE_TC_MAX_ROWS below the batch: the MoE tail as the routed norm (which also adds the shared output
+    into the residual) and one cuBLAS GEMM, on the per-pair experts' routed sum (batches 4 and 8: no fused norm in
+    the expert kernel) and on the grouped experts' per-pair outputs (16)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_TC_MAX_ROWS", most, tp, batch, 3450)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_specialized_layer_on_natural_expert_rows_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_QUAD_MAJOR=0: the expert kernels on the natural rows (words exchanged between lanes), as A/B runs

@@ -48,15 +48,16 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored);
-- the MoE tail: up to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes
-  beside the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the
-  residual in its epilogue; with the grouped experts (batches 9..64) and no cross-rank all-reduce of the routed
-  sum in between, one kernel adds each token's k per-pair outputs and normalises them (`rmsnorm.routed_norm`), then
-  up to 16 rows the projection adds the result and the shared experts' output into the residual, above that the
-  norm's kernel adds the shared output and one cuBLAS GEMM accumulates into the residual (2 kernels where the generic
-  tail has 6; `KIMI_DECODE_ROUTED_NORM=0`: the routed sum reduced first and the tail as before); with the all-reduce
-  in between, the RMSNorm runs as its own kernel (`kernels/rmsnorm.py`) before the projection up to 16 rows, and
-  the generic tail above;
+- the MoE tail, up to TC_MAX_ROWS rows (16; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: up
+  to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes beside the partial
+  sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in its
+  epilogue; with the grouped experts (batches 9..64) and no cross-rank all-reduce of the routed sum in between, one
+  kernel adds each token's k per-pair outputs and normalises them (`rmsnorm.routed_norm`), then the projection adds
+  the result and the shared experts' output into the residual (`KIMI_DECODE_ROUTED_NORM=0`: the routed sum reduced
+  first); with the all-reduce in between, the RMSNorm as its own kernel (`kernels/rmsnorm.py`) before the
+  projection. Above TC_MAX_ROWS rows, whatever the routed output's form (per-pair outputs, a routed sum, an
+  all-reduced one), `routed_norm` sums, normalises and adds the shared output into the residual, and one cuBLAS
+  GEMM accumulates the up-projection into it (2 kernels where the generic tail has 6);
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
@@ -636,8 +637,10 @@ class LatencySpecializedBackend(AutoBackend):
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)
             return self._pairs_tail(routed, shared, w, res, shard)
-        if not (self._mlp_fast and self._cute_rows(routed.shape[0])):
+        if not self._mlp_fast or routed.dtype != torch.float32:
             return super().moe_tail(routed, shared, w, res, shard)
+        if not self._cute_rows(routed.shape[0]):  # more rows than the tensor-core tail takes: norm kernel + cuBLAS
+            return self._cublas_tail(routed.unsqueeze(1), shared, w, res, shard)
         from ..kernels.rmsnorm import rmsnorm_rows
 
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
@@ -650,18 +653,28 @@ class LatencySpecializedBackend(AutoBackend):
         self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
 
     def _pairs_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
-        """The MoE tail on the grouped experts' per-pair outputs: summed and normalised in one kernel, then up to 16
-        rows the tensor-core projection adds the result and the shared output into the residual, above that the norm's
-        kernel adds the shared output and one cuBLAS GEMM accumulates into the residual."""
+        """The MoE tail on the grouped experts' per-pair outputs: summed and normalised in one kernel, then up to
+        TC_MAX_ROWS rows the tensor-core projection adds the result and the shared output into the residual; above,
+        `_cublas_tail`."""
+        from ..kernels.rmsnorm import routed_norm
+
+        B, _, L = pairs.shape
+        if not self._cute_rows(B):
+            return self._cublas_tail(pairs, shared, w, res, shard)
+        normed = self._empty(B, L, device=pairs.device)
+        split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
+        routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
+        self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
+
+    def _cublas_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
+        """The MoE tail in two kernels on [B, k, L] fp32 parts of the routed output (the grouped experts' per-pair
+        outputs, or a routed sum as k = 1): one adds the parts, normalises them and adds the shared experts' output
+        into the residual, then one cuBLAS GEMM accumulates the up-projection into it."""
         from ..kernels.rmsnorm import routed_norm
 
         B, _, L = pairs.shape
         normed = self._empty(B, L, device=pairs.device)
         split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
-        if self._cute_rows(B):
-            routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
-            self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
-            return
         routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared), split=split)
         if _ADDMM_FP32_OUT:
             torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
