@@ -1706,6 +1706,8 @@ def _dispatch_spy(monkeypatch, env):
     monkeypatch.setattr(gemv, "gemv", lambda w, x, y, **kw: calls.append("gemv") or y)
     monkeypatch.setattr(gemm_tc, "project", lambda w, x, y, counters, **kw: calls.append("tc") or y)
     monkeypatch.setattr(rmsnorm, "rmsnorm_rows", lambda x, w, out, eps: out)
+    monkeypatch.setattr(rmsnorm, "routed_norm", lambda pairs, w, out, eps, **kw: calls.append("norm") or out)
+    monkeypatch.setattr(torch, "addmm", lambda c, a, b, **kw: calls.append("cublas") or c)
     backend = get_backend("latency_specialized")
     monkeypatch.setattr(backend, "linear", lambda x, w: calls.append("cublas") or x @ w.T)
     monkeypatch.setattr(backend, "_tc_counters", lambda device: None)
@@ -1726,16 +1728,18 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     assert calls == [want]
 
 
-@pytest.mark.parametrize("rows, fused_norm, want", [
-    (1, True, ["gemv"]), (8, True, ["tc"]), (12, False, ["tc"]), (16, False, ["tc"]), (17, False, ["cublas"]),
-    (64, False, ["cublas"]),
+@pytest.mark.parametrize("rows, fused_norm, env, want", [
+    (1, True, {}, ["gemv"]), (8, True, {}, ["tc"]), (12, False, {}, ["tc"]), (16, False, {}, ["tc"]),
+    (17, False, {}, ["norm", "cublas"]), (64, False, {}, ["norm", "cublas"]),
+    (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3"}, ["norm", "cublas"]),
 ])
-def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, want):
+def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 16 rows (one projection with the norm scale, accumulate and add in its
-    epilogue), the generic tail above."""
+    epilogue), above (or above KIMI_DECODE_TC_MAX_ROWS) the routed norm, which adds the shared output into the
+    residual, and one cuBLAS GEMM."""
     from types import SimpleNamespace
 
-    backend, calls = _dispatch_spy(monkeypatch, {})
+    backend, calls = _dispatch_spy(monkeypatch, env)
     backend._mlp_fast, backend._fused_norm = True, fused_norm
     L, H = 64, 32
     backend._scaled = torch.zeros(rows, L, dtype=torch.bfloat16)

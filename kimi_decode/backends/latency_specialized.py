@@ -185,6 +185,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._mlp_fast = False
         self._fused_norm = False
         self._pairs_to_tail = False
+        self._norm_split = False  # `routed_norm_split()` as read when the layer began
         self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
