@@ -1716,12 +1716,13 @@ def _dispatch_spy(monkeypatch, env):
 
 @pytest.mark.parametrize("rows, env, want", [
     (1, {}, "gemv"), (3, {}, "gemv"), (4, {}, "cublas"), (16, {}, "cublas"), (64, {}, "cublas"),
-    (8, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"), (16, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"),
-    (17, {"KIMI_DECODE_TC_PLAIN": "1"}, "cublas"), (6, {"KIMI_DECODE_TC_MIN_ROWS": "8"}, "gemv"),
+    (4, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"), (8, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"),
+    (9, {"KIMI_DECODE_TC_PLAIN": "1"}, "cublas"), (6, {"KIMI_DECODE_TC_MIN_ROWS": "8"}, "gemv"),
+    (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16"}, "tc"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     """Below 4 rows the GEMV, from there cuBLAS (faster than the tensor-core kernel as measured), which the A/B switch
-    replaces by the tensor-core kernel up to 16 rows."""
+    replaces by the tensor-core kernel up to 8 rows (KIMI_DECODE_TC_MAX_ROWS)."""
     backend, calls = _dispatch_spy(monkeypatch, env)
     x, w = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     backend._gemv(x, w)
@@ -1729,14 +1730,15 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 
 
 @pytest.mark.parametrize("rows, fused_norm, env, want", [
-    (1, True, {}, ["gemv"]), (8, True, {}, ["tc"]), (12, False, {}, ["tc"]), (16, False, {}, ["tc"]),
-    (17, False, {}, ["norm", "cublas"]), (64, False, {}, ["norm", "cublas"]),
+    (1, True, {}, ["gemv"]), (4, True, {}, ["tc"]), (8, True, {}, ["tc"]), (9, False, {}, ["norm", "cublas"]),
+    (16, False, {}, ["norm", "cublas"]), (64, False, {}, ["norm", "cublas"]),
     (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3"}, ["norm", "cublas"]),
+    (16, False, {"KIMI_DECODE_TC_MAX_ROWS": "16"}, ["tc"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
-    """The MoE tail on our kernels up to 16 rows (one projection with the norm scale, accumulate and add in its
-    epilogue), above (or above KIMI_DECODE_TC_MAX_ROWS) the routed norm, which adds the shared output into the
-    residual, and one cuBLAS GEMM."""
+    """The MoE tail on our kernels up to 8 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,
+    accumulate and add in its epilogue), above it the routed norm, which adds the shared output into the residual,
+    and one cuBLAS GEMM."""
     from types import SimpleNamespace
 
     backend, calls = _dispatch_spy(monkeypatch, env)

@@ -138,11 +138,12 @@ def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference
 
 
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch, most", [(4, "3"), (8, "3"), (16, "8")])
-def test_specialized_layer_with_the_moe_tail_on_cublas_matches_reference(monkeypatch, tp, batch, most):
-    """KIMI_DECODE_TC_MAX_ROWS below the batch: the MoE tail as the routed norm (which also adds the shared output
-    into the residual) and one cuBLAS GEMM, on the per-pair experts' routed sum (batches 4 and 8: no fused norm in
-    the expert kernel) and on the grouped experts' per-pair outputs (16)."""
+@pytest.mark.parametrize("batch, most", [(4, "3"), (8, "3"), (16, "16")])
+def test_specialized_layer_with_the_moe_tail_switch_moved_matches_reference(monkeypatch, tp, batch, most):
+    """KIMI_DECODE_TC_MAX_ROWS moved: below the batch, the MoE tail on the per-pair experts' routed sum (batches 4 and
+    8: no fused norm in the expert kernel) as the routed norm (which also adds the shared output into the residual)
+    and one cuBLAS GEMM, as the default runs it above 8 rows; at 16, the grouped experts' per-pair outputs normalised
+    and then the tensor-core projection."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_TC_MAX_ROWS", most, tp, batch, 3450)
 
 
@@ -1219,7 +1220,7 @@ def test_specialized_layer_with_two_kernel_o_proj_and_attn_res_matches_reference
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch, env", [(4, {}), (8, {"KIMI_DECODE_TC_PLAIN": "1"}),
-                                        (16, {"KIMI_DECODE_TC_PLAIN": "1"}),
+                                        (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16"}),
                                         (32, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "64"})])
 def test_specialized_layer_with_tensor_core_projections_matches_reference(monkeypatch, tp, batch, env):
     """The layer with every plain projection on the tensor-core kernel too (the A/B switch), and the tail on it past

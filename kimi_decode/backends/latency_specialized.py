@@ -4,7 +4,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 64, by rows (TC_MIN_ROWS, TC_MAX_ROWS):
   below 4 rows the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 4 rows the plain projections on cuBLAS,
   as `auto` (measured faster than ours there; `KIMI_DECODE_TC_PLAIN=1` runs them on the tensor-core kernel), and
-  the MoE tail up to 16 rows on the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over the tokens, split-K
+  the MoE tail up to 8 rows on the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over the tokens, split-K
   with the last CTA of each row group adding the splits and running the epilogue); the latent up-projection
   accumulates straight into the fp32 residual; `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the switch-overs (A/B);
 - the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
@@ -48,15 +48,15 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored);
-- the MoE tail, up to TC_MAX_ROWS rows (16; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: up
-  to batch 8 one projection over bf16(routed sum x norm weight), which the expert kernel writes beside the partial
-  sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in its
-  epilogue; with the grouped experts (batches 9..64) and no cross-rank all-reduce of the routed sum in between, one
-  kernel adds each token's k per-pair outputs and normalises them (`rmsnorm.routed_norm`), then the projection adds
-  the result and the shared experts' output into the residual (`KIMI_DECODE_ROUTED_NORM=0`: the routed sum reduced
-  first); with the all-reduce in between, the RMSNorm as its own kernel (`kernels/rmsnorm.py`) before the
-  projection. Above TC_MAX_ROWS rows, whatever the routed output's form (per-pair outputs, a routed sum, an
-  all-reduced one), `routed_norm` sums, normalises and adds the shared output into the residual, and one cuBLAS
+- the MoE tail, up to TC_MAX_ROWS rows (8; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: with
+  the per-pair experts one projection over bf16(routed sum x norm weight), which the w2 expert kernel writes beside
+  the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in
+  its epilogue; with the grouped experts (`KIMI_DECODE_GROUPED_FROM` at or below TC_MAX_ROWS) one kernel that adds
+  each token's k per-pair outputs and normalises them (`rmsnorm.routed_norm`; `KIMI_DECODE_ROUTED_NORM=0`: the
+  routed sum reduced first), then the projection, which adds the result and the shared output into the residual;
+  with a cross-rank all-reduce of the routed sum in between, the RMSNorm as its own kernel (`kernels/rmsnorm.py`)
+  before the projection. Above TC_MAX_ROWS rows, whatever the routed output's form (per-pair outputs, a routed sum,
+  an all-reduced one), `routed_norm` sums, normalises and adds the shared output into the residual, and one cuBLAS
   GEMM accumulates the up-projection into it (2 kernels where the generic tail has 6);
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
@@ -148,10 +148,11 @@ FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and 
 # Projections by rows (benchmarks/NOTES.md, v10): below TC_MIN_ROWS the CUDA-core GEMV; from there the plain ones
 # on cuBLAS, as `auto` (its pipelined split-K GEMM streamed 2.7-3.3 TB/s from 4 rows on, our tensor-core kernel
 # 2.1-2.4 TB/s; KIMI_DECODE_TC_PLAIN=1 runs them on ours up to TC_MAX_ROWS, for A/B), and the MoE tail, whose
-# RMSNorm scale, residual accumulate and shared-expert add cuBLAS would need four more kernels for, on the tensor-core
-# kernel up to TC_MAX_ROWS rows (at 32 rows it is 2.9x slower than cuBLAS: the generic tail there).
+# RMSNorm scale, residual accumulate and shared-expert add cuBLAS would need more kernels for, on the tensor-core
+# kernel up to TC_MAX_ROWS rows. Above, the routed norm and one cuBLAS GEMM: at 16 rows that measured 8.0-8.5 us
+# faster per layer on the H200; at 8 rows within the run's spread of routes, at 4 rows 0.6 us slower (NOTES item 45).
 TC_MIN_ROWS = 4
-TC_MAX_ROWS = 16
+TC_MAX_ROWS = 8
 # L2 prefetch per streaming projection, in MB: off by default, since on the H200 12 / 24 / 40 MB made the TP16 batch-1
 # KDA layer 1.1 / 3.3 / 5.9 us slower (benchmarks/NOTES.md, v6); KIMI_DECODE_PREFETCH_MB turns it on
 PREFETCH_MB = 0

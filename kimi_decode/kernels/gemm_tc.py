@@ -22,7 +22,7 @@ of squares.
 
 On the H200 (benchmarks/NOTES.md, v10) it streams 2.6-2.8 TB/s on the 46-51 MB projections at 4-8 rows, 5-20% behind
 cuBLAS's pipelined split-K GEMM, and falls further behind from 16 rows; `latency_specialized` therefore runs it
-where its epilogue saves kernels (the MoE tail) and leaves plain projections to cuBLAS.
+where its epilogue saves kernels (the MoE tail, up to 8 rows) and leaves plain projections to cuBLAS.
 """
 from __future__ import annotations
 
