@@ -705,9 +705,9 @@ def test_rmsnorm_compiles_for_sm90a(sm90a, batch):
 @pytest.mark.parametrize("batch, k", [(9, 16), (16, 16), (64, 16), (4, 1), (8, 1)])
 @pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
 def test_routed_norm_compiles_for_sm90a(sm90a, batch, k, hidden, split):
-    """Both forms at the decode path's grouped batches (K3's 16 per-pair parts per token) and on a routed sum (k = 1, the
-    MoE tail on cuBLAS above the tensor-core rows), with and without the residual: one CTA per token (`RoutedNorm`)
-    and several meeting on a counter (`RoutedNormSplit`, with its scratch)."""
+    """Both forms at the decode path's grouped batches (K3's 16 per-pair parts per token) and on a routed sum (k = 1,
+    the MoE tail on cuBLAS above the tensor-core rows), with and without the residual: one CTA per token
+    (`RoutedNorm`) and several meeting on a counter (`RoutedNormSplit`, with its scratch)."""
     from kimi_decode.kernels import cute_common as cc
     from kimi_decode.kernels.rmsnorm import RoutedNorm, RoutedNormSplit, routed_norm_scratch
 
