@@ -125,9 +125,9 @@ for name in "$@"; do
       KIMI_DECODE_PREFETCH_MB=0 bench glu 90 bench_glu.json --backend latency_specialized --tp 16 8 --batch 1 4 8
       KIMI_DECODE_PREFETCH_MB=0 KIMI_DECODE_SHARED_GLU=0 bench noglu 90 bench_noglu.json --backend latency_specialized \
         --tp 16 8 --batch 1 4 8 ;;
-    tcplain)  # every plain projection and the MoE tail on the tensor-core kernel (KIMI_DECODE_TC_PLAIN=1, up to 16 rows)
-      KIMI_DECODE_TC_PLAIN=1 KIMI_DECODE_TC_MAX_ROWS=16 bench tcplain 90 bench_tcplain.json --backend latency_specialized --tp 16 8 \
-        --batch 8 16 ;;
+    tcplain)  # every plain projection and the MoE tail on the tensor-core kernel, up to 16 rows
+      KIMI_DECODE_TC_PLAIN=1 KIMI_DECODE_TC_MAX_ROWS=16 bench tcplain 90 bench_tcplain.json \
+        --backend latency_specialized --tp 16 8 --batch 8 16 ;;
     noentry)  # batch 1 with the router beside the latent down-projection (two kernels, two streams)
       KIMI_DECODE_MOE_ENTRY=0 bench noentry 90 bench_noentry.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     nogate)  # batch 1 and 8 with the decay gate's f_b GEMV as its own kernel
