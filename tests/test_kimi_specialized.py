@@ -726,6 +726,23 @@ def test_routed_norm_compiles_for_sm90a(sm90a, batch, k, hidden, split):
                              *(cc.fake_like(t, align=16 if t is x else 4) for t in tensors)) is not None
 
 
+@needs_cute
+@pytest.mark.parametrize("batch", [9, 64])
+@pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
+def test_routed_norm_on_bf16_pairs_compiles_for_sm90a(sm90a, batch, hidden):
+    """The one-CTA form on bf16 per-pair outputs (`KIMI_DECODE_PAIRS_BF16=1`): a variant of its own, 8-byte loads."""
+    from kimi_decode.kernels import cute_common as cc
+    from kimi_decode.kernels.rmsnorm import RoutedNorm
+
+    m = shard("k3", tp=16).model
+    x = torch.empty(batch * m.top_k, m.moe_latent, dtype=torch.bfloat16)
+    out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
+    res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
+    tensors = [x, torch.empty(m.moe_latent), out, res, add]
+    assert cc.compile_kernel(("rn-bf16", batch, hidden), RoutedNorm(m.moe_latent, 1e-5, m.top_k, hidden),
+                             *(cc.fake_like(t, align=16 if t is x else 4) for t in tensors)) is not None
+
+
 def test_routed_norm_split_scratch_fits_the_rows_it_serves():
     """`routed_norm_scratch` holds two counters per token and a part per CTA for the largest decode batch, and the
     split form spreads a 3584-wide row over 7 CTAs of 128 threads (a 16-byte group each)."""
@@ -741,13 +758,26 @@ def test_routed_norm_split_scratch_fits_the_rows_it_serves():
     (dict(split=(torch.zeros(4, dtype=torch.int32), torch.zeros(7 * 4))), "split must be"),
     (dict(split=(torch.zeros(8), torch.zeros(7 * 4))), "split must be"),
     (dict(split=(torch.zeros(8, dtype=torch.int32), torch.zeros(7 * 3))), "split must be"),
+    (dict(split=(torch.zeros(8, dtype=torch.int32), torch.zeros(7 * 4)), dtype=torch.bfloat16), "takes fp32 pairs"),
+    (dict(split=None, dtype=torch.float16), "fp32 or bf16 pairs"),
 ])
-def test_routed_norm_split_refuses_scratch_too_small_or_of_the_wrong_type(bad, match):
+def test_routed_norm_refuses_scratch_too_small_or_pairs_of_the_wrong_type(bad, match):
     from kimi_decode.kernels.rmsnorm import routed_norm
 
     with pytest.raises(ValueError, match=match):
-        routed_norm(torch.empty(4, 16, 3584), torch.empty(3584), torch.empty(4, 3584, dtype=torch.bfloat16), 1e-5,
-                    split=bad["split"])
+        routed_norm(torch.empty(4, 16, 3584, dtype=bad.get("dtype", torch.float32)), torch.empty(3584),
+                    torch.empty(4, 3584, dtype=torch.bfloat16), 1e-5, split=bad["split"])
+
+
+def test_bf16_pairs_setting_is_validated(monkeypatch):
+    from kimi_decode.backends.latency_specialized import pairs_bf16
+
+    assert not pairs_bf16()
+    monkeypatch.setenv("KIMI_DECODE_PAIRS_BF16", "1")
+    assert pairs_bf16()
+    monkeypatch.setenv("KIMI_DECODE_PAIRS_BF16", "bf16")
+    with pytest.raises(Exception, match="KIMI_DECODE_PAIRS_BF16"):
+        pairs_bf16()
 
 
 def test_routed_norm_split_setting_is_validated(monkeypatch):
@@ -1100,6 +1130,32 @@ def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad
     monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
     f13, f2 = compile_grouped(*_grouped_args(shard("k3", tp=tp, pad_experts=pad), batch))
     assert f13 is not None and f2 is not None
+
+
+@needs_cute
+@pytest.mark.parametrize("stage", ["1", "all"], ids=["staged", "all_staged"])
+@pytest.mark.parametrize("tp", [16, 8])
+def test_moe_mxfp4_grouped_with_bf16_pair_outputs_compiles_for_sm90a(sm90a, monkeypatch, tp, stage):
+    """`KIMI_DECODE_PAIRS_BF16=1`'s w2 kernel: the per-pair outputs stored as bf16, a variant of its own, staged
+    (TP8's whole quads) and not."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
+    args = _grouped_args(shard("k3", tp=tp), 64)
+    f13, f2 = compile_grouped(*args)
+    args[9] = torch.empty(args[9].shape, dtype=torch.bfloat16)
+    g13, g2 = compile_grouped(*args)
+    assert g13 is f13 and g2 is not None and g2 is not f2
+
+
+def test_grouped_experts_take_fp32_or_bf16_pair_outputs_only():
+    from kimi_decode.kernels.moe_mxfp4_grouped import _check
+
+    args = _grouped_args(shard("k3", tp=16), 16)
+    latent, ids, weights, w13, w13s, w2, w2s, align, act, pair_out, used = args
+    _check(latent, ids, weights, w13, w13s, w2, w2s, used, align, act, pair_out.bfloat16())
+    with pytest.raises(ValueError, match="out fp32 or bf16 expected"):
+        _check(latent, ids, weights, w13, w13s, w2, w2s, used, align, act, pair_out.half())
 
 
 @needs_cute

@@ -138,6 +138,13 @@ def test_specialized_layer_with_grouped_experts_at_small_batch_matches_reference
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [16, 64])
+def test_specialized_layer_with_bf16_pair_outputs_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_PAIRS_BF16=1: the grouped w2 kernel's per-pair outputs in bf16 for the MoE tail's norm."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_PAIRS_BF16", "1", tp, batch, 3500)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch, most", [(4, "3"), (8, "3"), (16, "16")])
 def test_specialized_layer_with_the_moe_tail_switch_moved_matches_reference(monkeypatch, tp, batch, most):
     """KIMI_DECODE_TC_MAX_ROWS moved: below the batch, the MoE tail on the per-pair experts' routed sum (batches 4 and
@@ -527,7 +534,8 @@ def _check_moe_mxfp4(tp, pad, batch, quad: bool = False, compact: bool = False):
 @pytest.mark.parametrize("quad", [False, True], ids=["natural", "quad_major"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch, same", [(9, False), (64, False), (64, True), (33, True)])
-def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="triton", compact=False):
+def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="triton", compact=False,
+                                          pair_dtype=torch.float32):
     """Experts read once per step for all their pairs; `same`: every token picks the same 16 experts, so each
     segment holds the whole batch (several tiles of 8 pairs, the last one partial at batch 33); on natural rows and
     on `quad_major` codes. `how`: the pairs sorted by the Triton kernel, or counted by the CuTe one ("align"), which
@@ -556,13 +564,21 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="trit
                              operands=x)
         x = latent if x is None else x
     act = torch.full((P, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
-    pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda")
+    pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda", dtype=pair_dtype)
     w13, w2 = _codes(w, quad, s.expert_inter_used if compact else None)
     out = moe_mxfp4_grouped(x, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, align,
                             act=act, pair_out=pair_out, quad_major=quad, x_operands=how == "operands")
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert not act.isnan().any() and not pair_out.isnan().any()
     assert rel_err(out, want) < BF16_TOL
+
+
+@pytest.mark.parametrize("tp, pad", [(16, True), (8, True)])
+@pytest.mark.parametrize("batch, same", [(16, False), (64, False), (33, True)])
+def test_moe_mxfp4_grouped_with_bf16_pair_outputs_matches_float64(tp, pad, batch, same):
+    """`KIMI_DECODE_PAIRS_BF16=1`'s w2 kernel: the per-pair outputs stored as bf16 (poisoned first), summed in fp32,
+    against float64, on `quad_major` codes after the CuTe alignment with the fp16 operands, as the backend runs it."""
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, True, "operands", pair_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("how", ["align", "operands"])
@@ -788,6 +804,23 @@ def test_routed_norm_matches_float64(batch, k, width, with_residual):
     res0 = res.clone()
     routed_norm(pairs, w, out, 1e-5, residual=(res, add) if with_residual else None)
     _check_routed_norm(pairs, w, out, res, res0, add, with_residual)
+
+
+@pytest.mark.parametrize("batch, k", [(16, 16), (64, 16)])
+def test_routed_norm_on_bf16_pairs_matches_float64(batch, k):
+    """bf16 per-pair outputs (`KIMI_DECODE_PAIRS_BF16=1`), summed in fp32, with the residual, against float64 of the
+    same bf16 values."""
+    from kimi_decode.kernels.rmsnorm import routed_norm
+
+    g = torch.Generator(device="cuda").manual_seed(850 + batch + k)
+    pairs = (torch.randn(batch, k, 3584, device="cuda", generator=g) * 3).bfloat16()
+    w = 1 + 0.1 * torch.randn(3584, device="cuda", generator=g)
+    out = torch.full((batch, 3584), float("nan"), dtype=torch.bfloat16, device="cuda")
+    res = torch.randn(batch, 7168, device="cuda", generator=g)
+    add = torch.randn(batch, 7168, device="cuda", generator=g).to(torch.bfloat16)
+    res0 = res.clone()
+    routed_norm(pairs, w, out, 1e-5, residual=(res, add))
+    _check_routed_norm(pairs, w, out, res, res0, add, True)
 
 
 def _check_routed_norm(pairs, w, out, res, res0, add, with_residual: bool) -> None:

@@ -133,6 +133,14 @@ def routed_norm_on() -> bool:
     return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM", "1", ("0", "1")) == "1"
 
 
+def pairs_bf16() -> bool:
+    """KIMI_DECODE_PAIRS_BF16 ("0", the default, or "1"): whether the grouped w2 kernel writes its per-pair outputs
+    for the MoE tail's norm kernel in bf16 (half the bytes written and read back; each pair's output rounded once
+    before the sum, as vLLM's fused MoE rounds its per-expert outputs) instead of fp32. Not with the split norm,
+    which takes fp32."""
+    return cute_common.env_choice("KIMI_DECODE_PAIRS_BF16", "0", ("0", "1")) == "1"
+
+
 def routed_norm_split() -> bool:
     """KIMI_DECODE_ROUTED_NORM_SPLIT ("0", the default, or "1"): whether that norm kernel spreads each token over
     `rmsnorm.split_ctas` CTAs that copy the pair rows into shared memory, all of a thread's in flight at once
@@ -187,6 +195,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_norm = False
         self._pairs_to_tail = False
         self._norm_split = False  # `routed_norm_split()` as read when the layer began
+        self._pairs_bf16 = False  # this layer's grouped experts write bf16 per-pair outputs for the tail (`pairs_bf16`)
         self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
@@ -300,6 +309,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._pairs_to_tail = (self._mlp_fast and self._experts_fast and not reduced and batch >= self._grouped_from
                                and routed_norm_on())
         self._norm_split = routed_norm_split()
+        self._pairs_bf16 = self._pairs_to_tail and pairs_bf16() and not self._norm_split
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
                             and not reduced)
@@ -622,7 +632,8 @@ class LatencySpecializedBackend(AutoBackend):
                 latent = ops if how == "1" else latent
             return moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
-                                     pair_out=self._empty(B * k, L, dtype=torch.float32, device=x.device),
+                                     pair_out=self._empty(B * k, L, device=x.device,
+                                                          dtype=BF16 if self._pairs_bf16 else torch.float32),
                                      summed=not self._pairs_to_tail, quad_major=quad, x_operands=how == "1")
         if self._mlp_fast:  # the expert kernels are latency-bound at small batch; the tail GEMV comes next
             self._prefetch(w.up)

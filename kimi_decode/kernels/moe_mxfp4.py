@@ -742,9 +742,10 @@ def fits_int32_offsets(*tensors: torch.Tensor) -> bool:
     return all(t.numel() * t.element_size() < INDEX_LIMIT for t in tensors)
 
 
-def check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out, latent_dtype=torch.bfloat16):
-    """The expert kernels' argument checks (shared with the grouped kernels, `out` being theirs per pair, and their
-    `latent` fp16 when it comes as mma operands)."""
+def check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out, latent_dtype=torch.bfloat16,
+                      out_dtypes=(torch.float32,)):
+    """The expert kernels' argument checks (shared with the grouped kernels, `out` being theirs per pair, which may
+    be bf16, and their `latent` fp16 when it comes as mma operands)."""
     if not fits_int32_offsets(w13, w13_scale, w2, w2_scale, act):
         raise ValueError("MoE MXFP4: expert tensors of 2**31 bytes or more need 64-bit offsets, which these kernels "
                          "do not use")
@@ -757,9 +758,10 @@ def check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, out,
         raise ValueError(f"MoE MXFP4: w2 {tuple(w2.shape)} does not chain with w13 {tuple(w13.shape)}")
     if ids.dtype != torch.int32 or ids.shape[0] != latent.shape[0]:
         raise ValueError("MoE MXFP4: ids must be int32 [batch, top_k]")
-    if latent.dtype != latent_dtype or act.dtype != torch.float16 or out.dtype != torch.float32:
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[latent_dtype]
-        raise ValueError(f"MoE MXFP4: latent {name}, act fp16 and out fp32 expected")
+    if latent.dtype != latent_dtype or act.dtype != torch.float16 or out.dtype not in out_dtypes:
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        outs = " or ".join(names[d] for d in out_dtypes)
+        raise ValueError(f"MoE MXFP4: latent {names[latent_dtype]}, act fp16 and out {outs} expected")
     if act.shape != (ids.numel(), used):  # the w2 kernel's chunks and scale view follow `used`
         raise ValueError(f"MoE MXFP4: act must be [{ids.numel()}, {used}] (pairs, used expert rows)")
     for t in (latent, ids, w13, w13_scale, w2, w2_scale, act, out):

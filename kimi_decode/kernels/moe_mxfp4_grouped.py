@@ -496,14 +496,15 @@ if HAVE_CUTE:
                             q = order[start + n_]
                             wt = weights[q // self.topk, q % self.topk]
                             for r in cutlass.range_constexpr(self.tiles):
-                                out[q, r0 + 16 * r] = wt * acc[4 * r + h]
-                                out[q, r0 + 16 * r + 8] = wt * acc[4 * r + 2 + h]
+                                out[q, r0 + 16 * r] = (wt * acc[4 * r + h]).to(out.element_type)
+                                out[q, r0 + 16 * r + 8] = (wt * acc[4 * r + 2 + h]).to(out.element_type)
                 else:
                     for h in cutlass.range_constexpr(2):
                         if cols[h][0]:  # (inside the segment, pair, routing weight)
                             for r in cutlass.range_constexpr(self.tiles):
-                                out[cols[h][1], r0 + 16 * r] = cols[h][2] * acc[4 * r + h]
-                                out[cols[h][1], r0 + 16 * r + 8] = cols[h][2] * acc[4 * r + 2 + h]
+                                out[cols[h][1], r0 + 16 * r] = (cols[h][2] * acc[4 * r + h]).to(out.element_type)
+                                out[cols[h][1], r0 + 16 * r + 8] = (cols[h][2] * acc[4 * r + 2 + h]).to(
+                                    out.element_type)
 
         def columns(self, qs, weights: cute.Tensor, length, tile, t):
             """This lane's two output columns 2t, 2t + 1 of a tile: (inside the segment, pair, routing weight) each,
@@ -561,8 +562,8 @@ if HAVE_CUTE:
                                                    G % QUAD))
                 for h in cutlass.range_constexpr(2):
                     if q[h][0]:  # (inside the segment, pair, routing weight)
-                        out[q[h][1], r0 + 16 * r] = q[h][2] * acc[h]
-                        out[q[h][1], r0 + 16 * r + 8] = q[h][2] * acc[2 + h]
+                        out[q[h][1], r0 + 16 * r] = (q[h][2] * acc[h]).to(out.element_type)
+                        out[q[h][1], r0 + 16 * r + 8] = (q[h][2] * acc[2 + h]).to(out.element_type)
 
         def staged_row(self, qbuf: cute.Tensor, rbuf: cute.Tensor, buf, v, lane, warp, t):
             """Word t of every MX group of row half v (`stage_rows`), from buffer `buf`, as `_row_words` gives them."""
@@ -588,7 +589,7 @@ def latent_operands(latent: torch.Tensor, out: torch.Tensor | None = None) -> to
 def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out, x_operands=False):
     """The per-pair kernels' checks (layouts, chaining, dtypes, contiguity, 32-bit offsets), then what grouping adds."""
     check_expert_args(latent, ids, w13, w13_scale, w2, w2_scale, used, act, pair_out,
-                      torch.float16 if x_operands else torch.bfloat16)
+                      torch.float16 if x_operands else torch.bfloat16, (torch.float32, torch.bfloat16))
     P, L = ids.numel(), latent.shape[1]
     if not fits_int32_offsets(pair_out):
         raise ValueError("grouped MoE MXFP4: a per-pair output of 2**31 bytes or more needs 64-bit offsets, which "
@@ -634,7 +635,8 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
     [B, k] fp32, `align` the four int32 [B*k] outputs of `moe_align(ids)` (order, segment start, length, expert)
     -> [B, L] fp32, the weighted sum over each token's k experts, or without `summed` the routing-weighted outputs
     per pair [B, k, L] (for a consumer that adds them itself, `rmsnorm.routed_norm`). `act` [B*k, used] fp16 and
-    `pair_out` [B*k, L] fp32 may be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major`
+    `pair_out` [B*k, L] fp32, or bf16 (each pair's output rounded once, half the bytes written and read back), may
+    be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major`
     order. `x_operands`: `latent` comes as fp16 mma operands (`latent_operands`), not bf16."""
     B, k = ids.shape
     L = latent.shape[1]
@@ -646,4 +648,4 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     launch(f13, *a13)
     launch(f2, *a2)
-    return pair_out.view(B, k, L).sum(1) if summed else pair_out.view(B, k, L)
+    return pair_out.view(B, k, L).sum(1, dtype=torch.float32) if summed else pair_out.view(B, k, L)

@@ -4,7 +4,7 @@ Each thread keeps its slice of the row in registers between the sum of squares a
 read once; the block sum goes through warp shuffles and one shared-memory step.
 
 `routed_norm` is the same norm for the grouped expert kernels' output, which comes per (token, expert) pair: each CTA
-first adds its token's k pair rows (1024 threads, a 16-byte group of the row each, all of its k loads independent,
+first adds its token's k pair rows (fp32 or bf16) (1024 threads, a 16-byte group of the row each, all of its k loads independent,
 the terms added in a fixed order, so the result does not depend on timing), and optionally adds the shared experts'
 output into the residual (`residual += addend`, another width), so that the MoE tail above the tensor-core
 projection's rows is this kernel and one cuBLAS GEMM accumulating into the residual, where the generic tail runs six
@@ -130,9 +130,9 @@ if HAVE_CUTE:
                     acc[4 * i + c] = Float32(0.0)
                 if g < self.groups:
                     for j in cutlass.range_constexpr(self.terms):
-                        v = load4(gX[(None, (row * self.terms + j, g))])
+                        v = load4(gX[(None, (row * self.terms + j, g))])  # 16 bytes, or 8 of bf16 pairs
                         for c in cutlass.range_constexpr(4):
-                            acc[4 * i + c] = acc[4 * i + c] + v[c]
+                            acc[4 * i + c] = acc[4 * i + c] + v[c].to(Float32)
                 for c in cutlass.range_constexpr(4):
                     ss = ss + acc[4 * i + c] * acc[4 * i + c]
             if cutlass.const_expr(self.H > 0):
@@ -249,13 +249,16 @@ def routed_norm_scratch(width: int, device: torch.device) -> tuple[torch.Tensor,
 def routed_norm(pairs: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
                 residual: tuple[torch.Tensor, torch.Tensor] | None = None,
                 split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """out = RMSNorm(pairs.sum(1)) * weight: pairs [B, k, W] fp32 (each token's k expert outputs, contiguous, W a
-    multiple of 4), weight [W] fp32 -> out [B, W] bf16, written in place. With `residual` = (res [B, H] fp32, addend
-    [B, H] bf16) the same kernel also does res += addend. With `split` = `routed_norm_scratch(W, device)` each token
-    runs on `split_ctas(W)` CTAs (`RoutedNormSplit`) instead of one."""
-    if pairs.dim() != 3 or pairs.dtype != torch.float32 or weight.dtype != torch.float32 \
+    """out = RMSNorm(pairs.sum(1)) * weight: pairs [B, k, W] fp32 or bf16 (each token's k expert outputs, contiguous,
+    W a multiple of 4; summed in fp32), weight [W] fp32 -> out [B, W] bf16, written in place. With `residual` = (res
+    [B, H] fp32, addend [B, H] bf16) the same kernel also does res += addend. With `split` =
+    `routed_norm_scratch(W, device)` each token runs on `split_ctas(W)` CTAs (`RoutedNormSplit`, fp32 pairs) instead
+    of one."""
+    if pairs.dim() != 3 or pairs.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != torch.float32 \
             or out.dtype != torch.bfloat16:
-        raise ValueError("routed_norm: fp32 pairs [B, k, W] and weight, bf16 out expected")
+        raise ValueError("routed_norm: fp32 or bf16 pairs [B, k, W], fp32 weight and bf16 out expected")
+    if split is not None and pairs.dtype != torch.float32:
+        raise ValueError("routed_norm: the split form takes fp32 pairs")
     B, k, W = pairs.shape
     if out.shape != (B, W) or weight.shape != (W,) or W % 4 or not (pairs.is_contiguous() and out.is_contiguous()):
         raise ValueError("routed_norm: contiguous pairs [B, k, W] (W a multiple of 4), out [B, W], weight [W] expected")
