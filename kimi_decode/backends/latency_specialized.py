@@ -57,7 +57,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   with a cross-rank all-reduce of the routed sum in between, the RMSNorm as its own kernel (`kernels/rmsnorm.py`)
   before the projection. Above TC_MAX_ROWS rows, whatever the routed output's form (per-pair outputs, a routed sum,
   an all-reduced one), `routed_norm` sums, normalises and adds the shared output into the residual, and one cuBLAS
-  GEMM accumulates the up-projection into it (2 kernels where the generic tail has 6);
+  GEMM accumulates the up-projection into it (2 kernels where the generic tail has 6); `KIMI_DECODE_PAIRS_BF16=1`:
+  the grouped experts' per-pair outputs in bf16 (off: 1-2 us per layer for one more rounding, NOTES item 46);
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
@@ -137,7 +138,8 @@ def pairs_bf16() -> bool:
     """KIMI_DECODE_PAIRS_BF16 ("0", the default, or "1"): whether the grouped w2 kernel writes its per-pair outputs
     for the MoE tail's norm kernel in bf16 (half the bytes written and read back; each pair's output rounded once
     before the sum, as vLLM's fused MoE rounds its per-expert outputs) instead of fp32. Not with the split norm,
-    which takes fp32."""
+    which takes fp32. Off by default: on the H200 it took 1.3-1.6 us off the norm kernel at batch 64 and 1-2 us off a
+    layer at batches 16 and 64 (benchmarks/NOTES.md, item 46), not worth the extra rounding."""
     return cute_common.env_choice("KIMI_DECODE_PAIRS_BF16", "0", ("0", "1")) == "1"
 
 
