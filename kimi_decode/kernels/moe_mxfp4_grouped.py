@@ -636,8 +636,8 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
     -> [B, L] fp32, the weighted sum over each token's k experts, or without `summed` the routing-weighted outputs
     per pair [B, k, L] (for a consumer that adds them itself, `rmsnorm.routed_norm`). `act` [B*k, used] fp16 and
     `pair_out` [B*k, L] fp32, or bf16 (each pair's output rounded once, half the bytes written and read back), may
-    be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major`
-    order. `x_operands`: `latent` comes as fp16 mma operands (`latent_operands`), not bf16."""
+    be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major` order. `x_operands`: `latent`
+    comes as fp16 mma operands (`latent_operands`), not bf16."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)

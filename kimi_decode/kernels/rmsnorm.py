@@ -4,11 +4,11 @@ Each thread keeps its slice of the row in registers between the sum of squares a
 read once; the block sum goes through warp shuffles and one shared-memory step.
 
 `routed_norm` is the same norm for the grouped expert kernels' output, which comes per (token, expert) pair: each CTA
-first adds its token's k pair rows (fp32 or bf16) (1024 threads, a 16-byte group of the row each, all of its k loads independent,
-the terms added in a fixed order, so the result does not depend on timing), and optionally adds the shared experts'
-output into the residual (`residual += addend`, another width), so that the MoE tail above the tensor-core
-projection's rows is this kernel and one cuBLAS GEMM accumulating into the residual, where the generic tail runs six
-kernels (sum over k, norm, cast, GEMM, two adds).
+first adds its token's k pair rows, fp32 or bf16 (1024 threads, 4 values of the row each, all of its k loads
+independent, the terms added in fp32 in a fixed order, so the result does not depend on timing), and optionally adds
+the shared experts' output into the residual (`residual += addend`, another width), so that the MoE tail above the
+tensor-core projection's rows is this kernel and one cuBLAS GEMM accumulating into the residual, where the generic
+tail runs six kernels (sum over k, norm, cast, GEMM, two adds).
 
 `routed_norm(..., split=(counters, parts))` spreads each token over `split_ctas(W)` CTAs of SPLIT_THREADS threads
 (`RoutedNormSplit`; at the K3 latent width a batch of B tokens then runs on 7 B CTAs instead of B): each CTA sums its
