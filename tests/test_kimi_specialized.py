@@ -769,26 +769,19 @@ def test_routed_norm_refuses_scratch_too_small_or_pairs_of_the_wrong_type(bad, m
                     torch.empty(4, 3584, dtype=torch.bfloat16), 1e-5, split=bad["split"])
 
 
-def test_bf16_pairs_setting_is_validated(monkeypatch):
-    from kimi_decode.backends.latency_specialized import pairs_bf16
+@pytest.mark.parametrize("name, setting", [("KIMI_DECODE_PAIRS_BF16", "pairs_bf16"),
+                                           ("KIMI_DECODE_ROUTED_NORM_SPLIT", "routed_norm_split")])
+def test_off_by_default_tail_settings_are_validated(monkeypatch, name, setting):
+    """The MoE tail's measured-and-off switches: off unset, on at "1", and any other value refused by name."""
+    from kimi_decode.backends import latency_specialized
 
-    assert not pairs_bf16()
-    monkeypatch.setenv("KIMI_DECODE_PAIRS_BF16", "1")
-    assert pairs_bf16()
-    monkeypatch.setenv("KIMI_DECODE_PAIRS_BF16", "bf16")
-    with pytest.raises(Exception, match="KIMI_DECODE_PAIRS_BF16"):
-        pairs_bf16()
-
-
-def test_routed_norm_split_setting_is_validated(monkeypatch):
-    from kimi_decode.backends.latency_specialized import routed_norm_split
-
-    assert not routed_norm_split()
-    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM_SPLIT", "1")
-    assert routed_norm_split()
-    monkeypatch.setenv("KIMI_DECODE_ROUTED_NORM_SPLIT", "yes")
-    with pytest.raises(Exception, match="KIMI_DECODE_ROUTED_NORM_SPLIT"):
-        routed_norm_split()
+    read = getattr(latency_specialized, setting)
+    assert not read()
+    monkeypatch.setenv(name, "1")
+    assert read()
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(Exception, match=name):
+        read()
 
 
 @pytest.mark.parametrize("bad, match", [
