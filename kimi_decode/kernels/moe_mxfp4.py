@@ -273,15 +273,12 @@ if HAVE_CUTE:
         for natural ones): word t of each of the chunk's groups, side by side (G0 a multiple of `chunk`)."""
         if chunk == 1:
             return [gW[e, row, quad_major_offset(G0, t, qm, select_i32) if qm else G0 * 4 + t]]
-        v = load4(chunk_tile(gW, e, row, G0, t, chunk, qm))
-        return [v[i] for i in range(chunk)]
-
-    def chunk_tile(gW: cute.Tensor, e, row, G0, t, chunk: int, qm: int = 0):
-        """The 8- or 16-byte tile (chunk 2 or 4) of `gW` that `chunk_load` loads."""
         if chunk == 2:
-            return gW[(None, (e, row, quad_major_offset(G0, t, qm, select_i32) >> 1 if qm
-                                else (G0 + (t >> 1)) * 2 + (t & 1)))]
-        return gW[(None, (e, row, G0 + t))]  # the same 16 bytes in both layouts
+            v = load4(gW[(None, (e, row, quad_major_offset(G0, t, qm, select_i32) >> 1 if qm
+                                      else (G0 + (t >> 1)) * 2 + (t & 1)))])
+            return [v[0], v[1]]
+        v = load4(gW[(None, (e, row, G0 + t))])  # the same 16 bytes in both layouts
+        return [v[0], v[1], v[2], v[3]]
 
     def chunk_words(v, t, lane, chunk: int, qm: int = 0):
         """`chunk_load`'s words -> word t of each of the chunk's groups (what the mma fragment takes)."""
@@ -465,7 +462,6 @@ if HAVE_CUTE:
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
             chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s."""
-            self.used = used
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
@@ -481,14 +477,6 @@ if HAVE_CUTE:
             self.items = topk * self.chunks
             self.per_warp = -(-self.items // warps)
             self.early_items = W2_EARLY_ITEMS // chunk
-
-        def item_at(self, warp, it: int):
-            """Item `it` of `warp`: (its expert slot k, its first group G0, whether it is one: the last warp's last
-            items may lie past the end, and then stand for the last item with routing weight 0)."""
-            item = warp * self.per_warp + it
-            valid = item < self.items
-            item = select_i32(valid, item, self.items - 1)
-            return item // self.chunks, item % self.chunks * self.chunk, valid
 
         def scales(self, w_scale: cute.Tensor, e, row, G0):
             """The fp32 scales of one row's chunk from group G0, as functions to call where each is used
@@ -536,7 +524,11 @@ if HAVE_CUTE:
             gW = chunk_view(w, C)
             items = []  # per item: (its expert slot k, first group G0, whether it is one, row ra's and rb's loads)
             for it in cutlass.range_constexpr(self.per_warp):
-                k, G0, valid = self.item_at(warp, it)
+                item = warp * self.per_warp + it
+                valid = item < self.items  # the last warp's last items may lie past the end: weight 0
+                item = select_i32(valid, item, self.items - 1)
+                k = item // self.chunks
+                G0 = item % self.chunks * C
                 e = ids[b, k]
                 if cutlass.const_expr(it < self.early_items):
                     items.append((k, G0, valid, chunk_load(gW, e, ra, G0, t, C, self.qm),
@@ -561,13 +553,6 @@ if HAVE_CUTE:
                     da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
                     acc_a = acc_a + da * (wt * ka[i]())
                     acc_b = acc_b + db * (wt * kb[i]())
-            self.finish(acc_a, acc_b, out, ssq, norm_w, scaled, red, bx, b, ra, rb, warp, lane, g, t)
-
-        @cute.jit
-        def finish(self, acc_a, acc_b, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor, scaled: cute.Tensor,
-                   red: cute.Tensor, bx, b, ra, rb, warp, lane, g, t):
-            """The warps' partial sums of rows ra and rb added through `red`, stored (and scaled), and the tile's
-            share of the row's sum of squares."""
             if t == 0:
                 red[g, warp] = acc_a
                 red[ROWS2 // 2 + g, warp] = acc_b
@@ -930,9 +915,10 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    op2 = MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words, quad_major=qm2)
     f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *signature(*w2_args)),
-                        op2, *(fake_like(t, align=16) for t in w2_args))
+                        MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
+                                 quad_major=qm2),
+                        *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
 
