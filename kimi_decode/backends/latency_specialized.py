@@ -655,7 +655,7 @@ class LatencySpecializedBackend(AutoBackend):
         if not self._mlp_fast or routed.dtype != torch.float32:
             return super().moe_tail(routed, shared, w, res, shard)
         if not self._cute_rows(routed.shape[0]):  # more rows than the tensor-core tail takes: norm kernel + cuBLAS
-            return self._cublas_tail(routed.unsqueeze(1), shared, w, res, shard)
+            return self._pairs_tail(routed.unsqueeze(1), shared, w, res, shard)
         from ..kernels.rmsnorm import rmsnorm_rows
 
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
@@ -668,28 +668,19 @@ class LatencySpecializedBackend(AutoBackend):
         self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
 
     def _pairs_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
-        """The MoE tail on the grouped experts' per-pair outputs: summed and normalised in one kernel, then up to
-        TC_MAX_ROWS rows the tensor-core projection adds the result and the shared output into the residual; above,
-        `_cublas_tail`."""
-        from ..kernels.rmsnorm import routed_norm
-
-        B, _, L = pairs.shape
-        if not self._cute_rows(B):
-            return self._cublas_tail(pairs, shared, w, res, shard)
-        normed = self._empty(B, L, device=pairs.device)
-        split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
-        routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
-        self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
-
-    def _cublas_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
-        """The MoE tail in two kernels on [B, k, L] fp32 parts of the routed output (the grouped experts' per-pair
-        outputs, or a routed sum as k = 1): one adds the parts, normalises them and adds the shared experts' output
-        into the residual, then one cuBLAS GEMM accumulates the up-projection into it."""
+        """The MoE tail on [B, k, L] parts of the routed output (the grouped experts' per-pair outputs, or a routed
+        sum as k = 1), summed and normalised in one kernel (`rmsnorm.routed_norm`): up to TC_MAX_ROWS rows the
+        tensor-core projection then adds the result and the shared output into the residual; above, the norm's kernel
+        adds the shared output and one cuBLAS GEMM accumulates the up-projection into the residual."""
         from ..kernels.rmsnorm import routed_norm
 
         B, _, L = pairs.shape
         normed = self._empty(B, L, device=pairs.device)
         split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
+        if self._cute_rows(B):
+            routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
+            self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
+            return
         routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared), split=split)
         if _ADDMM_FP32_OUT:
             torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
