@@ -701,18 +701,20 @@ def test_rmsnorm_compiles_for_sm90a(sm90a, batch):
 
 
 @needs_cute
-@pytest.mark.parametrize("split", [False, True], ids=["one-cta", "split"])
+@pytest.mark.parametrize("split, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)],
+                         ids=["one-cta", "split", "one-cta-bf16"])
 @pytest.mark.parametrize("batch, k", [(9, 16), (16, 16), (64, 16), (4, 1), (8, 1)])
 @pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
-def test_routed_norm_compiles_for_sm90a(sm90a, batch, k, hidden, split):
+def test_routed_norm_compiles_for_sm90a(sm90a, batch, k, hidden, split, dtype):
     """Both forms at the decode path's grouped batches (K3's 16 per-pair parts per token) and on a routed sum (k = 1,
     the MoE tail on cuBLAS above the tensor-core rows), with and without the residual: one CTA per token
-    (`RoutedNorm`) and several meeting on a counter (`RoutedNormSplit`, with its scratch)."""
+    (`RoutedNorm`, also on bf16 pairs, `KIMI_DECODE_PAIRS_BF16=1`: a variant of its own, 8-byte loads) and several
+    meeting on a counter (`RoutedNormSplit`, with its scratch)."""
     from kimi_decode.kernels import cute_common as cc
     from kimi_decode.kernels.rmsnorm import RoutedNorm, RoutedNormSplit, routed_norm_scratch
 
     m = shard("k3", tp=16).model
-    x = torch.empty(batch * k, m.moe_latent)
+    x = torch.empty(batch * k, m.moe_latent, dtype=dtype)
     out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
     res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
     tensors = [x, torch.empty(m.moe_latent), out, res, add]
@@ -722,24 +724,7 @@ def test_routed_norm_compiles_for_sm90a(sm90a, batch, k, hidden, split):
         tensors += [counters, parts]
     else:
         op = RoutedNorm(m.moe_latent, 1e-5, k, hidden)
-    assert cc.compile_kernel(("rn", split, batch, k, hidden), op,
-                             *(cc.fake_like(t, align=16 if t is x else 4) for t in tensors)) is not None
-
-
-@needs_cute
-@pytest.mark.parametrize("batch", [9, 64])
-@pytest.mark.parametrize("hidden", [0, 7168], ids=["norm", "norm+residual"])
-def test_routed_norm_on_bf16_pairs_compiles_for_sm90a(sm90a, batch, hidden):
-    """The one-CTA form on bf16 per-pair outputs (`KIMI_DECODE_PAIRS_BF16=1`): a variant of its own, 8-byte loads."""
-    from kimi_decode.kernels import cute_common as cc
-    from kimi_decode.kernels.rmsnorm import RoutedNorm
-
-    m = shard("k3", tp=16).model
-    x = torch.empty(batch * m.top_k, m.moe_latent, dtype=torch.bfloat16)
-    out = torch.empty(batch, m.moe_latent, dtype=torch.bfloat16)
-    res, add = (torch.empty(batch, hidden), torch.empty(batch, hidden, dtype=torch.bfloat16)) if hidden else (out, out)
-    tensors = [x, torch.empty(m.moe_latent), out, res, add]
-    assert cc.compile_kernel(("rn-bf16", batch, hidden), RoutedNorm(m.moe_latent, 1e-5, m.top_k, hidden),
+    assert cc.compile_kernel(("rn", split, dtype, batch, k, hidden), op,
                              *(cc.fake_like(t, align=16 if t is x else 4) for t in tensors)) is not None
 
 
