@@ -1,4 +1,5 @@
-"""Per-projection time of cuBLAS, the small-batch GEMV and the tensor-core projection, cold L2, by rows.
+"""Per-projection time of cuBLAS, the small-batch GEMV and the two tensor-core projections (split-K, `gemm_tc`, and
+row tiles with K over a CTA's warps, `gemm_tc_rows`), cold L2, by rows.
 
     python benchmarks/projection_sweep.py --tp 16 8 --rows 1 2 4 8 16 64
 
@@ -13,6 +14,7 @@ import torch
 from graph_timing import launch_us
 from kimi_decode.config import shard
 from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
+from kimi_decode.kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX, RowsPlan, rows_plan_for, project_rows
 from kimi_decode.kernels.gemv import MAX_ROWS as GEMV_ROWS, gemv
 from kimi_decode.testing import projection_shapes
 
@@ -23,6 +25,9 @@ p.add_argument("--tp", type=int, nargs="+", default=[16, 8])
 p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
 p.add_argument("--plans", type=int, nargs="*", default=[8, 64], help="rows at which other tilings are timed too")
 p.add_argument("--replays", type=int, default=20)
+p.add_argument("--projections", nargs="*", choices=NAMES, help="only these projections (default: all)")
+p.add_argument("--variants", nargs="*", choices=["cublas", "gemv", "tc", "rows"],
+               help="only these kernels (default: all)")
 p.add_argument("--json")
 a = p.parse_args()
 dev = torch.device("cuda")
@@ -33,6 +38,8 @@ rows_out = []
 print(f"{'tp':>3} {'projection':>15} {'N':>5} {'K':>5} {'rows':>4} {'MB':>6}  variant                       us    TB/s")
 for tp in a.tp:
     for name, (N, K) in zip(NAMES, projection_shapes(shard("k3", tp=tp))):
+        if a.projections and name not in a.projections:
+            continue
         wbytes = N * K * 2
         copies = max(2, min(16, -(-256 * 2**20 // wbytes)))
         ws = [torch.randn(N, K, device=dev).bfloat16() for _ in range(copies)]
@@ -55,6 +62,23 @@ for tp in a.tp:
                                 continue
                             variants.append((f"tc w{warps} s{pl.splits}",
                                              lambda i, pl=pl: project(ws[i], x, y, counters, plan=pl)))
+            if 2 <= M <= ROWS_MAX:
+                best = rows_plan_for(M, N, K)
+                variants.append((f"rows w{best.warps} p{best.pipe} (plan)",
+                                 lambda i, pl=best: project_rows(ws[i], x, y, plan=pl)))
+                if M in a.plans:
+                    chunks = K // 32
+                    for warps in (16, 8, 4):
+                        if chunks % warps:
+                            continue
+                        for pipe in (7, 4, 2):
+                            if (chunks // warps) % pipe or (warps, pipe) == (best.warps, best.pipe):
+                                continue
+                            pl = RowsPlan(M, N, K, warps, pipe)
+                            variants.append((f"rows w{warps} p{pipe}",
+                                             lambda i, pl=pl: project_rows(ws[i], x, y, plan=pl)))
+            if a.variants:
+                variants = [(label, fn) for label, fn in variants if label.split()[0] in a.variants]
             for label, fn in variants:
                 try:
                     us = launch_us(fn, copies, a.replays)

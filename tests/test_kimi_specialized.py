@@ -839,6 +839,75 @@ def test_tensor_core_moe_tail_compiles_for_sm90a(sm90a):
                               row_scale=(torch.empty(8, 224), 1e-5))[0] is not None
 
 
+@needs_cute
+@pytest.mark.parametrize("n, k", TC_SHAPES)
+def test_row_tile_projection_compiles_for_sm90a(sm90a, n, k):
+    from kimi_decode.kernels.gemm_tc_rows import compile_rows_projection
+
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    for rows in (2, 8, 16):
+        x = torch.empty(rows, k, dtype=torch.bfloat16)
+        assert compile_rows_projection(w, x, torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
+        if rows != 16:
+            assert compile_rows_projection(w, x, torch.empty(rows, n), accumulate=True,
+                                           addend=torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
+    if (n, k) == (7168, 3584):  # the MoE tail with the RMSNorm's 1/rms per row
+        for rows in (4, 8):
+            assert compile_rows_projection(w, torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(rows, n),
+                                           accumulate=True, addend=torch.empty(rows, n, dtype=torch.bfloat16),
+                                           row_scale=(torch.empty(rows, 224), 1e-5))[0] is not None
+
+
+@pytest.mark.parametrize("rows", [2, 8, 16])
+def test_row_tile_plan_splits_k_evenly_within_its_limits(rows):
+    from kimi_decode.kernels.gemm_tc_rows import MAX_PIPE_LOADS, MAX_WARPS, CHUNK, rows_plan_for
+
+    for tp in (16, 8):
+        for n, k in projection_shapes(shard("k3", tp=tp)):
+            p = rows_plan_for(rows, n, k)
+            assert p.warps * p.per_warp * CHUNK == k and p.per_warp % p.pipe == 0, (n, k, p.key())
+            assert p.warps <= MAX_WARPS and p.pipe * (2 + p.tiles) <= max(MAX_PIPE_LOADS, 2 + p.tiles)
+            assert p.ctas * 16 == n and p.cols >= rows
+            if k >= 3584:  # the big streams: many warps, several chunks in flight each
+                assert p.warps >= 8 and p.pipe >= 2, (n, k, p.key())
+
+
+def test_row_tile_plan_refuses_uneven_splits():
+    from kimi_decode.kernels.gemm_tc_rows import RowsPlan
+
+    with pytest.raises(ValueError, match="split"):
+        RowsPlan(8, 7168, 3584, 5, 1)
+    with pytest.raises(ValueError, match="in flight"):
+        RowsPlan(8, 7168, 3584, 16, 2)
+
+
+@needs_cute
+def test_row_tile_projection_refuses_bad_shapes():
+    from kimi_decode.kernels.gemm_tc_rows import RowsPlan, project_rows
+
+    w = torch.empty(64, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows"):
+        project_rows(w, torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(1, 64))
+    with pytest.raises(ValueError, match="rows"):
+        project_rows(w, torch.empty(17, 256, dtype=torch.bfloat16), torch.empty(17, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        project_rows(torch.empty(64, 248, dtype=torch.bfloat16), torch.empty(4, 248, dtype=torch.bfloat16),
+                     torch.empty(4, 64))
+    with pytest.raises(ValueError, match="of 16"):
+        project_rows(torch.empty(72, 256, dtype=torch.bfloat16), torch.empty(4, 256, dtype=torch.bfloat16),
+                     torch.empty(4, 72))
+    with pytest.raises(ValueError, match="chain"):
+        project_rows(w, torch.empty(4, 128, dtype=torch.bfloat16), torch.empty(4, 64))
+    with pytest.raises(ValueError, match="fp32 y"):
+        project_rows(w, torch.empty(4, 256, dtype=torch.bfloat16), torch.empty(4, 64, dtype=torch.bfloat16),
+                     accumulate=True)
+    with pytest.raises(ValueError, match="16-byte"):
+        project_rows(w, torch.empty(4, 260, dtype=torch.bfloat16)[:, 2:258], torch.empty(4, 64))
+    with pytest.raises(ValueError, match="not for this shape"):
+        project_rows(w, torch.empty(4, 256, dtype=torch.bfloat16), torch.empty(4, 64),
+                     plan=RowsPlan(8, 64, 256, 4, 2))
+
+
 @pytest.mark.parametrize("rows", [2, 8, 16, 64])
 def test_tensor_core_plan_fills_one_wave_within_its_limits(rows):
     from kimi_decode.kernels.gemm_tc import GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT, SMEM_LIMIT, _stride, plan_for
@@ -1732,13 +1801,14 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, re
 
 def _dispatch_spy(monkeypatch, env):
     """A latency_specialized backend whose projection kernels only record which one was called."""
-    from kimi_decode.kernels import gemm_tc, gemv, rmsnorm
+    from kimi_decode.kernels import gemm_tc, gemm_tc_rows, gemv, rmsnorm
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda w, x, y, **kw: calls.append("gemv") or y)
     monkeypatch.setattr(gemm_tc, "project", lambda w, x, y, counters, **kw: calls.append("tc") or y)
+    monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, **kw: calls.append("rows") or y)
     monkeypatch.setattr(rmsnorm, "rmsnorm_rows", lambda x, w, out, eps: out)
     monkeypatch.setattr(rmsnorm, "routed_norm", lambda pairs, w, out, eps, **kw: calls.append("norm") or out)
     monkeypatch.setattr(torch, "addmm", lambda c, a, b, **kw: calls.append("cublas") or c)
@@ -1753,6 +1823,10 @@ def _dispatch_spy(monkeypatch, env):
     (4, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"), (8, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"),
     (9, {"KIMI_DECODE_TC_PLAIN": "1"}, "cublas"), (6, {"KIMI_DECODE_TC_MIN_ROWS": "8"}, "gemv"),
     (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16"}, "tc"),
+    (8, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_FORM": "rows"}, "rows"),
+    (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16", "KIMI_DECODE_TC_FORM": "rows"}, "rows"),
+    (2, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MIN_ROWS": "2", "KIMI_DECODE_TC_FORM": "rows"}, "rows"),
+    (8, {"KIMI_DECODE_TC_FORM": "rows"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     """Below 4 rows the GEMV, from there cuBLAS (faster than the tensor-core kernel as measured), which the A/B switch
@@ -1768,6 +1842,9 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     (16, False, {}, ["norm", "cublas"]), (64, False, {}, ["norm", "cublas"]),
     (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3"}, ["norm", "cublas"]),
     (16, False, {"KIMI_DECODE_TC_MAX_ROWS": "16"}, ["tc"]),
+    (8, True, {"KIMI_DECODE_TC_FORM": "rows"}, ["rows"]), (4, False, {"KIMI_DECODE_TC_FORM": "rows"}, ["rows"]),
+    (16, False, {"KIMI_DECODE_TC_MAX_ROWS": "16", "KIMI_DECODE_TC_FORM": "rows"}, ["rows"]),
+    (1, True, {"KIMI_DECODE_TC_FORM": "rows"}, ["gemv"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 8 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,

@@ -98,6 +98,7 @@ import torch
 from ..config import KDA, ShardConfig
 from ..instrument import rng
 from ..kernels import cute_common
+from ..kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX_ROWS, tc_form
 from ..kernels.shared_mlp import COUNTERS as SHARED_COUNTERS
 from ..state import KDAState, ResidualState
 from ..weights import KDAWeights, MoEWeights
@@ -247,6 +248,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._tc_rows = (int(os.environ.get("KIMI_DECODE_TC_MIN_ROWS", TC_MIN_ROWS)),
                          int(os.environ.get("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS)))
         self._tc_plain = os.environ.get("KIMI_DECODE_TC_PLAIN", "0") == "1"  # plain projections on tensor cores too
+        self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
         self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -391,11 +393,15 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, **epilogue) -> torch.Tensor:
         """y = x @ w.T (or `gemv`'s accumulating forms) for up to TC_MAX_ROWS rows: the CUDA-core GEMV below
-        TC_MIN_ROWS rows, else tensor cores."""
+        TC_MIN_ROWS rows, else tensor cores (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM)."""
         if x.shape[0] < self._tc_rows[0]:
             from ..kernels.gemv import gemv
 
             return gemv(w, x, y, **epilogue)
+        if self._tc_form == "rows" and x.shape[0] <= ROWS_MAX_ROWS:
+            from ..kernels import gemm_tc_rows
+
+            return gemm_tc_rows.project_rows(w, x, y, **epilogue)
         from ..kernels.gemm_tc import project
 
         return project(w, x, y, self._tc_counters(x.device), **epilogue)

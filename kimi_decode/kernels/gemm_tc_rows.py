@@ -1,0 +1,250 @@
+"""Projection for 2 to 16 rows on tensor cores, the K of each 16 weight rows split over one CTA's warps:
+y[m, n] = sum_k x[m, k] * W[n, k], bf16 in, fp32 accumulate.
+
+The arithmetic is `gemm_tc.py`'s (`mma.sync m16n8k16`, 16 weight rows as A, 8 tokens per B tile; lane (g, t) loads
+weights 8t..8t+7 of rows g and g + 8 of a 32-wide K chunk and the same 8 activations of token g, the mma k-slots
+assigned so that they pair up). The work split is the small-batch GEMV's (`gemv.py`) instead of a split-K GEMM's: a
+CTA owns one tile of 16 weight rows over the whole K, its warps each stream one K slice of them, and their partial
+sums meet in shared memory. So there is no workspace, no completion counter and no last CTA reading the other CTAs'
+partial sums at the end of the kernel, and the grid has N / 16 CTAs of up to 16 warps: as many warps streaming as
+the GEMV has at one row. A warp keeps `pipe` K chunks of loads in flight (two 16-byte weight loads and one
+activation load per column tile and lane each), refilling a chunk's registers as soon as its mma has read them. The epilogues are the GEMV's: store y (bf16 or fp32), or add into an fp32 y with an optional bf16
+addend, optionally scaling row m by an RMSNorm's 1/rms from partial sums of squares; y and the addend are read, and
+the sums of squares loaded, before the weight loop, so that nothing waits on them after it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
+from .gemv import check_epilogue
+
+MIN_ROWS, MAX_ROWS = 2, 16
+CHUNK = 32  # K per pair of mma steps (4 lanes x 16 bytes of a row)
+ROWS = 16  # weight rows per CTA (the mma's M)
+MAX_WARPS = 16  # warps per CTA splitting K
+MAX_PIPE_LOADS = 24  # 16-byte loads in flight per lane (4 registers each)
+
+if HAVE_CUTE:
+    from cutlass import Float32, Int32
+
+    from .cute_common import mma_lanes
+    from .gemm_tc import mma_bf16
+    from .gemv import store_output
+
+    class RowTileProjection:
+        def __init__(self, plan: "RowsPlan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
+            self.p = plan
+            self.accumulate, self.addend, self.scaled, self.parts, self.eps = accumulate, addend, scaled, parts, eps
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                     stream):
+            gW = cute.zipped_divide(mW, (1, 4))  # 16-byte vectors of int32 pairs of bf16: ((1,4), (N, K/8))
+            gX = cute.zipped_divide(mX, (1, 4))
+            self.kernel(gW, gX, mY, mAdd, mSsq, Int32(self.p.per_warp)).launch(grid=[self.p.ctas, 1, 1], block=[32 * self.p.warps, 1, 1],
+                                                       stream=stream)
+
+        @cute.kernel
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                   per: Int32):
+            """`per`: the chunks of a warp, `per_warp`, as a kernel parameter: a constant would let the compiler
+            unroll the pipeline's loop and drop its conditions, and then ptxas moves every load down to its mma."""
+            p = self.p
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, _, _ = cute.arch.block_idx()
+            warp, lane, g, t = mma_lanes(tidx)
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS, p.cols, p.warps)), 16)  # rows fastest
+            rs = smem.allocate_tensor(Float32, cute.make_layout(p.cols), 16)
+            n0 = bx * ROWS
+            # before the weights: this thread's outputs' y and addend, and its warp's rows' sums of squares
+            outs = self.outputs(tidx)
+            pre = cute.make_rmem_tensor((2 * len(outs),), Float32)
+            if cutlass.const_expr(self.accumulate):
+                for i in cutlass.range_constexpr(len(outs)):
+                    m, r = outs[i]
+                    if m < p.M:
+                        pre[2 * i] = mY[m, n0 + r]
+                        if cutlass.const_expr(self.addend):
+                            pre[2 * i + 1] = mAdd[m, n0 + r].to(Float32)
+            per_warp_rows = -(-p.M // p.warps)  # the tokens whose sums of squares a warp adds: warp, warp + warps, ...
+            squares = cute.make_rmem_tensor((per_warp_rows,), Float32)
+            squares.fill(0.0)
+            if cutlass.const_expr(self.scaled):
+                for j in cutlass.range_constexpr(per_warp_rows):
+                    if warp + j * p.warps < p.M:
+                        for i in cutlass.range_constexpr(-(-self.parts // 32)):
+                            if lane + 32 * i < self.parts:
+                                squares[j] = squares[j] + mSsq[warp + j * p.warps, lane + 32 * i]
+            toks = []
+            for nt in cutlass.range_constexpr(p.tiles):
+                tok = nt * 8 + g
+                if tok >= p.M:  # a column past M: any token, the column is not stored
+                    tok = Int32(p.M - 1)
+                toks.append(tok)
+            rows = (n0 + g, n0 + g + 8)
+            acc = cute.make_rmem_tensor((4 * p.tiles,), Float32)
+            acc.fill(0.0)
+            c0 = warp * p.per_warp
+            # `pipe` K chunks of loads in flight per lane, in register slots used round-robin: the loop steps `pipe`
+            # chunks at a time, so every slot index is a constant, and each refill sits behind a condition on `per`
+            wb = [[cute.make_rmem_tensor((4,), Int32) for q in range(2)] for d in range(p.pipe)]
+            xb = [[cute.make_rmem_tensor((4,), Int32) for nt in range(p.tiles)] for d in range(p.pipe)]
+            for d in cutlass.range_constexpr(p.pipe):
+                self.fetch(gW, gX, rows, toks, (c0 + d) * 4 + t, wb[d], xb[d])
+            for c in cutlass.range(0, per, p.pipe):
+                for d in cutlass.range_constexpr(p.pipe):
+                    self.multiply(acc, wb[d], xb[d])
+                    if c + d + p.pipe < per:
+                        self.fetch(gW, gX, rows, toks, (c0 + c + d + p.pipe) * 4 + t, wb[d], xb[d])
+            # this lane's accumulators: rows g and g + 8, tokens 2t and 2t + 1 of each column tile
+            for nt in cutlass.range_constexpr(p.tiles):
+                for h in cutlass.range_constexpr(2):
+                    red[g, nt * 8 + 2 * t + h, warp] = acc[4 * nt + h]
+                    red[g + 8, nt * 8 + 2 * t + h, warp] = acc[4 * nt + 2 + h]
+            if cutlass.const_expr(self.scaled):
+                for j in cutlass.range_constexpr(per_warp_rows):
+                    m = warp + j * p.warps
+                    if m < p.M:
+                        ssq = cute.arch.warp_reduction(squares[j], lambda a, b: a + b)
+                        if lane == 0:
+                            rs[m] = cute.math.rsqrt(ssq / Float32(p.K) + Float32(self.eps))
+            cute.arch.barrier()
+            for i in cutlass.range_constexpr(len(outs)):
+                m, r = outs[i]
+                if m < p.M:
+                    val = Float32(0.0)
+                    for w in cutlass.range_constexpr(p.warps):  # the warps' K slices in a fixed order
+                        val = val + red[r, m, w]
+                    if cutlass.const_expr(self.scaled):
+                        val = val * rs[m]
+                    if cutlass.const_expr(self.accumulate):
+                        total = pre[2 * i] + val
+                        if cutlass.const_expr(self.addend):
+                            total = total + pre[2 * i + 1]
+                        mY[m, n0 + r] = total
+                    else:
+                        store_output(mY, mAdd, m, n0 + r, val, False, False)
+
+        def outputs(self, tidx):
+            """The (token, row of the tile) outputs thread `tidx` stores: one per CTA-wide step, consecutive threads
+            on consecutive rows of one token (m >= M for a thread with none at that step)."""
+            p = self.p
+            steps = -(-ROWS * p.cols // (32 * p.warps))
+            return [((s * 32 * p.warps + tidx) // ROWS, (s * 32 * p.warps + tidx) % ROWS) for s in range(steps)]
+
+        @staticmethod
+        def fetch(gW, gX, rows, toks, kv, wb, xb):
+            """The 16-byte vectors `kv` of the tile's rows g and g + 8 and of the column tiles' tokens, into registers."""
+            for q in range(2):
+                cute.autovec_copy(gW[(None, (rows[q], kv))], wb[q])
+            for nt in range(len(toks)):
+                cute.autovec_copy(gX[(None, (toks[nt], kv))], xb[nt])
+
+        def multiply(self, acc, wv, xv):
+            """One K chunk: for each column tile two mma (weights 8t..8t+7 of rows g, g + 8 against the same
+            activations of token g), as `gemm_tc.TensorCoreProjection.multiply` with one row tile."""
+            lo, hi = wv
+            for nt in range(self.p.tiles):
+                a = 4 * nt
+                d = mma_bf16(lo[0], hi[0], lo[1], hi[1], xv[nt][0], xv[nt][1], [acc[a + i] for i in range(4)])
+                d = mma_bf16(lo[2], hi[2], lo[3], hi[3], xv[nt][2], xv[nt][3], d)
+                for i in range(4):
+                    acc[a + i] = d[i]
+
+
+class RowsPlan:
+    """Tiling of one projection shape: N / 16 CTAs of `warps` warps, each warp `per_warp` K chunks with `pipe` of
+    them in flight."""
+
+    def __init__(self, M: int, N: int, K: int, warps: int, pipe: int):
+        self.M, self.N, self.K = M, N, K
+        self.tiles = -(-M // 8)  # mma column tiles of 8 tokens
+        self.cols = 8 * self.tiles
+        self.chunks = K // CHUNK
+        if self.chunks % warps:
+            raise ValueError(f"{warps} warps do not split {self.chunks} K chunks evenly")
+        self.warps = warps
+        self.per_warp = self.chunks // warps
+        if self.per_warp % pipe:
+            raise ValueError(f"{pipe} chunks in flight do not divide a warp's {self.per_warp}")
+        self.pipe = pipe
+        self.ctas = N // ROWS
+
+    def key(self) -> tuple:
+        return (self.M, self.N, self.K, self.warps, self.pipe)
+
+
+def _divisors(n: int, most: int) -> list[int]:
+    return [d for d in range(min(n, most), 0, -1) if n % d == 0]
+
+
+@functools.lru_cache(maxsize=None)
+def rows_plan_for(M: int, N: int, K: int) -> RowsPlan:
+    """The most warps per CTA (up to MAX_WARPS) that split K's chunks evenly and leave a warp at least two chunks in
+    flight (within MAX_PIPE_LOADS loads per lane), else the most warps; then the most chunks in flight that divide
+    a warp's chunks."""
+    chunks = K // CHUNK
+    most = max(1, MAX_PIPE_LOADS // (2 + -(-M // 8)))  # per chunk and lane: two weight rows, a load per column tile
+    plans = [RowsPlan(M, N, K, w, _divisors(chunks // w, most)[0]) for w in _divisors(chunks, MAX_WARPS)]
+    return next((p for p in plans if p.pipe >= 2), plans[0])
+
+
+def _check(w, x, y, accumulate: bool, addend, row_scale) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    if not MIN_ROWS <= M <= MAX_ROWS:
+        raise ValueError(f"row-tile tensor-core projection takes {MIN_ROWS}..{MAX_ROWS} rows, got {M}")
+    if w.shape[1] != K or y.shape != (M, N):
+        raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
+    if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        raise ValueError("W and x must be bf16")
+    if K % CHUNK or N % ROWS:
+        raise ValueError(f"row-tile tensor-core projection needs K a multiple of {CHUNK} and N of {ROWS}, got K={K}, "
+                         f"N={N}")
+    if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % 8 or x.stride(0) % 8:
+        raise ValueError("rows must be contiguous and 16-byte aligned")
+    if w.storage_offset() % 8 or x.storage_offset() % 8:
+        raise ValueError("W and x must start on a 16-byte boundary")
+    if y.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("y must be bf16 or fp32")
+    check_epilogue(y, accumulate, addend, row_scale)
+
+
+def compile_rows_projection(w, x, y, accumulate: bool = False, addend=None, row_scale=None,
+                            plan: RowsPlan | None = None):
+    plan = plan or rows_plan_for(x.shape[0], w.shape[0], w.shape[1])
+    extra = addend if addend is not None else y
+    ssq = row_scale[0] if row_scale is not None else y
+    eps = float(row_scale[1]) if row_scale is not None else 0.0
+    args = (w.view(torch.int32), x.view(torch.int32), y, extra, ssq)
+    key = ("gemm_tc_rows", plan.key(), accumulate, addend is not None, row_scale is not None, eps, *signature(*args))
+    op = RowTileProjection(plan, accumulate, addend is not None, row_scale is not None,
+                           ssq.shape[1] if row_scale is not None else 0, eps)
+    return compile_kernel(key, op, *(fake_like(t) for t in args)), args
+
+
+def project_rows(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False,
+                 addend: torch.Tensor | None = None, row_scale: tuple | None = None, plan: RowsPlan | None = None
+                 ) -> torch.Tensor:
+    """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, on the current stream; the arguments are those of
+    `gemv.gemv` (`plan`: another tiling than `rows_plan_for`'s, for benchmarks)."""
+    _check(w, x, y, accumulate, addend, row_scale)
+    plan = plan or rows_plan_for(x.shape[0], w.shape[0], w.shape[1])
+    if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
+        raise ValueError(f"plan {plan.key()} is not for this shape")
+    fn, args = compile_rows_projection(w, x, y, accumulate, addend, row_scale, plan)
+    launch(fn, *args)
+    return y
+
+
+TC_FORMS = ("split", "rows")
+
+
+def tc_form() -> str:
+    """KIMI_DECODE_TC_FORM: which tensor-core projection `latency_specialized` runs up to 16 rows: "split" (the
+    split-K GEMM of `gemm_tc.py`) or "rows" (this kernel)."""
+    return env_choice("KIMI_DECODE_TC_FORM", "split", TC_FORMS)
