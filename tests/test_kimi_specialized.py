@@ -860,16 +860,17 @@ def test_row_tile_projection_compiles_for_sm90a(sm90a, n, k):
 
 @pytest.mark.parametrize("rows", [2, 8, 16])
 def test_row_tile_plan_splits_k_evenly_within_its_limits(rows):
-    from kimi_decode.kernels.gemm_tc_rows import MAX_PIPE_LOADS, MAX_WARPS, CHUNK, rows_plan_for
+    from kimi_decode.kernels.gemm_tc_rows import CHUNK, GRID_WARPS, MAX_PIPE, MAX_PIPE_LOADS, MAX_WARPS, rows_plan_for
 
     for tp in (16, 8):
         for n, k in projection_shapes(shard("k3", tp=tp)):
             p = rows_plan_for(rows, n, k)
             assert p.warps * p.per_warp * CHUNK == k and p.per_warp % p.pipe == 0, (n, k, p.key())
-            assert p.warps <= MAX_WARPS and p.pipe * (2 + p.tiles) <= max(MAX_PIPE_LOADS, 2 + p.tiles)
+            assert p.warps <= MAX_WARPS and p.pipe <= MAX_PIPE and p.pipe * (2 + p.tiles) <= MAX_PIPE_LOADS
             assert p.ctas * 16 == n and p.cols >= rows
-            if k >= 3584:  # the big streams: many warps, several chunks in flight each
-                assert p.warps >= 8 and p.pipe >= 2, (n, k, p.key())
+            if k >= 3584:  # the big streams: enough warps in the grid (or 16 per CTA), several chunks in flight
+                assert p.ctas * p.warps >= GRID_WARPS or p.warps == MAX_WARPS, (n, k, p.key())
+                assert p.pipe >= 2 and (p.warps == 4 or p.ctas * p.warps // 2 < GRID_WARPS), (n, k, p.key())
 
 
 def test_row_tile_plan_refuses_uneven_splits():

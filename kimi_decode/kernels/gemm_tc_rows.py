@@ -26,6 +26,8 @@ CHUNK = 32  # K per pair of mma steps (4 lanes x 16 bytes of a row)
 ROWS = 16  # weight rows per CTA (the mma's M)
 MAX_WARPS = 16  # warps per CTA splitting K
 MAX_PIPE_LOADS = 24  # 16-byte loads in flight per lane (4 registers each)
+MAX_PIPE = 7  # chunks in flight per warp (the most measured)
+GRID_WARPS = 1500  # warps the grid should have streaming (~11 per SM of the H200's 132)
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
@@ -184,12 +186,18 @@ def _divisors(n: int, most: int) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def rows_plan_for(M: int, N: int, K: int) -> RowsPlan:
-    """The most warps per CTA (up to MAX_WARPS) that split K's chunks evenly and leave a warp at least two chunks in
-    flight (within MAX_PIPE_LOADS loads per lane), else the most warps; then the most chunks in flight that divide
-    a warp's chunks."""
+    """The fewest warps per CTA (4, 8 or 16, splitting K's chunks evenly) that give the grid GRID_WARPS warps, else
+    the most (down to 1 for short K); then the most chunks in flight (up to MAX_PIPE, within MAX_PIPE_LOADS loads
+    per lane) that divide a warp's chunks, at least two where the warps' chunks allow. On the H200 at 8 rows (benchmarks/NOTES.md, item 47) this picks the
+    fastest tiling measured, or one within 0.6 us of it, for every projection of the TP16 and TP8 shards: few CTAs
+    (the router's 56) want 16 warps each, many (the MoE tail's 448) 4 to 8 with the most chunks in flight."""
     chunks = K // CHUNK
-    most = max(1, MAX_PIPE_LOADS // (2 + -(-M // 8)))  # per chunk and lane: two weight rows, a load per column tile
-    plans = [RowsPlan(M, N, K, w, _divisors(chunks // w, most)[0]) for w in _divisors(chunks, MAX_WARPS)]
+    # per chunk and lane: two weight rows, a load per column tile
+    most = max(1, min(MAX_PIPE, MAX_PIPE_LOADS // (2 + -(-M // 8))))
+    counts = [w for w in (1, 2, 4, 8, 16) if w <= MAX_WARPS and chunks % w == 0]
+    fit = [w for w in counts if w >= 4 and N // ROWS * w >= GRID_WARPS]
+    ordered = fit + [w for w in reversed(counts) if w not in fit]
+    plans = [RowsPlan(M, N, K, w, _divisors(chunks // w, most)[0]) for w in ordered]
     return next((p for p in plans if p.pipe >= 2), plans[0])
 
 
