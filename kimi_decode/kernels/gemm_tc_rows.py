@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
 from .gemv import check_epilogue
 
 MIN_ROWS, MAX_ROWS = 2, 16
@@ -184,17 +184,27 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(min(n, most), 0, -1) if n % d == 0]
 
 
-@functools.lru_cache(maxsize=None)
 def rows_plan_for(M: int, N: int, K: int) -> RowsPlan:
-    """The fewest warps per CTA (4, 8 or 16, splitting K's chunks evenly) that give the grid GRID_WARPS warps, else
-    the most (down to 1 for short K); then the most chunks in flight (up to MAX_PIPE, within MAX_PIPE_LOADS loads
-    per lane) that divide a warp's chunks, at least two where the warps' chunks allow. On the H200 at 8 rows (benchmarks/NOTES.md, item 47) this picks the
-    fastest tiling measured, or one within 0.6 us of it, for every projection of the TP16 and TP8 shards: few CTAs
-    (the router's 56) want 16 warps each, many (the MoE tail's 448) 4 to 8 with the most chunks in flight."""
+    """The fewest warps per CTA (4, 8 or 16, up to `max_warps()`, splitting K's chunks evenly) that give the grid
+    GRID_WARPS warps, else the most (down to 1 for short K); then the most chunks in flight (up to MAX_PIPE, within
+    MAX_PIPE_LOADS loads per lane) that divide a warp's chunks, at least two where the warps' chunks allow. On the
+    H200 at 8 rows (benchmarks/NOTES.md, item 47) this picks the fastest tiling measured, or one within 0.6 us of it,
+    for every projection of the TP16 and TP8 shards: few CTAs (the router's 56) want 16 warps each, many (the MoE
+    tail's 448) 4 to 8 with the most chunks in flight."""
+    return _rows_plan(M, N, K, max_warps())
+
+
+def max_warps() -> int:
+    """KIMI_DECODE_TC_ROWS_WARPS: the most warps per CTA a plan may take (1..16, default MAX_WARPS), for A/B runs."""
+    return env_int("KIMI_DECODE_TC_ROWS_WARPS", MAX_WARPS, 1, MAX_WARPS, "warps per CTA")
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_plan(M: int, N: int, K: int, most_warps: int) -> RowsPlan:
     chunks = K // CHUNK
     # per chunk and lane: two weight rows, a load per column tile
     most = max(1, min(MAX_PIPE, MAX_PIPE_LOADS // (2 + -(-M // 8))))
-    counts = [w for w in (1, 2, 4, 8, 16) if w <= MAX_WARPS and chunks % w == 0]
+    counts = [w for w in (1, 2, 4, 8, 16) if w <= most_warps and chunks % w == 0]
     fit = [w for w in counts if w >= 4 and N // ROWS * w >= GRID_WARPS]
     ordered = fit + [w for w in reversed(counts) if w not in fit]
     plans = [RowsPlan(M, N, K, w, _divisors(chunks // w, most)[0]) for w in ordered]
