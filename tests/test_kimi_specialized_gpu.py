@@ -1260,6 +1260,20 @@ def test_specialized_layer_with_two_kernel_o_proj_and_attn_res_matches_reference
 
 
 @pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [2, 8, 16])
+@pytest.mark.parametrize("plain", ["0", "1"])
+def test_specialized_layer_with_row_tile_projections_matches_reference(monkeypatch, tp, batch, plain):
+    """The layer with the row-tile tensor-core projection (`gemm_tc_rows`) from 2 to 16 rows: the MoE tail on it, and
+    with KIMI_DECODE_TC_PLAIN=1 every plain projection too."""
+    for k, v in {"KIMI_DECODE_TC_FORM": "rows", "KIMI_DECODE_TC_MIN_ROWS": "2", "KIMI_DECODE_TC_MAX_ROWS": "16",
+                 "KIMI_DECODE_TC_PLAIN": plain}.items():
+        monkeypatch.setenv(k, v)
+    s = shard("k3", tp=tp)
+    lw, res, state = layer_case(s, 1, batch, seed=7100 + tp + batch, device="cuda")
+    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch, env", [(4, {}), (8, {"KIMI_DECODE_TC_PLAIN": "1"}),
                                         (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16"}),
                                         (32, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "64"})])
