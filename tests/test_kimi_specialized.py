@@ -860,16 +860,16 @@ def test_row_tile_projection_compiles_for_sm90a(sm90a, n, k):
 
 @pytest.mark.parametrize("rows", [2, 8, 16])
 def test_row_tile_plan_splits_k_evenly_within_its_limits(rows):
-    from kimi_decode.kernels.gemm_tc_rows import CHUNK, GRID_WARPS, MAX_PIPE, MAX_PIPE_LOADS, MAX_WARPS, rows_plan_for
+    from kimi_decode.kernels.gemm_tc_rows import CHUNK, DEFAULT_WARPS, GRID_WARPS, MAX_PIPE, MAX_PIPE_LOADS, rows_plan_for
 
     for tp in (16, 8):
         for n, k in projection_shapes(shard("k3", tp=tp)):
             p = rows_plan_for(rows, n, k)
             assert p.warps * p.per_warp * CHUNK == k and p.per_warp % p.pipe == 0, (n, k, p.key())
-            assert p.warps <= MAX_WARPS and p.pipe <= MAX_PIPE and p.pipe * (2 + p.tiles) <= MAX_PIPE_LOADS
+            assert p.warps <= DEFAULT_WARPS and p.pipe <= MAX_PIPE and p.pipe * (2 + p.tiles) <= MAX_PIPE_LOADS
             assert p.ctas * 16 == n and p.cols >= rows
             if k >= 3584:  # the big streams: enough warps in the grid (or 16 per CTA), several chunks in flight
-                assert p.ctas * p.warps >= GRID_WARPS or p.warps == MAX_WARPS, (n, k, p.key())
+                assert p.ctas * p.warps >= GRID_WARPS or p.warps == DEFAULT_WARPS, (n, k, p.key())
                 assert p.pipe >= 2 and (p.warps == 4 or p.ctas * p.warps // 2 < GRID_WARPS), (n, k, p.key())
 
 
@@ -1820,18 +1820,15 @@ def _dispatch_spy(monkeypatch, env):
 
 
 @pytest.mark.parametrize("rows, env, want", [
-    (1, {}, "gemv"), (3, {}, "gemv"), (4, {}, "cublas"), (16, {}, "cublas"), (64, {}, "cublas"),
-    (4, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"), (8, {"KIMI_DECODE_TC_PLAIN": "1"}, "tc"),
-    (9, {"KIMI_DECODE_TC_PLAIN": "1"}, "cublas"), (6, {"KIMI_DECODE_TC_MIN_ROWS": "8"}, "gemv"),
-    (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16"}, "tc"),
-    (8, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_FORM": "rows"}, "rows"),
-    (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16", "KIMI_DECODE_TC_FORM": "rows"}, "rows"),
-    (2, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MIN_ROWS": "2", "KIMI_DECODE_TC_FORM": "rows"}, "rows"),
-    (8, {"KIMI_DECODE_TC_FORM": "rows"}, "cublas"),
+    (1, {}, "gemv"), (2, {}, "rows"), (8, {}, "rows"), (16, {}, "rows"), (17, {}, "cublas"), (64, {}, "cublas"),
+    (4, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"), (2, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
+    (8, {"KIMI_DECODE_TC_FORM": "split"}, "tc"), (16, {"KIMI_DECODE_TC_FORM": "split"}, "tc"),
+    (9, {"KIMI_DECODE_TC_MAX_ROWS": "8"}, "cublas"), (3, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, "gemv"),
+    (32, {"KIMI_DECODE_TC_MAX_ROWS": "64"}, "tc"),  # past the row tiles' 16 rows: the split-K kernel
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
-    """Below 4 rows the GEMV, from there cuBLAS (faster than the tensor-core kernel as measured), which the A/B switch
-    replaces by the tensor-core kernel up to 8 rows (KIMI_DECODE_TC_MAX_ROWS)."""
+    """One row on the GEMV, 2 to 16 on the row-tile tensor-core projection, above on cuBLAS; the A/B switches put them
+    on cuBLAS (KIMI_DECODE_TC_PLAIN=0) or the split-K kernel (KIMI_DECODE_TC_FORM=split) and move the row counts."""
     backend, calls = _dispatch_spy(monkeypatch, env)
     x, w = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     backend._gemv(x, w)
@@ -1839,18 +1836,16 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 
 
 @pytest.mark.parametrize("rows, fused_norm, env, want", [
-    (1, True, {}, ["gemv"]), (4, True, {}, ["tc"]), (8, True, {}, ["tc"]), (9, False, {}, ["norm", "cublas"]),
-    (16, False, {}, ["norm", "cublas"]), (64, False, {}, ["norm", "cublas"]),
+    (1, True, {}, ["gemv"]), (2, True, {}, ["rows"]), (8, True, {}, ["rows"]), (16, False, {}, ["rows"]),
+    (17, False, {}, ["norm", "cublas"]), (64, False, {}, ["norm", "cublas"]), (4, False, {}, ["rows"]),
+    (8, True, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]), (16, False, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]),
     (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3"}, ["norm", "cublas"]),
-    (16, False, {"KIMI_DECODE_TC_MAX_ROWS": "16"}, ["tc"]),
-    (8, True, {"KIMI_DECODE_TC_FORM": "rows"}, ["rows"]), (4, False, {"KIMI_DECODE_TC_FORM": "rows"}, ["rows"]),
-    (16, False, {"KIMI_DECODE_TC_MAX_ROWS": "16", "KIMI_DECODE_TC_FORM": "rows"}, ["rows"]),
-    (1, True, {"KIMI_DECODE_TC_FORM": "rows"}, ["gemv"]),
+    (3, True, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, ["gemv"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
-    """The MoE tail on our kernels up to 8 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,
-    accumulate and add in its epilogue), above it the routed norm, which adds the shared output into the residual,
-    and one cuBLAS GEMM."""
+    """The MoE tail on our kernels up to 16 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,
+    accumulate and add in its epilogue; the grouped experts' per-pair outputs go through the routed norm first),
+    above it the routed norm, which adds the shared output into the residual, and one cuBLAS GEMM."""
     from types import SimpleNamespace
 
     backend, calls = _dispatch_spy(monkeypatch, env)

@@ -1274,12 +1274,13 @@ def test_specialized_layer_with_row_tile_projections_matches_reference(monkeypat
 
 
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch, env", [(4, {}), (8, {"KIMI_DECODE_TC_PLAIN": "1"}),
-                                        (16, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "16"}),
-                                        (32, {"KIMI_DECODE_TC_PLAIN": "1", "KIMI_DECODE_TC_MAX_ROWS": "64"})])
+@pytest.mark.parametrize("batch, env", [(4, {}), (8, {"KIMI_DECODE_TC_PLAIN": "0"}), (16, {}),
+                                        (32, {"KIMI_DECODE_TC_MAX_ROWS": "64"})])
 def test_specialized_layer_with_tensor_core_projections_matches_reference(monkeypatch, tp, batch, env):
-    """The layer with every plain projection on the tensor-core kernel too (the A/B switch), and the tail on it past
-    its default row range (staged activations at 32 rows); at batch 4 the switch-over row count by default."""
+    """The layer on the split-K tensor-core kernel (KIMI_DECODE_TC_FORM=split): every plain projection and the tail
+    on it, or (KIMI_DECODE_TC_PLAIN=0) the tail alone, and past the row tiles' range (staged activations at 32
+    rows)."""
+    monkeypatch.setenv("KIMI_DECODE_TC_FORM", "split")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     s = shard("k3", tp=tp)

@@ -156,14 +156,14 @@ def routed_norm_split() -> bool:
 _ADDMM_FP32_OUT = "out_dtype" in (torch.addmm.__doc__ or "")
 
 FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and the rest of this class up to here
-# Projections by rows (benchmarks/NOTES.md, v10): below TC_MIN_ROWS the CUDA-core GEMV; from there the plain ones
-# on cuBLAS, as `auto` (its pipelined split-K GEMM streamed 2.7-3.3 TB/s from 4 rows on, our tensor-core kernel
-# 2.1-2.4 TB/s; KIMI_DECODE_TC_PLAIN=1 runs them on ours up to TC_MAX_ROWS, for A/B), and the MoE tail, whose
-# RMSNorm scale, residual accumulate and shared-expert add cuBLAS would need more kernels for, on the tensor-core
-# kernel up to TC_MAX_ROWS rows. Above, the routed norm and one cuBLAS GEMM: at 16 rows that measured 8.0-8.5 us
-# faster per layer on the H200; at 8 rows within the run's spread of routes, at 4 rows 0.6 us slower (NOTES item 45).
-TC_MIN_ROWS = 4
-TC_MAX_ROWS = 8
+# Projections by rows: below TC_MIN_ROWS the CUDA-core GEMV; from there up to TC_MAX_ROWS every projection (the plain
+# ones, and the MoE tail with its RMSNorm scale, residual accumulate and shared-expert add in the epilogue) on the
+# row-tile tensor-core projection (`kernels/gemm_tc_rows.py`), which measured 2.5-9.6 us faster per KDA + MoE layer
+# than the split-K kernel for the tail and cuBLAS for the rest at 2 to 16 rows on the H200 (NOTES item 47); above,
+# cuBLAS, and the MoE tail as the routed norm + one cuBLAS GEMM. KIMI_DECODE_TC_PLAIN=0 puts the plain projections
+# back on cuBLAS from TC_MIN_ROWS, KIMI_DECODE_TC_FORM=split the tensor-core ones on `gemm_tc.py` (A/B).
+TC_MIN_ROWS = 2
+TC_MAX_ROWS = 16
 # L2 prefetch per streaming projection, in MB: off by default, since on the H200 12 / 24 / 40 MB made the TP16 batch-1
 # KDA layer 1.1 / 3.3 / 5.9 us slower (benchmarks/NOTES.md, v6); KIMI_DECODE_PREFETCH_MB turns it on
 PREFETCH_MB = 0
@@ -247,7 +247,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._pending_o = None  # (o, W, a) of that projection, a its output, until the AttnRes call
         self._tc_rows = (int(os.environ.get("KIMI_DECODE_TC_MIN_ROWS", TC_MIN_ROWS)),
                          int(os.environ.get("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS)))
-        self._tc_plain = os.environ.get("KIMI_DECODE_TC_PLAIN", "0") == "1"  # plain projections on tensor cores too
+        self._tc_plain = os.environ.get("KIMI_DECODE_TC_PLAIN", "1") == "1"  # plain projections on tensor cores too
         self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
@@ -285,9 +285,9 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback(f"batch {batch} > {FAST_MAX_ROWS}: everything but AttnRes runs auto")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
-        if device_ok and small and batch >= self._tc_rows[0] and not self._tc_plain:
-            self._fallback(f"plain projections of {self._tc_rows[0]}..{FAST_MAX_ROWS} rows run on cuBLAS (measured "
-                           "faster than the tensor-core projection; KIMI_DECODE_TC_PLAIN=1 runs ours)")
+        if device_ok and small and batch >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(batch)):
+            self._fallback(f"plain projections of {batch} rows run on cuBLAS (ours take {self._tc_rows[0]}.."
+                           f"{self._tc_rows[1]} rows, KIMI_DECODE_TC_PLAIN=1)")
         self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA

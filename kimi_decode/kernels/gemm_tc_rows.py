@@ -25,6 +25,7 @@ MIN_ROWS, MAX_ROWS = 2, 16
 CHUNK = 32  # K per pair of mma steps (4 lanes x 16 bytes of a row)
 ROWS = 16  # weight rows per CTA (the mma's M)
 MAX_WARPS = 16  # warps per CTA splitting K
+DEFAULT_WARPS = 8  # the most a plan takes by default (benchmarks/NOTES.md, item 47)
 MAX_PIPE_LOADS = 24  # 16-byte loads in flight per lane (4 registers each)
 MAX_PIPE = 7  # chunks in flight per warp (the most measured)
 GRID_WARPS = 1500  # warps the grid should have streaming (~11 per SM of the H200's 132)
@@ -188,15 +189,18 @@ def rows_plan_for(M: int, N: int, K: int) -> RowsPlan:
     """The fewest warps per CTA (4, 8 or 16, up to `max_warps()`, splitting K's chunks evenly) that give the grid
     GRID_WARPS warps, else the most (down to 1 for short K); then the most chunks in flight (up to MAX_PIPE, within
     MAX_PIPE_LOADS loads per lane) that divide a warp's chunks, at least two where the warps' chunks allow. On the
-    H200 at 8 rows (benchmarks/NOTES.md, item 47) this picks the fastest tiling measured, or one within 0.6 us of it,
-    for every projection of the TP16 and TP8 shards: few CTAs (the router's 56) want 16 warps each, many (the MoE
-    tail's 448) 4 to 8 with the most chunks in flight."""
+    H200 at 8 rows, each projection alone (benchmarks/NOTES.md, item 47), the rule with 16 warps at most picks the
+    fastest tiling measured, or one within 0.6 us of it, on every projection of the TP16 and TP8 shards: few CTAs
+    (the router's 56) want the most warps each, many (the MoE tail's 448) 4 to 8 with the most chunks in flight."""
     return _rows_plan(M, N, K, max_warps())
 
 
 def max_warps() -> int:
-    """KIMI_DECODE_TC_ROWS_WARPS: the most warps per CTA a plan may take (1..16, default MAX_WARPS), for A/B runs."""
-    return env_int("KIMI_DECODE_TC_ROWS_WARPS", MAX_WARPS, 1, MAX_WARPS, "warps per CTA")
+    """KIMI_DECODE_TC_ROWS_WARPS: the most warps per CTA a plan may take (1..16, default DEFAULT_WARPS). 16 was the
+    faster tiling of the router and the shared gate/up alone, but in the layer their CTAs of 16 warps took whole SMs
+    beside the latent down-projection on the MoE entry's side streams and held it back (TP8 batch 8 +6 us); at 8
+    the layer is 0-2 us slower at TP16 and 6 us faster at TP8 batch 8."""
+    return env_int("KIMI_DECODE_TC_ROWS_WARPS", DEFAULT_WARPS, 1, MAX_WARPS, "warps per CTA")
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,6 +267,7 @@ TC_FORMS = ("split", "rows")
 
 
 def tc_form() -> str:
-    """KIMI_DECODE_TC_FORM: which tensor-core projection `latency_specialized` runs up to 16 rows: "split" (the
-    split-K GEMM of `gemm_tc.py`) or "rows" (this kernel)."""
-    return env_choice("KIMI_DECODE_TC_FORM", "split", TC_FORMS)
+    """KIMI_DECODE_TC_FORM: which tensor-core projection `latency_specialized` runs up to 16 rows: "rows" (this
+    kernel, the default: 2.5-9 us faster per KDA + MoE layer at 2 to 16 rows on the H200, NOTES item 47) or "split"
+    (the split-K GEMM of `gemm_tc.py`, for A/B runs)."""
+    return env_choice("KIMI_DECODE_TC_FORM", "rows", TC_FORMS)
