@@ -2,11 +2,13 @@
 
 What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 64, by rows (TC_MIN_ROWS, TC_MAX_ROWS):
-  below 4 rows the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 4 rows the plain projections on cuBLAS,
-  as `auto` (measured faster than ours there; `KIMI_DECODE_TC_PLAIN=1` runs them on the tensor-core kernel), and
-  the MoE tail up to 8 rows on the tensor-core projection (`kernels/gemm_tc.py`: mma.sync over the tokens, split-K
-  with the last CTA of each row group adding the splits and running the epilogue); the latent up-projection
-  accumulates straight into the fp32 residual; `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the switch-overs (A/B);
+  at 1 row the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 2 to 16 rows every projection, the plain ones
+  and the MoE tail, on the row-tile tensor-core projection (`kernels/gemm_tc_rows.py`: mma.sync over the tokens, a
+  CTA's warps splitting the K of its 16 weight rows); above, the plain ones on cuBLAS as `auto`. The latent
+  up-projection accumulates straight into the fp32 residual. A/B switches: `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS`
+  move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain projections on cuBLAS, `KIMI_DECODE_TC_FORM=split`
+  the tensor-core ones on the split-K kernel (`kernels/gemm_tc.py`, the last CTA of each row group adding the
+  splits and running the epilogue), `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
 - the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
   kernel). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels,
   all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of
@@ -48,7 +50,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored);
-- the MoE tail, up to TC_MAX_ROWS rows (8; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: with
+- the MoE tail, up to TC_MAX_ROWS rows (16; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: with
   the per-pair experts one projection over bf16(routed sum x norm weight), which the w2 expert kernel writes beside
   the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in
   its epilogue; with the grouped experts (`KIMI_DECODE_GROUPED_FROM` at or below TC_MAX_ROWS) one kernel that adds
@@ -387,8 +389,8 @@ class LatencySpecializedBackend(AutoBackend):
         return self._counter("tc.main", device, TC_COUNTERS)
 
     def _cute_rows(self, rows: int) -> bool:
-        """Whether a projection of `rows` tokens may run on our kernels: the MoE tail's (else the generic tail), and
-        the plain ones under the A/B switch KIMI_DECODE_TC_PLAIN (else cuBLAS)."""
+        """Whether a projection of `rows` tokens may run on our kernels (up to TC_MAX_ROWS): the MoE tail's (else the
+        routed norm + cuBLAS), and the plain ones with KIMI_DECODE_TC_PLAIN=1, the default (else cuBLAS)."""
         return rows <= self._tc_rows[1]
 
     def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, **epilogue) -> torch.Tensor:
@@ -434,7 +436,8 @@ class LatencySpecializedBackend(AutoBackend):
             t.record_stream(main)
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16) -> torch.Tensor:
-        """A plain projection (bf16 or fp32 out): the GEMV below TC_MIN_ROWS rows, else cuBLAS (see TC_MIN_ROWS)."""
+        """A plain projection (bf16 or fp32 out): the GEMV below TC_MIN_ROWS rows, our tensor-core projection up to
+        TC_MAX_ROWS (`_project`), else cuBLAS (see TC_MIN_ROWS)."""
         rows = x.shape[0]
         if rows >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(rows)):
             # cuBLAS, fp32 accumulation (and output, for the router's logits)

@@ -21,8 +21,9 @@ or add into an fp32 y with an optional bf16 addend, optionally scaling row m by 
 of squares.
 
 On the H200 (benchmarks/NOTES.md, v10) it streams 2.6-2.8 TB/s on the 46-51 MB projections at 4-8 rows, 5-20% behind
-cuBLAS's pipelined split-K GEMM, and falls further behind from 16 rows; `latency_specialized` therefore runs it
-where its epilogue saves kernels (the MoE tail, up to 8 rows) and leaves plain projections to cuBLAS.
+cuBLAS's pipelined split-K GEMM, and falls further behind from 16 rows. `latency_specialized` runs the row-tile form
+(`gemm_tc_rows.py`) up to 16 rows instead, which measured faster in every layer (NOTES item 47); this kernel stays
+for A/B runs (`KIMI_DECODE_TC_FORM=split`) and for more rows than the row tiles take (`KIMI_DECODE_TC_MAX_ROWS`).
 """
 from __future__ import annotations
 
