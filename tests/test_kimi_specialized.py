@@ -860,7 +860,8 @@ def test_row_tile_projection_compiles_for_sm90a(sm90a, n, k):
 
 @pytest.mark.parametrize("rows", [2, 8, 16])
 def test_row_tile_plan_splits_k_evenly_within_its_limits(rows):
-    from kimi_decode.kernels.gemm_tc_rows import CHUNK, DEFAULT_WARPS, GRID_WARPS, MAX_PIPE, MAX_PIPE_LOADS, rows_plan_for
+    from kimi_decode.kernels.gemm_tc_rows import (CHUNK, DEFAULT_WARPS, GRID_WARPS, MAX_PIPE, MAX_PIPE_LOADS,
+                                                  rows_plan_for)
 
     for tp in (16, 8):
         for n, k in projection_shapes(shard("k3", tp=tp)):

@@ -66,6 +66,21 @@ if HAVE_CUTE:
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return [Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4)]
 
+    def mma_chunk(acc, a, lo, hi, xs) -> None:
+        """acc[a..a+3] += one 32-wide K chunk of a 16-row tile against 8 tokens: two mma, lo / hi the 16-byte words of
+        rows g / g + 8 (weights 8t..8t+7), xs the same activations of token g (inlined where it is called)."""
+        d = mma_bf16(lo[0], hi[0], lo[1], hi[1], xs[0], xs[1], [acc[a + i] for i in range(4)])
+        d = mma_bf16(lo[2], hi[2], lo[3], hi[3], xs[2], xs[3], d)
+        for i in range(4):
+            acc[a + i] = d[i]
+
+    def fetch_chunk(gW, gX, rows, toks, kv, wb, xb) -> None:
+        """The 16-byte vectors `kv` of a warp's weight rows and of its tokens' x, into the register tensors wb / xb."""
+        for q in range(len(rows)):
+            cute.autovec_copy(gW[(None, (rows[q], kv))], wb[q])
+        for nt in range(len(toks)):
+            cute.autovec_copy(gX[(None, (toks[nt], kv))], xb[nt])
+
     class TensorCoreProjection:
         def __init__(self, plan: "Plan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
             self.p = plan
@@ -137,13 +152,13 @@ if HAVE_CUTE:
                 xb = [[cute.make_rmem_tensor((4,), Int32) for nt in range(p.tiles)] for d in range(PIPE)]
                 for d in cutlass.range_constexpr(PIPE):
                     if d < nch:
-                        self.fetch(gW, gX, rows, toks, v0 + d * 4 + t, wb[d], xb[d])
+                        fetch_chunk(gW, gX, rows, toks, v0 + d * 4 + t, wb[d], xb[d])
                 for c0 in cutlass.range(0, nch, PIPE):
                     for d in cutlass.range_constexpr(PIPE):
                         if c0 + d < nch:
                             self.multiply(acc, wb[d], xb[d])
                             if c0 + d + PIPE < nch:
-                                self.fetch(gW, gX, rows, toks, v0 + (c0 + d + PIPE) * 4 + t, wb[d], xb[d])
+                                fetch_chunk(gW, gX, rows, toks, v0 + (c0 + d + PIPE) * 4 + t, wb[d], xb[d])
             else:
                 for c in cutlass.range(nch, unroll=4):
                     kv = v0 + c * 4 + t
@@ -168,25 +183,12 @@ if HAVE_CUTE:
             if is_last != 0:
                 self.finish(mY, mAdd, mSsq, gWs, rs, bx, tidx, warp, lane)
 
-        @staticmethod
-        def fetch(gW, gX, rows, toks, kv, wb, xb):
-            """The 16-byte vectors `kv` of the warp's four weight rows and of its tokens' x, into registers."""
-            for q in range(4):
-                cute.autovec_copy(gW[(None, (rows[q], kv))], wb[q])
-            for nt in range(len(toks)):
-                cute.autovec_copy(gX[(None, (toks[nt], kv))], xb[nt])
-
         def multiply(self, acc, wv, xv):
             """One K chunk: for each column tile and 16-row tile, two mma (weights 8t..8t+7 of rows g, g + 8 against
             the same activations of token g)."""
             for nt in range(self.p.tiles):
                 for q in range(2):
-                    lo, hi = wv[2 * q], wv[2 * q + 1]
-                    a = (q * self.p.tiles + nt) * 4
-                    d = mma_bf16(lo[0], hi[0], lo[1], hi[1], xv[nt][0], xv[nt][1], [acc[a + i] for i in range(4)])
-                    d = mma_bf16(lo[2], hi[2], lo[3], hi[3], xv[nt][2], xv[nt][3], d)
-                    for i in range(4):
-                        acc[a + i] = d[i]
+                    mma_chunk(acc, (q * self.p.tiles + nt) * 4, wv[2 * q], wv[2 * q + 1], xv[nt])
 
         @cute.jit
         def finish(self, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor, gWs: cute.Tensor, rs: cute.Tensor,
@@ -300,17 +302,21 @@ def plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> Plan:
     return min((p for p in cands if warps_of[id(p)] >= 0.9 * most), key=lambda p: (p.partial_bytes, p.splits, p.warps))
 
 
-def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
+def check_projection(w, x, y, accumulate: bool, addend, row_scale, what: str, rows: tuple[int, int],
+                     n_multiple: int) -> None:
+    """The checks both tensor-core projections make (`what` names the kernel in the messages): `rows` (least, most)
+    tokens, K a multiple of CHUNK and N of `n_multiple`, bf16 W and x with 16-byte aligned contiguous rows, a bf16 or
+    fp32 y, and the GEMV's epilogue arguments."""
     M, K = x.shape
     N = w.shape[0]
-    if not MIN_ROWS <= M <= MAX_ROWS:
-        raise ValueError(f"tensor-core projection takes {MIN_ROWS}..{MAX_ROWS} rows, got {M}")
+    if not rows[0] <= M <= rows[1]:
+        raise ValueError(f"{what} takes {rows[0]}..{rows[1]} rows, got {M}")
     if w.shape[1] != K or y.shape != (M, N):
         raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
     if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         raise ValueError("W and x must be bf16")
-    if K % CHUNK or N % 16:
-        raise ValueError(f"tensor-core projection needs K a multiple of {CHUNK} and N of 16, got K={K}, N={N}")
+    if K % CHUNK or N % n_multiple:
+        raise ValueError(f"{what} needs K a multiple of {CHUNK} and N of {n_multiple}, got K={K}, N={N}")
     if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % 8 or x.stride(0) % 8:
         raise ValueError("rows must be contiguous and 16-byte aligned")
     if w.storage_offset() % 8 or x.storage_offset() % 8:
@@ -318,6 +324,10 @@ def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
     if y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError("y must be bf16 or fp32")
     check_epilogue(y, accumulate, addend, row_scale)
+
+
+def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
+    check_projection(w, x, y, accumulate, addend, row_scale, "tensor-core projection", (MIN_ROWS, MAX_ROWS), 16)
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous()):
         raise ValueError("counters must be a contiguous int32 vector")
 

@@ -6,11 +6,12 @@ weights 8t..8t+7 of rows g and g + 8 of a 32-wide K chunk and the same 8 activat
 assigned so that they pair up). The work split is the small-batch GEMV's (`gemv.py`) instead of a split-K GEMM's: a
 CTA owns one tile of 16 weight rows over the whole K, its warps each stream one K slice of them, and their partial
 sums meet in shared memory. So there is no workspace, no completion counter and no last CTA reading the other CTAs'
-partial sums at the end of the kernel, and the grid has N / 16 CTAs of up to 16 warps: as many warps streaming as
-the GEMV has at one row. A warp keeps `pipe` K chunks of loads in flight (two 16-byte weight loads and one
-activation load per column tile and lane each), refilling a chunk's registers as soon as its mma has read them. The epilogues are the GEMV's: store y (bf16 or fp32), or add into an fp32 y with an optional bf16
-addend, optionally scaling row m by an RMSNorm's 1/rms from partial sums of squares; y and the addend are read, and
-the sums of squares loaded, before the weight loop, so that nothing waits on them after it.
+partial sums at the end of the kernel, and the grid has N / 16 CTAs of up to 8 warps (`rows_plan_for`). A warp keeps
+`pipe` K chunks of loads in flight (two 16-byte weight loads and one activation load per column tile and lane each),
+refilling a chunk's registers as soon as its mma has read them. The epilogues are the GEMV's: store y (bf16 or
+fp32), or add into an fp32 y with an optional bf16 addend, optionally scaling row m by an RMSNorm's 1/rms from partial
+sums of squares; y and the addend are read, and the sums of squares loaded, before the weight loop, so that nothing
+waits on them after it.
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ import functools
 import torch
 
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
-from .gemv import check_epilogue
+from .gemm_tc import CHUNK, check_projection
 
 MIN_ROWS, MAX_ROWS = 2, 16
-CHUNK = 32  # K per pair of mma steps (4 lanes x 16 bytes of a row)
 ROWS = 16  # weight rows per CTA (the mma's M)
 MAX_WARPS = 16  # warps per CTA splitting K
 DEFAULT_WARPS = 8  # the most a plan takes by default (benchmarks/NOTES.md, item 47)
@@ -34,7 +34,7 @@ if HAVE_CUTE:
     from cutlass import Float32, Int32
 
     from .cute_common import mma_lanes
-    from .gemm_tc import mma_bf16
+    from .gemm_tc import fetch_chunk, mma_chunk
     from .gemv import store_output
 
     class RowTileProjection:
@@ -47,8 +47,8 @@ if HAVE_CUTE:
                      stream):
             gW = cute.zipped_divide(mW, (1, 4))  # 16-byte vectors of int32 pairs of bf16: ((1,4), (N, K/8))
             gX = cute.zipped_divide(mX, (1, 4))
-            self.kernel(gW, gX, mY, mAdd, mSsq, Int32(self.p.per_warp)).launch(grid=[self.p.ctas, 1, 1], block=[32 * self.p.warps, 1, 1],
-                                                       stream=stream)
+            self.kernel(gW, gX, mY, mAdd, mSsq, Int32(self.p.per_warp)).launch(
+                grid=[self.p.ctas, 1, 1], block=[32 * self.p.warps, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
@@ -97,12 +97,12 @@ if HAVE_CUTE:
             wb = [[cute.make_rmem_tensor((4,), Int32) for q in range(2)] for d in range(p.pipe)]
             xb = [[cute.make_rmem_tensor((4,), Int32) for nt in range(p.tiles)] for d in range(p.pipe)]
             for d in cutlass.range_constexpr(p.pipe):
-                self.fetch(gW, gX, rows, toks, (c0 + d) * 4 + t, wb[d], xb[d])
+                fetch_chunk(gW, gX, rows, toks, (c0 + d) * 4 + t, wb[d], xb[d])
             for c in cutlass.range(0, per, p.pipe):
                 for d in cutlass.range_constexpr(p.pipe):
                     self.multiply(acc, wb[d], xb[d])
                     if c + d + p.pipe < per:
-                        self.fetch(gW, gX, rows, toks, (c0 + c + d + p.pipe) * 4 + t, wb[d], xb[d])
+                        fetch_chunk(gW, gX, rows, toks, (c0 + c + d + p.pipe) * 4 + t, wb[d], xb[d])
             # this lane's accumulators: rows g and g + 8, tokens 2t and 2t + 1 of each column tile
             for nt in cutlass.range_constexpr(p.tiles):
                 for h in cutlass.range_constexpr(2):
@@ -139,24 +139,10 @@ if HAVE_CUTE:
             steps = -(-ROWS * p.cols // (32 * p.warps))
             return [((s * 32 * p.warps + tidx) // ROWS, (s * 32 * p.warps + tidx) % ROWS) for s in range(steps)]
 
-        @staticmethod
-        def fetch(gW, gX, rows, toks, kv, wb, xb):
-            """The 16-byte vectors `kv` of the tile's rows g and g + 8 and of the column tiles' tokens, into registers."""
-            for q in range(2):
-                cute.autovec_copy(gW[(None, (rows[q], kv))], wb[q])
-            for nt in range(len(toks)):
-                cute.autovec_copy(gX[(None, (toks[nt], kv))], xb[nt])
-
         def multiply(self, acc, wv, xv):
-            """One K chunk: for each column tile two mma (weights 8t..8t+7 of rows g, g + 8 against the same
-            activations of token g), as `gemm_tc.TensorCoreProjection.multiply` with one row tile."""
-            lo, hi = wv
+            """One K chunk: for each column tile two mma (`gemm_tc.mma_chunk`) on the tile's rows g and g + 8."""
             for nt in range(self.p.tiles):
-                a = 4 * nt
-                d = mma_bf16(lo[0], hi[0], lo[1], hi[1], xv[nt][0], xv[nt][1], [acc[a + i] for i in range(4)])
-                d = mma_bf16(lo[2], hi[2], lo[3], hi[3], xv[nt][2], xv[nt][3], d)
-                for i in range(4):
-                    acc[a + i] = d[i]
+                mma_chunk(acc, 4 * nt, wv[0], wv[1], xv[nt])
 
 
 class RowsPlan:
@@ -215,27 +201,6 @@ def _rows_plan(M: int, N: int, K: int, most_warps: int) -> RowsPlan:
     return next((p for p in plans if p.pipe >= 2), plans[0])
 
 
-def _check(w, x, y, accumulate: bool, addend, row_scale) -> None:
-    M, K = x.shape
-    N = w.shape[0]
-    if not MIN_ROWS <= M <= MAX_ROWS:
-        raise ValueError(f"row-tile tensor-core projection takes {MIN_ROWS}..{MAX_ROWS} rows, got {M}")
-    if w.shape[1] != K or y.shape != (M, N):
-        raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
-    if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        raise ValueError("W and x must be bf16")
-    if K % CHUNK or N % ROWS:
-        raise ValueError(f"row-tile tensor-core projection needs K a multiple of {CHUNK} and N of {ROWS}, got K={K}, "
-                         f"N={N}")
-    if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % 8 or x.stride(0) % 8:
-        raise ValueError("rows must be contiguous and 16-byte aligned")
-    if w.storage_offset() % 8 or x.storage_offset() % 8:
-        raise ValueError("W and x must start on a 16-byte boundary")
-    if y.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError("y must be bf16 or fp32")
-    check_epilogue(y, accumulate, addend, row_scale)
-
-
 def compile_rows_projection(w, x, y, accumulate: bool = False, addend=None, row_scale=None,
                             plan: RowsPlan | None = None):
     plan = plan or rows_plan_for(x.shape[0], w.shape[0], w.shape[1])
@@ -254,7 +219,8 @@ def project_rows(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: 
                  ) -> torch.Tensor:
     """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, on the current stream; the arguments are those of
     `gemv.gemv` (`plan`: another tiling than `rows_plan_for`'s, for benchmarks)."""
-    _check(w, x, y, accumulate, addend, row_scale)
+    check_projection(w, x, y, accumulate, addend, row_scale, "row-tile tensor-core projection", (MIN_ROWS, MAX_ROWS),
+                     ROWS)
     plan = plan or rows_plan_for(x.shape[0], w.shape[0], w.shape[1])
     if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
         raise ValueError(f"plan {plan.key()} is not for this shape")
