@@ -160,8 +160,8 @@ _ADDMM_FP32_OUT = "out_dtype" in (torch.addmm.__doc__ or "")
 FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and the rest of this class up to here
 # Projections by rows: below TC_MIN_ROWS the CUDA-core GEMV; from there up to TC_MAX_ROWS every projection (the plain
 # ones, and the MoE tail with its RMSNorm scale, residual accumulate and shared-expert add in the epilogue) on the
-# row-tile tensor-core projection (`kernels/gemm_tc_rows.py`), which measured 2.5-9.6 us faster per KDA + MoE layer
-# than the split-K kernel for the tail and cuBLAS for the rest at 2 to 16 rows on the H200 (NOTES item 47); above,
+# row-tile tensor-core projection (`kernels/gemm_tc_rows.py`): 3.2-10.9 us faster per KDA + MoE layer at 2 to 16
+# rows on the H200 than the split-K kernel for the tail and cuBLAS for the rest (NOTES item 47, "v29"); above,
 # cuBLAS, and the MoE tail as the routed norm + one cuBLAS GEMM. KIMI_DECODE_TC_PLAIN=0 puts the plain projections
 # back on cuBLAS from TC_MIN_ROWS, KIMI_DECODE_TC_FORM=split the tensor-core ones on `gemm_tc.py` (A/B).
 TC_MIN_ROWS = 2

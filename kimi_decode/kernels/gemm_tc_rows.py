@@ -234,6 +234,6 @@ TC_FORMS = ("split", "rows")
 
 def tc_form() -> str:
     """KIMI_DECODE_TC_FORM: which tensor-core projection `latency_specialized` runs up to 16 rows: "rows" (this
-    kernel, the default: 2.5-9 us faster per KDA + MoE layer at 2 to 16 rows on the H200, NOTES item 47) or "split"
+    kernel, the default: 3.2-10.9 us faster per KDA + MoE layer at 2 to 16 rows on the H200, NOTES item 47) or "split"
     (the split-K GEMM of `gemm_tc.py`, for A/B runs)."""
     return env_choice("KIMI_DECODE_TC_FORM", "rows", TC_FORMS)
