@@ -99,8 +99,7 @@ import torch
 
 from ..config import KDA, ShardConfig
 from ..instrument import rng
-from ..kernels import cute_common
-from ..kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX_ROWS, tc_form
+from ..kernels import cute_common, gemm_tc_rows
 from ..kernels.shared_mlp import COUNTERS as SHARED_COUNTERS
 from ..state import KDAState, ResidualState
 from ..weights import KDAWeights, MoEWeights
@@ -135,6 +134,16 @@ def routed_norm_on() -> bool:
     per-pair outputs inside its RMSNorm kernel (`rmsnorm.routed_norm`); "0" keeps the reduce-then-norm tail, for
     A/B runs."""
     return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM", "1", ("0", "1")) == "1"
+
+
+TC_FORMS = ("rows", "split")
+
+
+def tc_form() -> str:
+    """KIMI_DECODE_TC_FORM: which tensor-core projection runs from TC_MIN_ROWS to TC_MAX_ROWS rows: "rows" (the
+    default, `kernels/gemm_tc_rows.py` up to its 16 rows: 3.2-10.9 us faster per KDA + MoE layer at 2 to 16 rows on
+    the H200, benchmarks/NOTES.md item 47) or "split" (the split-K GEMM of `kernels/gemm_tc.py`, for A/B runs)."""
+    return cute_common.env_choice("KIMI_DECODE_TC_FORM", "rows", TC_FORMS)
 
 
 def pairs_bf16() -> bool:
@@ -287,7 +296,7 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback(f"batch {batch} > {FAST_MAX_ROWS}: everything but AttnRes runs auto")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
-        if device_ok and small and batch >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(batch)):
+        if device_ok and small and self._plain_on_cublas(batch):
             self._fallback(f"plain projections of {batch} rows run on cuBLAS (ours take {self._tc_rows[0]}.."
                            f"{self._tc_rows[1]} rows, KIMI_DECODE_TC_PLAIN=1)")
         self._res_fast = device_ok and self._cute_attn_res
@@ -393,6 +402,11 @@ class LatencySpecializedBackend(AutoBackend):
         routed norm + cuBLAS), and the plain ones with KIMI_DECODE_TC_PLAIN=1, the default (else cuBLAS)."""
         return rows <= self._tc_rows[1]
 
+    def _plain_on_cublas(self, rows: int) -> bool:
+        """Whether a plain projection of `rows` tokens runs on cuBLAS: from TC_MIN_ROWS on, unless our tensor-core
+        projection takes it (KIMI_DECODE_TC_PLAIN=1, the default, up to TC_MAX_ROWS)."""
+        return rows >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(rows))
+
     def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, **epilogue) -> torch.Tensor:
         """y = x @ w.T (or `gemv`'s accumulating forms) for up to TC_MAX_ROWS rows: the CUDA-core GEMV below
         TC_MIN_ROWS rows, else tensor cores (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM)."""
@@ -400,9 +414,7 @@ class LatencySpecializedBackend(AutoBackend):
             from ..kernels.gemv import gemv
 
             return gemv(w, x, y, **epilogue)
-        if self._tc_form == "rows" and x.shape[0] <= ROWS_MAX_ROWS:
-            from ..kernels import gemm_tc_rows
-
+        if self._tc_form == "rows" and x.shape[0] <= gemm_tc_rows.MAX_ROWS:
             return gemm_tc_rows.project_rows(w, x, y, **epilogue)
         from ..kernels.gemm_tc import project
 
@@ -438,8 +450,7 @@ class LatencySpecializedBackend(AutoBackend):
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16) -> torch.Tensor:
         """A plain projection (bf16 or fp32 out): the GEMV below TC_MIN_ROWS rows, our tensor-core projection up to
         TC_MAX_ROWS (`_project`), else cuBLAS (see TC_MIN_ROWS)."""
-        rows = x.shape[0]
-        if rows >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(rows)):
+        if self._plain_on_cublas(x.shape[0]):
             # cuBLAS, fp32 accumulation (and output, for the router's logits)
             return torch.mm(x, w.T, out_dtype=dtype) if dtype != BF16 else self.linear(x, w)
         return self._project(w, x, self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device))

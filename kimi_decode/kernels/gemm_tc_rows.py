@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_int, fake_like, launch, signature
 from .gemm_tc import CHUNK, check_projection
 
 MIN_ROWS, MAX_ROWS = 2, 16
@@ -227,13 +227,3 @@ def project_rows(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: 
     fn, args = compile_rows_projection(w, x, y, accumulate, addend, row_scale, plan)
     launch(fn, *args)
     return y
-
-
-TC_FORMS = ("split", "rows")
-
-
-def tc_form() -> str:
-    """KIMI_DECODE_TC_FORM: which tensor-core projection `latency_specialized` runs up to 16 rows: "rows" (this
-    kernel, the default: 3.2-10.9 us faster per KDA + MoE layer at 2 to 16 rows on the H200, NOTES item 47) or "split"
-    (the split-K GEMM of `gemm_tc.py`, for A/B runs)."""
-    return env_choice("KIMI_DECODE_TC_FORM", "rows", TC_FORMS)
