@@ -1182,37 +1182,6 @@ def test_moe_mxfp4_grouped_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 16, False)])
-def test_moe_mxfp4_grouped_w13_waiting_quad_by_quad_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
-    """KIMI_DECODE_W13_QUAD_WAIT=1 compiles a w13 kernel of its own (one commit group per quad); unstaged it has no
-    copies to wait for and is the unstaged kernel itself."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
-
-    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
-    f13, f2 = compile_grouped(*args)
-    monkeypatch.setenv("KIMI_DECODE_W13_QUAD_WAIT", "1")
-    g13, g2 = compile_grouped(*args)
-    assert g13 is not f13 and g2 is f2
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", "0")
-    h13, _ = compile_grouped(*args)
-    monkeypatch.setenv("KIMI_DECODE_W13_QUAD_WAIT", "0")
-    assert compile_grouped(*args)[0] is h13
-
-
-@pytest.mark.parametrize("raw", ["2", "yes", ""])
-def test_w13_quad_wait_setting_refused_by_name(monkeypatch, raw):
-    from kimi_decode.kernels.moe_mxfp4_grouped import w13_quad_waits
-
-    monkeypatch.delenv("KIMI_DECODE_W13_QUAD_WAIT", raising=False)
-    assert not w13_quad_waits()
-    monkeypatch.setenv("KIMI_DECODE_W13_QUAD_WAIT", "1")
-    assert w13_quad_waits()
-    monkeypatch.setenv("KIMI_DECODE_W13_QUAD_WAIT", raw)
-    with pytest.raises(ValueError, match="KIMI_DECODE_W13_QUAD_WAIT"):
-        w13_quad_waits()
-
-
-@needs_cute
 @pytest.mark.parametrize("stage", ["1", "all"], ids=["staged", "all_staged"])
 @pytest.mark.parametrize("tp", [16, 8])
 def test_moe_mxfp4_grouped_with_bf16_pair_outputs_compiles_for_sm90a(sm90a, monkeypatch, tp, stage):

@@ -191,14 +191,6 @@ def test_specialized_layer_with_the_w2_pairs_loaded_at_each_segment_matches_refe
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [16, 64])
-def test_specialized_layer_with_w13_waiting_quad_by_quad_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_W13_QUAD_WAIT=1: the staged grouped w13 kernel waiting at each quad for that quad's copies only,
-    in a whole layer."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_QUAD_WAIT", "1", tp, batch, 3800)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch", [16, 64])
 def test_specialized_layer_with_the_routed_norm_split_over_ctas_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_ROUTED_NORM_SPLIT=1: the MoE tail's norm of the grouped experts' pairs on several CTAs per token,
     on the tensor-core tail (batch 16) and with the residual update inside (batch 64)."""
@@ -680,18 +672,6 @@ def test_moe_mxfp4_grouped_staging_settings_match_float64(monkeypatch, tp, pad, 
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, True)
-
-
-@pytest.mark.parametrize("tp, pad", [(16, True), (8, True), (16, False)])
-def test_moe_mxfp4_grouped_w13_waiting_quad_by_quad_matches_float64(monkeypatch, tp, pad):
-    """KIMI_DECODE_W13_QUAD_WAIT=1: the staged w13 kernel's copies committed one quad at a time (the scale words with
-    the first) and each quad of the mma loop waiting for its own only; segments of one tile and of several (every
-    token on the same experts, the last tile partial at batch 33: the later tiles find every copy done), on both
-    layouts, bf16 latent and fp16 operands."""
-    monkeypatch.setenv("KIMI_DECODE_W13_QUAD_WAIT", "1")
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, False)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, True, "operands")
 
 
 @pytest.mark.parametrize("stage", ["1", "0", "all"])

@@ -91,14 +91,6 @@ def grouped_staged(kernel: str, used: int = 0) -> bool:
 W2_AHEAD = ("0", "1")
 
 
-def w13_quad_waits() -> bool:
-    """KIMI_DECODE_W13_QUAD_WAIT: whether the staged grouped w13 kernel commits its copies one quad of MX groups at a
-    time and waits, at each quad of its mma loop, only for that quad's ("1"), so that the mma work on the first
-    quads runs while the later ones arrive; "0" (the default until measured) waits for the whole tile before its
-    first mma (benchmarks/NOTES.md, item 48)."""
-    return env_choice("KIMI_DECODE_W13_QUAD_WAIT", "0", ("0", "1")) == "1"
-
-
 def w2_ahead() -> bool:
     """KIMI_DECODE_W2_AHEAD: whether the grouped w2 kernel takes its segments' table from lanes and loads each
     segment's first pairs during the segment before (`MoEW2Grouped`, "1", the default: measured 2.4-9.2 us faster per
@@ -188,7 +180,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0,
-                     stage: bool = False, x_operands: bool = False, quad_waits: bool = False):
+                     stage: bool = False, x_operands: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
             weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `stage`
             (`grouped_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
@@ -197,16 +189,13 @@ if HAVE_CUTE:
             once without holding registers; the mma loop, one quad per iteration (not unrolled, so that the
             compiler does not hold every quad's words at once), reads them back. `x_operands`: the activations come
             as fp16 mma operands (`latent_operands`), used as loaded, instead of bf16 that every CTA converts (12
-            integer and conversion instructions per group and lane, repeated by each row block). `quad_waits`
-            (`w13_quad_waits`, staged only): a lane's copies are committed one quad at a time, the scale words with
-            the first, and the mma loop waits at each quad for that quad's copies only."""
+            integer and conversion instructions per group and lane, repeated by each row block)."""
             self.I, self.used, self.topk = inter, used, topk
             self.x_operands = x_operands
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
             self.tiles = _tiles(used // ROWS13, tiles)
             self.stage = stage
-            self.quad_waits = stage and quad_waits
             self.slots = self.per_warp * self.tiles * 2  # a lane's staged slices: (quad, tile, w1 / w3)
             self.red_shape = (2 * ROWS13, COLS, self.warps, self.tiles)  # the warps' partial sums, fp32
 
@@ -316,17 +305,6 @@ if HAVE_CUTE:
                     for h in range(2):
                         copy_async_16(gW[(None, (e, j0 + r * ROWS13 + h * self.I, G0 + t))],
                                       wbuf[(None, lane, self._slot(it, r, h), warp)])
-                if self.quad_waits and it == 0:  # the scale words in the first quad's group
-                    self.stage_scales(w_scale, sbuf, e, j0, warp, g, t)
-                if self.quad_waits:
-                    cute.arch.cp_async_commit_group()
-            if not self.quad_waits:
-                self.stage_scales(w_scale, sbuf, e, j0, warp, g, t)
-                cute.arch.cp_async_commit_group()
-
-        def stage_scales(self, w_scale: cute.Tensor, sbuf: cute.Tensor, e, j0, warp, g, t):
-            """Every 4th scale word of this lane's row from slot t on, copied into `sbuf` [row, slot, warp] (inlined
-            where it is called)."""
             one = (1, 1, 1)
             gS, sS = cute.zipped_divide(w_scale, one), cute.zipped_divide(sbuf, one)
             for q in range(self.slots // 4):  # slots is a multiple of 4: per_warp quads x tiles x 2
@@ -336,6 +314,7 @@ if HAVE_CUTE:
                 h = slot % 2
                 copy_async_words(gS[(None, (e, j0 + r * ROWS13 + h * self.I, warp * self.per_warp + it))],
                                  sS[(None, (g, slot, warp))])
+            cute.arch.cp_async_commit_group()
 
         @cute.jit
         def staged_sums(self, gX: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, b, warp, lane, g, t):
@@ -349,12 +328,7 @@ if HAVE_CUTE:
                 bs = []
                 for i in cutlass.range_constexpr(QUAD):
                     bs.append(self.operands(gX, b, G0 + i, t))
-                if cutlass.const_expr(self.quad_waits):
-                    for n in cutlass.range_constexpr(self.per_warp):  # quad it's group: per_warp - 1 - it newer
-                        if it == n:
-                            cute.arch.cp_async_wait_group(self.per_warp - 1 - n)
-                else:
-                    cute.arch.cp_async_wait_group(0)  # nothing left after the first quad: no wait
+                cute.arch.cp_async_wait_group(0)  # nothing left after the first quad: no wait
                 cute.arch.sync_warp()
                 for r in cutlass.range_constexpr(self.tiles):
                     slot = self._slot(it, r, 0)
@@ -645,9 +619,8 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    waits13 = stage13 and w13_quad_waits()
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, waits13, *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, waits13),
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands),
                          *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
