@@ -353,7 +353,10 @@ def test_grouped_from_outside_two_to_65_is_refused_by_name(monkeypatch, raw):
     from kimi_decode.backends.latency_specialized import grouped_from
 
     monkeypatch.delenv("KIMI_DECODE_GROUPED_FROM", raising=False)
-    assert grouped_from() == 9
+    # by default per shard: grouped from batch 8 on slices of 384 stored rows or more (TP8), else from 9 (TP16: 256)
+    assert (grouped_from(), grouped_from(256), grouped_from(384), grouped_from(768)) == (9, 9, 8, 8)
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_FROM", "17")
+    assert grouped_from(256) == grouped_from(384) == 17
     monkeypatch.setenv("KIMI_DECODE_GROUPED_FROM", raw)
     with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_FROM must be a batch in 2..65"):
         grouped_from()
@@ -1120,7 +1123,9 @@ def _moe_on_meta(tp: int, latent: int | None = None):
 @pytest.mark.parametrize("tp, batch, reduced, env, want", [
     # (attn, mlp, experts, attn_res, fused norm)
     (16, 1, False, None, (True, True, True, True, True)),
-    (8, 8, False, None, (True, True, True, True, True)),
+    (16, 8, False, None, (True, True, True, True, True)),  # per-pair experts: the norm in the w2 kernel
+    (8, 7, False, None, (True, True, True, True, True)),
+    (8, 8, False, None, (True, True, True, True, False)),  # TP8's slices run grouped from batch 8 (`grouped_from`)
     (16, 8, True, None, (True, True, True, True, False)),  # an all-reduce between the experts and the tail
     (16, 64, False, None, (True, True, True, True, False)),  # grouped experts: the RMSNorm before the tail
     (16, 64, False, "0", (True, True, True, False, False)),  # KIMI_DECODE_CUTE_ATTN_RES=0: Triton AttnRes

@@ -32,21 +32,21 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   kernel of its own there; `KIMI_DECODE_MOE_ENTRY=0`: the two side by side on two streams); above batch 1 the GEMV,
   then the generic path's top-k kernel;
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
-  unpadded rows; up to batch 8 per (token, expert) pair, the second one doing the weighted sum over experts in
-  registers and reading its weights in chunks of 2 or 4 MX groups (`KIMI_DECODE_W2_CHUNK=1`: a word per load), the
-  first one with each warp's activation operands made once in shared memory (`KIMI_DECODE_W13_X_ONCE=0`: by every
-  lane) (`kernels/moe_mxfp4.py`; with `KIMI_DECODE_EXPERTS_ONE_KERNEL=1` both as the two stages of one kernel
-  whose w2 CTAs load their weights and then wait for their token's activations, `MoEExperts`. Off by default: with
-  it and the shared experts' one kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since
-  CTAs that wait hold SM slots the kernels beside them need; benchmarks/NOTES.md, v12); above batch 8 the pairs are
-  counted into place by expert by a CuTe kernel that also writes the latent as the w13 kernel's fp16 operands
-  (`kernels/moe_align.py`; `KIMI_DECODE_GROUPED_ALIGN=0`: the generic path's Triton sort, the w13 kernel converting
-  the bf16 latent itself) and each selected
-  expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`; the w2 kernel's CTAs each
-  loop over a share of the segments, each segment's first pairs loaded during the one before, `KIMI_DECODE_W2_AHEAD`,
-  `KIMI_DECODE_GROUPED_SEG_CTAS`; both copy their weights into shared memory with `cp.async`, w13 its whole tile at
-  once, w2 the next segment's rows during the current one where they are whole quads of groups,
-  `KIMI_DECODE_GROUPED_STAGE`); all of them read copies of the expert codes in quad-major
+  unpadded rows; per (token, expert) pair below `grouped_from` (batch 9 at TP16, 8 at TP8 and wider slices), the
+  second one doing the weighted sum over experts in registers and reading its weights in chunks of 2 or 4 MX
+  groups (`KIMI_DECODE_W2_CHUNK=1`: a word per load), the first one with each warp's activation operands made
+  once in shared memory (`KIMI_DECODE_W13_X_ONCE=0`: by every lane) (`kernels/moe_mxfp4.py`; with
+  `KIMI_DECODE_EXPERTS_ONE_KERNEL=1` both as the two stages of one kernel whose w2 CTAs load their weights and
+  then wait for their token's activations, `MoEExperts`. Off by default: with it and the shared experts' one
+  kernel, a KDA layer at batch 1 is 8 kernels but 12 us slower on the H200, since CTAs that wait hold SM slots
+  the kernels beside them need; benchmarks/NOTES.md, v12); from there the pairs are counted into place by expert
+  by a CuTe kernel that also writes the latent as the w13 kernel's fp16 operands (`kernels/moe_align.py`;
+  `KIMI_DECODE_GROUPED_ALIGN=0`: the generic path's Triton sort, the w13 kernel converting the bf16 latent itself)
+  and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`; the
+  w2 kernel's CTAs each loop over a share of the segments, each segment's first pairs loaded during the one
+  before, `KIMI_DECODE_W2_AHEAD`, `KIMI_DECODE_GROUPED_SEG_CTAS`; both copy their weights into shared memory with
+  `cp.async`, w13 its whole tile at once, w2 the next segment's rows during the current one where they are whole
+  quads of groups, `KIMI_DECODE_GROUPED_STAGE`); all of them read copies of the expert codes in quad-major
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored);
@@ -110,11 +110,18 @@ log = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 8  # the per-(token, expert) expert kernels and the fused MoE-tail norm up to here; grouped above
 
 
-def grouped_from() -> int:
+GROUPED_AT_8_INTER = 384  # expert slices of at least this many stored rows run grouped from batch 8
+
+
+def grouped_from(inter: int = 0) -> int:
     """The batch from which the routed experts run grouped by expert (`moe_mxfp4_grouped`) instead of per (token,
-    expert) pair: KIMI_DECODE_GROUPED_FROM, 2..EXPERT_MAX_ROWS + 1 (default GEMV_MAX_ROWS + 1; EXPERT_MAX_ROWS + 1:
-    never), for A/B runs."""
-    return cute_common.env_int("KIMI_DECODE_GROUPED_FROM", GEMV_MAX_ROWS + 1, 2, EXPERT_MAX_ROWS + 1, "a batch")
+    expert) pair, for expert slices of `inter` stored rows: by default GEMV_MAX_ROWS where `inter` is at least
+    GROUPED_AT_8_INTER (TP8: 4.3 us faster per layer at batch 8 on the H200, but 5.8 slower at batch 4), else
+    GEMV_MAX_ROWS + 1 (TP16's 256 rows: 3.1 us slower grouped at batch 8; benchmarks/NOTES.md item 48).
+    KIMI_DECODE_GROUPED_FROM, 2..EXPERT_MAX_ROWS + 1 (EXPERT_MAX_ROWS + 1: never), sets it for every shard, for
+    A/B runs."""
+    default = GEMV_MAX_ROWS if inter >= GROUPED_AT_8_INTER else GEMV_MAX_ROWS + 1
+    return cute_common.env_int("KIMI_DECODE_GROUPED_FROM", default, 2, EXPERT_MAX_ROWS + 1, "a batch")
 
 
 GROUPED_ALIGN = ("1", "align", "0")
@@ -318,7 +325,7 @@ class LatencySpecializedBackend(AutoBackend):
                 self._experts_fast = self._mlp_fast = False
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between and the
         # per-pair expert kernels write its partial sums (below the grouped kernels' batches)
-        self._grouped_from = grouped_from()
+        self._grouped_from = grouped_from(lw.mlp.w13.shape[1] // 2 if isinstance(lw.mlp, MoEWeights) else 0)
         self._fused_norm = self._mlp_fast and not reduced and batch < self._grouped_from and self._cute_rows(batch)
         # above it the tail takes the grouped kernels' per-pair outputs and sums them in its norm kernel
         self._pairs_to_tail = (self._mlp_fast and self._experts_fast and not reduced and batch >= self._grouped_from

@@ -1,4 +1,5 @@
-"""Routed experts at batches 9..64, grouped by expert: each selected expert's MXFP4 rows are read once per step.
+"""Routed experts at batches 9..64 (8..64 where the backend's `grouped_from` says so: TP8), grouped by expert: each
+selected expert's MXFP4 rows are read once per step.
 
 At batch 64 the 1,024 (token, expert) pairs select about 610 distinct experts of 896, so the per-pair kernels of
 `moe_mxfp4.py` read most experts more than once (1.7 times on average). Here the pairs are first sorted by expert
