@@ -107,7 +107,7 @@ from .auto import BF16, AutoBackend
 
 log = logging.getLogger(__name__)
 
-GEMV_MAX_ROWS = 8  # the per-(token, expert) expert kernels and the fused MoE-tail norm at most up to here (`grouped_from`)
+GEMV_MAX_ROWS = 8  # the per-(token, expert) expert kernels and the fused MoE-tail norm at most up to here
 
 
 GROUPED_AT_8_INTER = 384  # expert slices of at least this many stored rows run grouped from batch 8
