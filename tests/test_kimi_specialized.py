@@ -1806,6 +1806,63 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, re
                                delta_mode=1, eps=1e-5, ctas=132)
 
 
+@needs_cute
+@pytest.mark.parametrize("rows", [2, 8, 64])
+def test_route_topk_compiles_for_sm90a(sm90a, rows):
+    from kimi_decode.kernels.router_topk import compile_route_topk
+
+    _, _, logits, bias, ids, weights, _ = _router_args(rows)
+    assert compile_route_topk(logits, bias, ids, weights, 2.5) is not None
+    _, _, logits, bias, ids, weights, _ = _router_args(rows, E=200, K=512, k=8)  # E not a multiple of 128
+    assert compile_route_topk(logits, bias, ids, weights, 1.0) is not None
+
+
+@needs_cute
+def test_route_topk_refuses_what_it_cannot_route():
+    from kimi_decode.kernels.router_topk import compile_route_topk
+
+    _, _, logits, bias, ids, weights, _ = _router_args(8)
+    with pytest.raises(ValueError, match="top-k of 1..32"):
+        compile_route_topk(logits, bias, torch.empty(8, 33, dtype=torch.int32), torch.empty(8, 33), 1.0)
+    with pytest.raises(ValueError, match="logits must be"):
+        compile_route_topk(logits.bfloat16(), bias, ids, weights, 1.0)
+    with pytest.raises(ValueError, match="ids must be"):
+        compile_route_topk(logits, bias, ids[:4], weights, 1.0)
+    with pytest.raises(ValueError, match="rows"):
+        compile_route_topk(logits[0], bias, ids, weights, 1.0)
+
+
+@pytest.mark.parametrize("rows, env, want", [
+    (1, {}, "fused"), (2, {}, "route"), (8, {}, "route"), (64, {}, "route"),
+    (8, {"KIMI_DECODE_CUTE_TOPK": "0"}, "triton"), (1, {"KIMI_DECODE_FUSED_ROUTER": "0"}, "route"),
+    (1, {"KIMI_DECODE_FUSED_ROUTER": "0", "KIMI_DECODE_CUTE_TOPK": "0"}, "triton"),
+])
+def test_router_kernel_by_rows(monkeypatch, rows, env, want):
+    """One row: the router projection with the top-k in its last CTA; above, the projection, then `route_topk` on its
+    logits (one CTA per row), or the generic path's Triton top-k with KIMI_DECODE_CUTE_TOPK=0."""
+    from types import SimpleNamespace
+
+    from kimi_decode.kernels import router_topk
+
+    backend, calls = _dispatch_spy(monkeypatch, env)
+    monkeypatch.setattr(router_topk, "router_topk", lambda *a, **kw: calls.append("fused"))
+    monkeypatch.setattr(router_topk, "route_topk", lambda logits, *a, **kw: calls.append("route"))
+    if want == "triton":
+        pytest.importorskip("triton")
+        from kimi_decode.kernels import triton_kernels
+
+        monkeypatch.setattr(triton_kernels, "route_topk", lambda logits, *a, **kw: calls.append("triton"))
+    monkeypatch.setattr(backend, "_use_triton", lambda t: True)
+    backend._mlp_fast, backend._moe_entry = True, False
+    E, H = 32, 64
+    bf, meta = torch.bfloat16, "meta"  # no memory (and cuBLAS's fp32-out product above 16 rows exists there)
+    w = SimpleNamespace(router=torch.empty(E, H, dtype=bf, device=meta), router_bias=torch.empty(E, device=meta))
+    sh = SimpleNamespace(model=SimpleNamespace(top_k=4, routed_scaling=1.0))
+    ids, weights = backend.router(torch.empty(rows, H, dtype=bf, device=meta), w, sh, layer=1)
+    assert calls[-1] == want and ids.shape == weights.shape == (rows, 4)
+    assert backend.last_routes[1] is ids
+
+
 def _dispatch_spy(monkeypatch, env):
     """A latency_specialized backend whose projection kernels only record which one was called."""
     from kimi_decode.kernels import gemm_tc, gemm_tc_rows, gemv, rmsnorm

@@ -1094,6 +1094,48 @@ def test_router_topk_matches_float64(rows, E, K, k):
                 check()
 
 
+@pytest.mark.parametrize("rows", [2, 8, 64])
+@pytest.mark.parametrize("E, k", [(896, 16), (200, 8)])
+def test_route_topk_matches_float64(rows, E, k):
+    """The routing kernel (one CTA per row) against float64 on fp32 logits: the chosen experts (up to near-ties) in
+    descending order of their selection score and the renormalised weights, for every row; eagerly and replayed in a
+    CUDA graph, outputs poisoned before each run."""
+    from kimi_decode.kernels.router_topk import route_topk
+    from kimi_decode.testing import check_routing
+
+    g = torch.Generator(device="cuda").manual_seed(rows * 1000 + E)
+    for trial in range(2):
+        logits = torch.randn(rows, E, device="cuda", generator=g) * 2.0
+        bias = torch.randn(E, device="cuda", generator=g) * 0.1
+        ids = torch.full((rows, k), -1, dtype=torch.int32, device="cuda")
+        weights = torch.full((rows, k), float("nan"), device="cuda")
+        scores = torch.sigmoid(logits.double())
+        selection = scores + bias.double()
+
+        def check():
+            check_routing(selection, ids.long())
+            assert all(len(set(row)) == k for row in ids.tolist()), "an expert chosen twice in a row"
+            chosen = selection.gather(-1, ids.long())
+            assert (chosen[:, :-1] >= chosen[:, 1:] - 1e-6).all(), "not in descending order"
+            s = scores.gather(-1, ids.long())
+            assert rel_err(weights, s / s.sum(-1, keepdim=True) * 2.5) < 1e-5
+
+        if trial == 0:
+            route_topk(logits, bias, ids, weights, scaling=2.5)
+            torch.cuda.synchronize()
+            check()
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                route_topk(logits, bias, ids, weights, scaling=2.5)
+            for _ in range(2):
+                weights.fill_(float("nan"))
+                ids.fill_(-1)
+                graph.replay()
+                torch.cuda.synchronize()
+                check()
+
+
 def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_FUSED_ROUTER", "0")
     s = shard("k3", tp=16)

@@ -29,8 +29,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   (`kernels/router_topk.py`; `KIMI_DECODE_FUSED_ROUTER=0`: two kernels), and that inside one kernel with the latent
   down-projection (`kernels/moe_entry.py`: the router's CTAs first in the grid, then the down-projection's; the
   kernel launches under the `routed_experts` stage, where the down-projection belongs, so the `router` stage has no
-  kernel of its own there; `KIMI_DECODE_MOE_ENTRY=0`: the two side by side on two streams); above batch 1 the GEMV,
-  then the generic path's top-k kernel;
+  kernel of its own there; `KIMI_DECODE_MOE_ENTRY=0`: the two side by side on two streams); above batch 1 the
+  router projection, then the same routing in a kernel of one CTA per row (`router_topk.route_topk`: at batch 8 on
+  the H200 ~2 us where the generic path's Triton top-k took 10-11 us and held the expert kernels back;
+  `KIMI_DECODE_CUTE_TOPK=0`: the Triton kernel, for A/B);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; per (token, expert) pair below `grouped_from` (batch 9 at TP16, 8 at TP8 and wider slices), the
   second one doing the weighted sum over experts in registers and reading its weights in chunks of 2 or 4 MX
@@ -238,6 +240,8 @@ class LatencySpecializedBackend(AutoBackend):
         self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "1", ("0", "1")) == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
+        # 0: the generic path's Triton top-k above batch 1 instead of `route_topk` (A/B)
+        self._cute_topk = cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", ("0", "1")) == "1"
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
         self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
         self._moe_entry = False  # this layer's router runs inside the latent down-projection's kernel
@@ -570,16 +574,20 @@ class LatencySpecializedBackend(AutoBackend):
 
     # ---- MoE ---------------------------------------------------------------------------------------------------------
     def router(self, x: torch.Tensor, w: MoEWeights, shard: ShardConfig, layer: int):
-        if not (self._mlp_fast and self._fused_router and x.shape[0] <= ROUTER_FUSED_MAX_ROWS):
+        fused = self._fused_router and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
+        if not (self._mlp_fast and (fused or self._cute_topk)):
             return super().router(x, w, shard, layer)
-        from ..kernels.router_topk import router_topk
+        from ..kernels.router_topk import route_topk, router_topk
 
         m = shard.model
         B = x.shape[0]
         ids = self._empty(B, m.top_k, dtype=torch.int32, device=x.device)
         weights = self._empty(B, m.top_k, dtype=torch.float32, device=x.device)
-        logits = self._empty(B, w.router.shape[0], dtype=torch.float32, device=x.device)
         self.last_routes[layer] = ids
+        if not fused:  # the router projection, then one CTA per row routes it
+            route_topk(self.router_logits(x, w), w.router_bias, ids, weights, scaling=m.routed_scaling)
+            return ids, weights
+        logits = self._empty(B, w.router.shape[0], dtype=torch.float32, device=x.device)
         if self._moe_entry:  # deferred: routed_experts launches it with the latent down-projection
             self._pending_route = (x, logits, ids, weights)
             return ids, weights

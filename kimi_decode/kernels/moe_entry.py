@@ -79,9 +79,7 @@ if HAVE_CUTE:
             bidx, _, _ = cute.arch.block_idx()
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
-            cand_v = smem.allocate_tensor(Float32, cute.make_layout(self.router.cands), 16)
-            cand_i = smem.allocate_tensor(Int32, cute.make_layout(self.router.cands), 16)
-            chosen = smem.allocate_tensor(Int32, cute.make_layout(self.router.topk), 16)
+            cand_v, cand_i, chosen = self.router.allocate_routing(smem)
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
             # one preload buffer for the three parts: the most slices any takes, room for the gate/up row pairs
             pre = self.glu.allocate_preload(smem, max(p.preloaded() for p in (self.router, self.down, self.glu)))

@@ -14,8 +14,10 @@ resets itself, so the kernel replays in a CUDA graph as it is) then routes each 
   4. one warp reads the selected experts' logits again, and writes the ids and the weights sigmoid / sum x scaling.
 The rounds and the comparisons are loops, not unrolled: this code runs once per launch, so its instructions are
 fetched cold; with them unrolled (2,280 instructions) the layer was 1.5 us slower than with two kernels on the H200.
-Rows are routed one after another (about 2 us each on the H200's clocks, so the backend uses this kernel at batch 1
-and the GEMV + Triton top-k pair above it).
+Rows are routed one after another (about 2 us each on the H200's clocks), so the backend uses this kernel at batch 1
+only. Above it the router projection writes the logits and `route_topk` routes them: the same steps 1-4 in a kernel
+of one CTA per row, every row at once (the generic Triton top-k, one program per row and two block reductions per
+round, took 10-11 us at batch 8 on the H200, where the expert kernels wait for the ids: benchmarks/NOTES.md, v31).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from .gemv import MAX_ROWS, VEC, WARPS
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
-    from .cute_common import last_cta, sigmoid
+    from .cute_common import last_cta, pdl_launch_dependents, pdl_wait, sigmoid
     from .gemv import SmallBatchGemv
 
 THREADS = 32 * WARPS
@@ -38,40 +40,21 @@ if HAVE_CUTE:
     def _sel(cond, a, b):
         return cutlass.select_(cond, a, b)
 
-    class RouterTopK(SmallBatchGemv):
-        def __init__(self, M: int, E: int, K: int, topk: int, scaling: float, preload: int = 0):
-            super().__init__(M, E, K, accumulate=False, addend=False, preload=preload)
+    class Routing:
+        """The routing of one row from its fp32 logits by a CTA of THREADS threads (steps 1-4 above)."""
+
+        def routing_shape(self, E: int, topk: int, scaling: float) -> None:
             self.E, self.topk, self.scaling = E, topk, float(scaling)
             self.per = -(-E // THREADS)  # scores per thread
             self.exact = self.per * THREADS == E
             self.cands = WARPS * topk
 
-        @cute.jit
-        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
-                     mWts: cute.Tensor, mCnt: cute.Tensor, stream):
-            gW = cute.zipped_divide(mW, (1, VEC))
-            gX = cute.zipped_divide(mX, (1, VEC))
-            N = mL.shape[1]
-            self.kernel(gW, gX, mL, mBias, mIds, mWts, mCnt, N).launch(
-                grid=[cute.ceil_div(N, self.rows), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl_launch)
-
-        @cute.kernel
-        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
-                   mWts: cute.Tensor, mCnt: cute.Tensor, N: Int32):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            nblk, _, _ = cute.arch.grid_dim()
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
+        def allocate_routing(self, smem):
+            """The shared memory `route` needs: the warps' candidates (values, ids) and the chosen ids."""
             cand_v = smem.allocate_tensor(Float32, cute.make_layout(self.cands), 16)
             cand_i = smem.allocate_tensor(Int32, cute.make_layout(self.cands), 16)
             chosen = smem.allocate_tensor(Int32, cute.make_layout(self.topk), 16)
-            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-            pre = self.allocate_preload(smem)
-            self.project(gW, gX, mL, mL, mL, N, red, tidx, bidx, pre)
-            if last_cta(mCnt, flag, tidx, nblk) != 0:
-                for m in cutlass.range(self.M):
-                    self.route(mL, mBias, mIds, mWts, cand_v, cand_i, chosen, m, tidx)
+            return cand_v, cand_i, chosen
 
         @cute.jit
         def route(self, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
@@ -132,6 +115,58 @@ if HAVE_CUTE:
             cute.arch.barrier()  # the next row reuses the candidates' shared memory
 
 
+    class RouterTopK(SmallBatchGemv, Routing):
+        def __init__(self, M: int, E: int, K: int, topk: int, scaling: float, preload: int = 0):
+            super().__init__(M, E, K, accumulate=False, addend=False, preload=preload)
+            self.routing_shape(E, topk, scaling)
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
+                     mWts: cute.Tensor, mCnt: cute.Tensor, stream):
+            gW = cute.zipped_divide(mW, (1, VEC))
+            gX = cute.zipped_divide(mX, (1, VEC))
+            N = mL.shape[1]
+            self.kernel(gW, gX, mL, mBias, mIds, mWts, mCnt, N).launch(
+                grid=[cute.ceil_div(N, self.rows), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl_launch)
+
+        @cute.kernel
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
+                   mWts: cute.Tensor, mCnt: cute.Tensor, N: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            nblk, _, _ = cute.arch.grid_dim()
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * self.M)), 16)
+            cand_v, cand_i, chosen = self.allocate_routing(smem)
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            pre = self.allocate_preload(smem)
+            self.project(gW, gX, mL, mL, mL, N, red, tidx, bidx, pre)
+            if last_cta(mCnt, flag, tidx, nblk) != 0:
+                for m in cutlass.range(self.M):
+                    self.route(mL, mBias, mIds, mWts, cand_v, cand_i, chosen, m, tidx)
+
+    class RouteTopK(Routing):
+        """The routing alone, from logits another kernel wrote: one CTA per row, so every row is routed at once."""
+
+        def __init__(self, E: int, topk: int, scaling: float):
+            self.routing_shape(E, topk, scaling)
+
+        @cute.jit
+        def __call__(self, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, stream):
+            self.kernel(mL, mBias, mIds, mWts).launch(grid=[mL.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream,
+                                                      use_pdl=self.pdl_launch)
+
+        @cute.kernel
+        def kernel(self, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            pdl_launch_dependents(self.pdl)
+            smem = cutlass.utils.SmemAllocator()
+            cand_v, cand_i, chosen = self.allocate_routing(smem)
+            pdl_wait(self.pdl)
+            self.route(mL, mBias, mIds, mWts, cand_v, cand_i, chosen, bidx, tidx)
+
+
 def _check(w, x, logits, bias, ids, weights, counter) -> None:
     M, K = x.shape
     E = w.shape[0]
@@ -166,4 +201,34 @@ def router_topk(w: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, bias: to
     x @ w.T. `counter` is one int32 that must be 0 (it is left at 0) and that no other kernel uses at the same time."""
     fn = compile_router_topk(w, x, logits, bias, ids, weights, counter, scaling)
     launch(fn, w, x, logits, bias, ids, weights, counter, align=lambda t: 4 if t is counter else 16)
+    return ids, weights
+
+
+def _check_routing(logits, bias, ids, weights) -> None:
+    M, E = logits.shape if logits.dim() == 2 else (0, 0)
+    if not 1 <= M <= 65535:
+        raise ValueError(f"route_topk: logits [M, E] with 1..65535 rows, got shape {tuple(logits.shape)}")
+    k = ids.shape[1] if ids.dim() == 2 else 0
+    if not 1 <= k <= 32 or WARPS * k > THREADS or k > E:
+        raise ValueError(f"route_topk: top-k of 1..32 (at most the {E} experts), got {k}")
+    for name, t, dtype, shape in (("logits", logits, torch.float32, (M, E)), ("bias", bias, torch.float32, (E,)),
+                                  ("ids", ids, torch.int32, (M, k)), ("weights", weights, torch.float32, (M, k))):
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"route_topk: {name} must be a contiguous {dtype} tensor of shape {shape}")
+
+
+def compile_route_topk(logits, bias, ids, weights, scaling: float):
+    _check_routing(logits, bias, ids, weights)
+    args = (logits, bias, ids, weights)
+    key = ("route_topk", float(scaling), *signature(*args))
+    op = RouteTopK(logits.shape[1], ids.shape[1], scaling)
+    return compile_kernel(key, op, *(fake_like(t, align=4) for t in args))
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
+               scaling: float):
+    """`router_topk`'s routing alone, from fp32 `logits` [M, E] another kernel wrote: ids [M, k] int32 and weights
+    [M, k] fp32, in place, one CTA per row (any number of rows routed in the time of one)."""
+    fn = compile_route_topk(logits, bias, ids, weights, scaling)
+    launch(fn, logits, bias, ids, weights, align=4)
     return ids, weights
