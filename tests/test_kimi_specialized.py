@@ -1605,8 +1605,11 @@ def _router_args(rows, E=896, K=7168, k=16):
 
 
 @needs_cute
-def test_moe_entry_compiles_for_sm90a(sm90a_pdl):
+@pytest.mark.parametrize("form", ["shuffle", "redux"])
+def test_moe_entry_compiles_for_sm90a(sm90a_pdl, monkeypatch, form):
     from kimi_decode.kernels.moe_entry import compile_moe_entry
+
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)  # how the router's last CTA finds each warp's top k
 
     for E, K, k, L in ((896, 7168, 16, 3584), (200, 512, 8, 384)):
         bf = torch.bfloat16
@@ -1753,9 +1756,13 @@ def test_f_b_column_copy_is_made_once_outside_captures_and_dropped_with_its_weig
 
 
 @needs_cute
+@pytest.mark.parametrize("form", ["shuffle", "redux"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_router_topk_compiles_for_sm90a(sm90a, rows):
-    from kimi_decode.kernels.router_topk import compile_router_topk
+def test_router_topk_compiles_for_sm90a(sm90a, monkeypatch, form, rows):
+    from kimi_decode.kernels.router_topk import compile_router_topk, topk_form
+
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)
+    assert topk_form() == form
 
     assert compile_router_topk(*_router_args(rows), 2.5) is not None
     # an expert count that is not a multiple of the 128 threads (some threads hold fewer scores)
@@ -1807,9 +1814,12 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, re
 
 
 @needs_cute
+@pytest.mark.parametrize("form", ["shuffle", "redux"])
 @pytest.mark.parametrize("rows", [2, 8, 64])
-def test_route_topk_compiles_for_sm90a(sm90a, rows):
+def test_route_topk_compiles_for_sm90a(sm90a, monkeypatch, form, rows):
     from kimi_decode.kernels.router_topk import compile_route_topk
+
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)
 
     _, _, logits, bias, ids, weights, _ = _router_args(rows)
     assert compile_route_topk(logits, bias, ids, weights, 2.5) is not None
@@ -1818,8 +1828,13 @@ def test_route_topk_compiles_for_sm90a(sm90a, rows):
 
 
 @needs_cute
-def test_route_topk_refuses_what_it_cannot_route():
-    from kimi_decode.kernels.router_topk import compile_route_topk
+def test_route_topk_refuses_what_it_cannot_route(monkeypatch):
+    from kimi_decode.kernels.router_topk import compile_route_topk, topk_form
+
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", "sorted")
+    with pytest.raises(ValueError, match="KIMI_DECODE_TOPK_FORM"):
+        topk_form()
+    monkeypatch.delenv("KIMI_DECODE_TOPK_FORM")
 
     _, _, logits, bias, ids, weights, _ = _router_args(8)
     with pytest.raises(ValueError, match="top-k of 1..32"):

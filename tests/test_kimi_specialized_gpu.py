@@ -1042,15 +1042,17 @@ def test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, earl
             assert torch.equal(store[:, [0, nb + 1]], edges)
 
 
+@pytest.mark.parametrize("form", ["shuffle", "redux"])
 @pytest.mark.parametrize("rows", [1, 2, 8])
 @pytest.mark.parametrize("E, K, k", [(896, 7168, 16), (200, 512, 8)])
-def test_router_topk_matches_float64(rows, E, K, k):
+def test_router_topk_matches_float64(monkeypatch, form, rows, E, K, k):
     """The one-kernel router against float64: the chosen experts (up to near-ties), in descending order of their
     selection score, and the renormalised weights; twice eagerly and twice replayed in a CUDA graph (the completion
     counter resets itself), outputs poisoned before each run."""
     from kimi_decode.kernels.router_topk import router_topk
     from kimi_decode.testing import check_routing
 
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)
     g = torch.Generator(device="cuda").manual_seed(rows * 100 + E)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     for trial in range(2):
@@ -1094,14 +1096,17 @@ def test_router_topk_matches_float64(rows, E, K, k):
                 check()
 
 
+@pytest.mark.parametrize("form", ["shuffle", "redux"])
 @pytest.mark.parametrize("rows", [2, 8, 64])
 @pytest.mark.parametrize("E, k", [(896, 16), (200, 8)])
-def test_route_topk_matches_float64(rows, E, k):
-    """The routing kernel (one CTA per row) against float64 on fp32 logits: the chosen experts (up to near-ties) in
-    descending order of their selection score and the renormalised weights, for every row; eagerly and replayed in a
-    CUDA graph, outputs poisoned before each run."""
+def test_route_topk_matches_float64(monkeypatch, form, rows, E, k):
+    """The routing kernel (one CTA per row) against float64 on fp32 logits, with each form of the warps' rounds
+    (KIMI_DECODE_TOPK_FORM): the chosen experts (up to near-ties) in descending order of their selection score and
+    the renormalised weights, for every row; eagerly and replayed in a CUDA graph, outputs poisoned before each run."""
     from kimi_decode.kernels.router_topk import route_topk
     from kimi_decode.testing import check_routing
+
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)
 
     g = torch.Generator(device="cuda").manual_seed(rows * 1000 + E)
     for trial in range(2):
@@ -1136,6 +1141,27 @@ def test_route_topk_matches_float64(rows, E, k):
                 check()
 
 
+@pytest.mark.parametrize("form", ["shuffle", "redux"])
+def test_route_topk_breaks_ties_by_the_smaller_expert_id(monkeypatch, form):
+    """Equal selection scores (a row of equal logits, no bias; negative ones; and a tie straddling the warps' lanes)
+    go to the smaller expert ids, listed in ascending id order."""
+    from kimi_decode.kernels.router_topk import route_topk
+
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)
+    E, k = 896, 16
+    logits = torch.zeros(3, E, device="cuda")
+    logits[1] = -4.0
+    logits[2] = torch.arange(E, device="cuda", dtype=torch.float32).remainder(7) * 0.5  # ties of 128 experts each
+    bias = torch.zeros(E, device="cuda")
+    ids = torch.full((3, k), -1, dtype=torch.int32, device="cuda")
+    weights = torch.full((3, k), float("nan"), device="cuda")
+    route_topk(logits, bias, ids, weights, scaling=1.0)
+    torch.cuda.synchronize()
+    assert ids[0].tolist() == list(range(k)) and ids[1].tolist() == list(range(k))
+    assert ids[2].tolist() == [e for e in range(E) if e % 7 == 6][:k]
+    assert torch.allclose(weights, torch.full_like(weights, 1.0 / k))
+
+
 def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_FUSED_ROUTER", "0")
     s = shard("k3", tp=16)
@@ -1146,8 +1172,8 @@ def test_specialized_layer_with_the_two_kernel_router_matches_reference(monkeypa
 @pytest.mark.parametrize("E, K, L, k, S, pf", [(896, 7168, 3584, 16, 0, None), (896, 7168, 3584, 16, 768, None),
                                                (896, 7168, 3584, 16, 768, (256, 192)), (200, 512, 384, 8, 64, None),
                                                (200, 512, 384, 8, 64, (64, 64))])
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pf, pdl):
+@pytest.mark.parametrize("pdl, form", [("0", "shuffle"), ("1", "shuffle"), ("1", "redux")])
+def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pf, pdl, form):
     """The router and the latent down-projection in one kernel against float64: the routes as the one-kernel
     router's test checks them, the latent within bf16 rounding, and with S the shared experts' gate/up activation;
     eagerly and replayed in a CUDA graph (the router's counter back at 0), outputs poisoned before each run. Under
@@ -1157,6 +1183,7 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pf, pdl):
     from kimi_decode.kernels.moe_entry import moe_entry
     from kimi_decode.testing import check_routing
 
+    monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)  # how the router's last CTA finds each warp's top k
     monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
     g = torch.Generator(device="cuda").manual_seed(E + K)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")

@@ -25,7 +25,8 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 from .gemv import VEC, WARPS, preload_setting
 from .prefetch import CHUNK
-from .router_topk import THREADS, _check as _check_router
+from .router_topk import THREADS, topk_form
+from .router_topk import _check as _check_router
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
@@ -195,7 +196,7 @@ def compile_moe_entry(w_router, x, logits, bias, ids, weights, counter, w_down, 
     S = glu[1].shape[1] if glu is not None else 0
     preload = preload_setting()
     layout = prefetch_layout(prefetch[0], prefetch[2]) if prefetch is not None else None
-    key = ("moe_entry", float(scaling), S, preload, layout, *signature(*args))
+    key = ("moe_entry", float(scaling), S, preload, layout, topk_form(), *signature(*args))
     op = MoEEntry(x.shape[0], w_router.shape[0], x.shape[1], ids.shape[1], scaling, w_down.shape[0], S, preload,
                   layout)
     align = _align(args)

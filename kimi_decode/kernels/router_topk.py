@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
 from .gemv import MAX_ROWS, VEC, WARPS
 
 if HAVE_CUTE:
@@ -34,11 +34,44 @@ if HAVE_CUTE:
 
 THREADS = 32 * WARPS
 NEG = -3.0e38  # below every score (sigmoid + bias of bounded logits)
+FORMS = ("shuffle", "redux")
+_NO_ID = 1 << 30  # above every expert id
+_GONE = -(1 << 31)  # below every ordered key: a key already taken
+
+
+def topk_form() -> str:
+    """KIMI_DECODE_TOPK_FORM: how each warp finds its top k, "shuffle" (butterflies of (score, expert) pairs) or
+    "redux" (two warp reductions per round)."""
+    return env_choice("KIMI_DECODE_TOPK_FORM", "shuffle", FORMS)
 
 
 if HAVE_CUTE:
+    from cutlass._mlir.dialects import llvm as _llvm
+
     def _sel(cond, a, b):
         return cutlass.select_(cond, a, b)
+
+    def _asm(result, text: str, constraints: str, *args, effects: bool = False):
+        return result(_llvm.inline_asm(result.mlir_type, [a.ir_value() for a in args], text, constraints,
+                                       has_side_effects=effects, is_align_stack=False,
+                                       asm_dialect=_llvm.AsmDialect.AD_ATT))
+
+    # fp32 bits <-> an int32 that orders as the float does (negative floats: all but the sign bit flipped); the map
+    # is its own inverse
+    _ORDER = "{\n .reg .b32 s, b;\n mov.b32 b, $1;\n shr.s32 s, b, 31;\n and.b32 s, s, 0x7FFFFFFF;\n xor.b32 $0, b, s;\n}"
+    _UNORDER = "{\n .reg .b32 s, b;\n shr.s32 s, $1, 31;\n and.b32 s, s, 0x7FFFFFFF;\n xor.b32 b, $1, s;\n mov.b32 $0, b;\n}"
+
+    def _ordered(x) -> Int32:
+        return _asm(Int32, _ORDER, "=r,f", Float32(x))
+
+    def _from_ordered(k) -> Float32:
+        return _asm(Float32, _UNORDER, "=f,r", Int32(k))
+
+    def _warp_max(v) -> Int32:
+        return _asm(Int32, "redux.sync.max.s32 $0, $1, 0xffffffff;", "=r,r", Int32(v), effects=True)
+
+    def _warp_min(v) -> Int32:
+        return _asm(Int32, "redux.sync.min.s32 $0, $1, 0xffffffff;", "=r,r", Int32(v), effects=True)
 
     class Routing:
         """The routing of one row from its fp32 logits by a CTA of THREADS threads (steps 1-4 above)."""
@@ -48,6 +81,7 @@ if HAVE_CUTE:
             self.per = -(-E // THREADS)  # scores per thread
             self.exact = self.per * THREADS == E
             self.cands = WARPS * topk
+            self.form = topk_form()
 
         def allocate_routing(self, smem):
             """The shared memory `route` needs: the warps' candidates (values, ids) and the chosen ids."""
@@ -67,29 +101,10 @@ if HAVE_CUTE:
                 key[i] = Float32(NEG)
                 if self.exact or e < self.E:
                     key[i] = sigmoid(mL[m, e]) + mBias[e]
-            my_v = Float32(NEG)
-            my_i = Int32(0)
-            for r in cutlass.range(self.topk, unroll=1):  # a loop: unrolled code is fetched cold per replay
-                bv = key[0]
-                bi = tidx
-                for i in cutlass.range_constexpr(1, self.per):
-                    take = key[i] > bv
-                    bv = Float32(_sel(take, key[i], bv))
-                    bi = Int32(_sel(take, tidx + THREADS * i, bi))
-                for s in cutlass.range_constexpr(5):
-                    off = 16 >> s
-                    ov = cute.arch.shuffle_sync_bfly(bv, offset=off)
-                    oi = cute.arch.shuffle_sync_bfly(bi, offset=off)
-                    take = (ov > bv) | ((ov == bv) & (oi < bi))
-                    bv = Float32(_sel(take, ov, bv))
-                    bi = Int32(_sel(take, oi, bi))
-                for i in cutlass.range_constexpr(self.per):
-                    key[i] = Float32(_sel(tidx + THREADS * i == bi, Float32(NEG), key[i]))
-                my_v = Float32(_sel(lane == r, bv, my_v))
-                my_i = Int32(_sel(lane == r, bi, my_i))
-            if lane < self.topk:
-                cand_v[warp * self.topk + lane] = my_v
-                cand_i[warp * self.topk + lane] = my_i
+            if cutlass.const_expr(self.form == "redux"):
+                self.rounds_redux(key, cand_v, cand_i, tidx, lane, warp)
+            else:
+                self.rounds_shuffle(key, cand_v, cand_i, tidx, lane, warp)
             cute.arch.barrier()
             if tidx < self.cands:
                 v = cand_v[tidx]
@@ -114,6 +129,69 @@ if HAVE_CUTE:
                     mWts[m, lane] = s / tot * Float32(self.scaling)
             cute.arch.barrier()  # the next row reuses the candidates' shared memory
 
+
+        @cute.jit
+        def rounds_shuffle(self, key: cute.Tensor, cand_v: cute.Tensor, cand_i: cute.Tensor, tidx: Int32, lane: Int32,
+                           warp: Int32):
+            """Step 2 as butterflies: each round every lane scans its keys for its best, 5 shuffle steps of (score,
+            expert) pairs give the warp's, and its owner drops it; lane r keeps round r's winner."""
+            my_v = Float32(NEG)
+            my_i = Int32(0)
+            for r in cutlass.range(self.topk, unroll=1):  # a loop: unrolled code is fetched cold per replay
+                bv = key[0]
+                bi = tidx
+                for i in cutlass.range_constexpr(1, self.per):
+                    take = key[i] > bv
+                    bv = Float32(_sel(take, key[i], bv))
+                    bi = Int32(_sel(take, tidx + THREADS * i, bi))
+                for s in cutlass.range_constexpr(5):
+                    off = 16 >> s
+                    ov = cute.arch.shuffle_sync_bfly(bv, offset=off)
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=off)
+                    take = (ov > bv) | ((ov == bv) & (oi < bi))
+                    bv = Float32(_sel(take, ov, bv))
+                    bi = Int32(_sel(take, oi, bi))
+                for i in cutlass.range_constexpr(self.per):
+                    key[i] = Float32(_sel(tidx + THREADS * i == bi, Float32(NEG), key[i]))
+                my_v = Float32(_sel(lane == r, bv, my_v))
+                my_i = Int32(_sel(lane == r, bi, my_i))
+            if lane < self.topk:
+                cand_v[warp * self.topk + lane] = my_v
+                cand_i[warp * self.topk + lane] = my_i
+
+        @cute.jit
+        def rounds_redux(self, key: cute.Tensor, cand_v: cute.Tensor, cand_i: cute.Tensor, tidx: Int32, lane: Int32,
+                         warp: Int32):
+            """Step 2 with warp reductions (`redux.sync`): the keys as integers that order as the floats do; each
+            round one reduction gives the warp's best key, a second the smallest expert id holding it, whose lane
+            writes the candidate and drops the key, then takes its next best. Two instructions where the butterfly
+            takes five dependent shuffle steps of pairs."""
+            ks = cute.make_rmem_tensor((self.per,), Int32)
+            for i in cutlass.range_constexpr(self.per):
+                ks[i] = _ordered(key[i])
+            best, best_id = self.lane_best(ks, tidx)
+            for r in cutlass.range(self.topk, unroll=1):  # a loop: unrolled code is fetched cold per replay
+                top = _warp_max(best)
+                wid = _warp_min(Int32(_sel(best == top, best_id, Int32(_NO_ID))))
+                win = (best == top) & (best_id == wid)
+                if win:
+                    cand_v[warp * self.topk + r] = _from_ordered(top)
+                    cand_i[warp * self.topk + r] = wid
+                for i in cutlass.range_constexpr(self.per):
+                    ks[i] = Int32(_sel(win & (tidx + THREADS * i == wid), Int32(_GONE), ks[i]))
+                best, best_id = self.lane_best(ks, tidx)
+
+        @cute.jit
+        def lane_best(self, ks: cute.Tensor, tidx: Int32):
+            """The lane's largest key and the expert holding it (the smallest such id)."""
+            best = ks[0]
+            for i in cutlass.range_constexpr(1, self.per):
+                best = cutlass.max(best, ks[i])
+            best_id = Int32(tidx + THREADS * (self.per - 1))
+            for j in cutlass.range_constexpr(self.per - 1):
+                i = self.per - 2 - j
+                best_id = Int32(_sel(ks[i] == best, tidx + THREADS * i, best_id))
+            return best, best_id
 
     class RouterTopK(SmallBatchGemv, Routing):
         def __init__(self, M: int, E: int, K: int, topk: int, scaling: float, preload: int = 0):
@@ -189,7 +267,7 @@ def _check(w, x, logits, bias, ids, weights, counter) -> None:
 def compile_router_topk(w, x, logits, bias, ids, weights, counter, scaling: float):
     _check(w, x, logits, bias, ids, weights, counter)
     args = (w, x, logits, bias, ids, weights, counter)
-    key = ("router_topk", float(scaling), *signature(*args))
+    key = ("router_topk", float(scaling), topk_form(), *signature(*args))
     op = RouterTopK(x.shape[0], w.shape[0], x.shape[1], ids.shape[1], scaling)
     return compile_kernel(key, op, *(fake_like(t, align=4 if t is counter else 16) for t in args))
 
@@ -220,7 +298,7 @@ def _check_routing(logits, bias, ids, weights) -> None:
 def compile_route_topk(logits, bias, ids, weights, scaling: float):
     _check_routing(logits, bias, ids, weights)
     args = (logits, bias, ids, weights)
-    key = ("route_topk", float(scaling), *signature(*args))
+    key = ("route_topk", float(scaling), topk_form(), *signature(*args))
     op = RouteTopK(logits.shape[1], ids.shape[1], scaling)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in args))
 
