@@ -1848,13 +1848,14 @@ def test_route_topk_refuses_what_it_cannot_route(monkeypatch):
 
 
 @pytest.mark.parametrize("rows, env, want", [
-    (1, {}, "fused"), (2, {}, "route"), (8, {}, "route"), (64, {}, "route"),
+    (1, {}, "fused"), (2, {}, "route"), (8, {}, "route"), (16, {}, "route"), (17, {}, "triton"), (64, {}, "triton"),
     (8, {"KIMI_DECODE_CUTE_TOPK": "0"}, "triton"), (1, {"KIMI_DECODE_FUSED_ROUTER": "0"}, "route"),
     (1, {"KIMI_DECODE_FUSED_ROUTER": "0", "KIMI_DECODE_CUTE_TOPK": "0"}, "triton"),
 ])
 def test_router_kernel_by_rows(monkeypatch, rows, env, want):
-    """One row: the router projection with the top-k in its last CTA; above, the projection, then `route_topk` on its
-    logits (one CTA per row), or the generic path's Triton top-k with KIMI_DECODE_CUTE_TOPK=0."""
+    """One row: the router projection with the top-k in its last CTA; from 2 to 16 rows the projection, then
+    `route_topk` on its logits (one CTA per row); above 16 rows, or with KIMI_DECODE_CUTE_TOPK=0, the generic path's
+    Triton top-k."""
     from types import SimpleNamespace
 
     from kimi_decode.kernels import router_topk

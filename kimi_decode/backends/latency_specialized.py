@@ -29,10 +29,11 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   (`kernels/router_topk.py`; `KIMI_DECODE_FUSED_ROUTER=0`: two kernels), and that inside one kernel with the latent
   down-projection (`kernels/moe_entry.py`: the router's CTAs first in the grid, then the down-projection's; the
   kernel launches under the `routed_experts` stage, where the down-projection belongs, so the `router` stage has no
-  kernel of its own there; `KIMI_DECODE_MOE_ENTRY=0`: the two side by side on two streams); above batch 1 the
-  router projection, then the same routing in a kernel of one CTA per row (`router_topk.route_topk`: at batch 8 on
-  the H200 ~2 us where the generic path's Triton top-k took 10-11 us and held the expert kernels back;
-  `KIMI_DECODE_CUTE_TOPK=0`: the Triton kernel, for A/B);
+  kernel of its own there; `KIMI_DECODE_MOE_ENTRY=0`: the two side by side on two streams); from 2 to 16 rows
+  (ROUTE_TOPK_MAX_ROWS) the router projection, then the same routing in a kernel of one CTA per row
+  (`router_topk.route_topk`; on the H200 1-2 us faster per layer than the generic path's Triton top-k, whose end the
+  expert kernels wait for; `KIMI_DECODE_CUTE_TOPK=0`: the Triton kernel, for A/B), above them the Triton kernel
+  (at 64 rows the CuTe one measured 6 us slower at TP16);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; per (token, expert) pair below `grouped_from` (batch 9 at TP16, 8 at TP8 and wider slices), the
   second one doing the weighted sum over experts in registers and reading its weights in chunks of 2 or 4 MX
@@ -190,8 +191,12 @@ PREFETCH_MB = 0
 # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
 # and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
 GLU_MAX_ROWS = 1
-# the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~2 us each): batch 1
+# the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~4 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
+# above it, the routing in a kernel of its own with one CTA per row (`route_topk`) up to here, the generic Triton
+# top-k above: at 64 rows the CuTe kernel made the TP16 layer 6 us slower in two runs (TP8 3 us faster; the
+# routing is off the critical path there), at 2-16 rows 1-2 us faster (benchmarks/NOTES.md item 49)
+ROUTE_TOPK_MAX_ROWS = 16
 # programmatic dependent launch (cute_common, KIMI_DECODE_PDL=auto) up to here: at batch 1 on the H200 the TP16
 # layer 94.0 -> 91.7 us, and the TP8 one on one stream in 8 kernels at 119.0 us (120.4 forked without it); at batch 8
 # it measured slower (TP8 274.1 against 238.4 us; NOTES, v14)
@@ -575,7 +580,7 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- MoE ---------------------------------------------------------------------------------------------------------
     def router(self, x: torch.Tensor, w: MoEWeights, shard: ShardConfig, layer: int):
         fused = self._fused_router and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
-        if not (self._mlp_fast and (fused or self._cute_topk)):
+        if not (self._mlp_fast and (fused or (self._cute_topk and x.shape[0] <= ROUTE_TOPK_MAX_ROWS))):
             return super().router(x, w, shard, layer)
         from ..kernels.router_topk import route_topk, router_topk
 

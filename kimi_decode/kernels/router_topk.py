@@ -14,10 +14,13 @@ resets itself, so the kernel replays in a CUDA graph as it is) then routes each 
   4. one warp reads the selected experts' logits again, and writes the ids and the weights sigmoid / sum x scaling.
 The rounds and the comparisons are loops, not unrolled: this code runs once per launch, so its instructions are
 fetched cold; with them unrolled (2,280 instructions) the layer was 1.5 us slower than with two kernels on the H200.
-Rows are routed one after another (about 2 us each on the H200's clocks), so the backend uses this kernel at batch 1
-only. Above it the router projection writes the logits and `route_topk` routes them: the same steps 1-4 in a kernel
-of one CTA per row, every row at once (the generic Triton top-k, one program per row and two block reductions per
-round, took 10-11 us at batch 8 on the H200, where the expert kernels wait for the ids: benchmarks/NOTES.md, v31).
+Step 2 has two forms (`KIMI_DECODE_TOPK_FORM`): "redux", the default, takes each round's winner with two warp
+reductions (`redux.sync`) over the keys as int32 that order as the floats do, the winning lane then taking its next
+best; "shuffle" finds it with 5 butterfly steps of (score, expert) pairs after a scan of each lane's keys.
+Rows are routed one after another (a row's routing takes ~4 us alone on the H200), so the backend uses this kernel at
+batch 1 only. From 2 to 16 rows the router projection writes the logits and `route_topk` routes them: the same steps
+in a kernel of one CTA per row, every row at once (5.1-5.4 us per launch alone, the generic Triton top-k 8.3-8.5;
+benchmarks/NOTES.md item 49).
 """
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ _GONE = -(1 << 31)  # below every ordered key: a key already taken
 
 
 def topk_form() -> str:
-    """KIMI_DECODE_TOPK_FORM: how each warp finds its top k, "shuffle" (butterflies of (score, expert) pairs) or
-    "redux" (two warp reductions per round)."""
-    return env_choice("KIMI_DECODE_TOPK_FORM", "shuffle", FORMS)
+    """KIMI_DECODE_TOPK_FORM: how each warp finds its top k, "redux" (the default: two warp reductions per round;
+    alone 5.1-5.4 us per launch on the H200 against 6.1-6.3, and 1-2 us faster per layer at batches 2-16,
+    benchmarks/NOTES.md item 49) or "shuffle" (butterflies of (score, expert) pairs, for A/B)."""
+    return env_choice("KIMI_DECODE_TOPK_FORM", "redux", FORMS)
 
 
 if HAVE_CUTE:
