@@ -1042,6 +1042,22 @@ def test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, earl
             assert torch.equal(store[:, [0, nb + 1]], edges)
 
 
+def _checked_runs(run, poison, check, *, graph: bool) -> None:
+    """Two runs of `run`, eagerly or (graph=True) as replays of one CUDA-graph capture of it (compiled first, outside
+    the capture), its outputs poisoned before each run and checked after it."""
+    if graph:
+        run()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            run()
+        run = captured.replay
+    for _ in range(2):
+        poison()
+        run()
+        torch.cuda.synchronize()
+        check()
+
+
 @pytest.mark.parametrize("form", ["shuffle", "redux"])
 @pytest.mark.parametrize("rows", [1, 2, 8])
 @pytest.mark.parametrize("E, K, k", [(896, 7168, 16), (200, 512, 8)])
@@ -1075,25 +1091,13 @@ def test_router_topk_matches_float64(monkeypatch, form, rows, E, K, k):
             assert rel_err(weights, s / s.sum(-1, keepdim=True) * 2.5) < 1e-4
             assert counter.item() == 0
 
-        if trial == 0:
-            for _ in range(2):
-                router_topk(w, x, logits, bias, ids, weights, counter, scaling=2.5)
-                check()
-                for t in (logits, weights):
-                    t.fill_(float("nan"))
-                ids.fill_(-1)
-        else:
-            router_topk(w, x, logits, bias, ids, weights, counter, scaling=2.5)  # compiled outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                router_topk(w, x, logits, bias, ids, weights, counter, scaling=2.5)
-            for _ in range(2):
-                for t in (logits, weights):
-                    t.fill_(float("nan"))
-                ids.fill_(-1)
-                graph.replay()
-                torch.cuda.synchronize()
-                check()
+        def poison():
+            for t in (logits, weights):
+                t.fill_(float("nan"))
+            ids.fill_(-1)
+
+        _checked_runs(lambda: router_topk(w, x, logits, bias, ids, weights, counter, scaling=2.5), poison, check,
+                      graph=trial == 1)
 
 
 @pytest.mark.parametrize("form", ["shuffle", "redux"])
@@ -1107,7 +1111,6 @@ def test_route_topk_matches_float64(monkeypatch, form, rows, E, k):
     from kimi_decode.testing import check_routing
 
     monkeypatch.setenv("KIMI_DECODE_TOPK_FORM", form)
-
     g = torch.Generator(device="cuda").manual_seed(rows * 1000 + E)
     for trial in range(2):
         logits = torch.randn(rows, E, device="cuda", generator=g) * 2.0
@@ -1125,20 +1128,11 @@ def test_route_topk_matches_float64(monkeypatch, form, rows, E, k):
             s = scores.gather(-1, ids.long())
             assert rel_err(weights, s / s.sum(-1, keepdim=True) * 2.5) < 1e-5
 
-        if trial == 0:
-            route_topk(logits, bias, ids, weights, scaling=2.5)
-            torch.cuda.synchronize()
-            check()
-        else:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                route_topk(logits, bias, ids, weights, scaling=2.5)
-            for _ in range(2):
-                weights.fill_(float("nan"))
-                ids.fill_(-1)
-                graph.replay()
-                torch.cuda.synchronize()
-                check()
+        def poison():
+            weights.fill_(float("nan"))
+            ids.fill_(-1)
+
+        _checked_runs(lambda: route_topk(logits, bias, ids, weights, scaling=2.5), poison, check, graph=trial == 1)
 
 
 @pytest.mark.parametrize("form", ["shuffle", "redux"])

@@ -133,7 +133,6 @@ if HAVE_CUTE:
                     mWts[m, lane] = s / tot * Float32(self.scaling)
             cute.arch.barrier()  # the next row reuses the candidates' shared memory
 
-
         @cute.jit
         def rounds_shuffle(self, key: cute.Tensor, cand_v: cute.Tensor, cand_i: cute.Tensor, tidx: Int32, lane: Int32,
                            warp: Int32):
