@@ -20,16 +20,28 @@ from analyzers.layers import kernel_layers, owned_ns  # noqa: E402
 from profiler.readers import read_trace  # noqa: E402
 
 
-def layer_table(path: str, layer: int) -> pd.DataFrame:
+def layer_kernels(path: str, layer: int) -> pd.DataFrame:
+    """The kernels of `layer` in the capture's steps, in launch order within each step (`pos`), with their own time
+    (`own_us`, the part of each kernel's interval no earlier kernel covers)."""
     kernels = kernel_layers(read_trace(path))
     kernels["own_us"] = owned_ns(kernels) / 1e3
     kernels = kernels[(kernels["layer"] == layer) & (kernels["step"] >= 0)].sort_values(["step", "start_ns"])
-    kernels["dur_us"] = (kernels["end_ns"] - kernels["start_ns"]) / 1e3
     kernels["pos"] = kernels.groupby("step").cumcount()
+    return kernels
+
+
+def short_names(names: pd.Series, width: int) -> pd.Series:
+    """Kernel names without our CuTe kernels' common prefix, cut to `width`."""
+    return names.str.replace("kernel_cutlass_kernel_kimi_decodekernels", "", regex=False).str[:width]
+
+
+def layer_table(path: str, layer: int) -> pd.DataFrame:
+    kernels = layer_kernels(path, layer)
+    kernels["dur_us"] = (kernels["end_ns"] - kernels["start_ns"]) / 1e3
     kernels["gap_us"] = (kernels["start_ns"] - kernels.groupby("step")["end_ns"].shift()).fillna(0) / 1e3
     table = kernels.groupby("pos").agg(name=("name", "first"), own=("own_us", "median"), dur=("dur_us", "median"),
                                        gap=("gap_us", "median"))
-    table["name"] = table["name"].str.replace(r"kernel_cutlass_kernel_kimi_decodekernels", "", regex=True).str[:34]
+    table["name"] = short_names(table["name"], 34)
     return table
 
 

@@ -12,19 +12,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analyzers.layers import kernel_layers  # noqa: E402
-from profiler.readers import read_trace  # noqa: E402
+from per_kernel import layer_kernels, short_names  # noqa: E402
 
 
 def layer_timeline(path: str, layer: int):
-    kernels = kernel_layers(read_trace(path))
-    kernels = kernels[(kernels["layer"] == layer) & (kernels["step"] >= 0)].sort_values(["step", "start_ns"])
+    kernels = layer_kernels(path, layer)
     first = kernels.groupby("step")["start_ns"].transform("min")
-    kernels = kernels.assign(start_us=(kernels["start_ns"] - first) / 1e3, end_us=(kernels["end_ns"] - first) / 1e3,
-                             pos=kernels.groupby("step").cumcount())
+    kernels = kernels.assign(start_us=(kernels["start_ns"] - first) / 1e3, end_us=(kernels["end_ns"] - first) / 1e3)
     table = kernels.groupby("pos").agg(name=("name", "first"), stream=("stream", "first"), stage=("stage", "first"),
                                        start=("start_us", "median"), end=("end_us", "median"))
-    table["name"] = table["name"].str.replace("kernel_cutlass_kernel_kimi_decodekernels", "", regex=False).str[:40]
+    table["name"] = short_names(table["name"], 40)
     return table.round(1)
 
 

@@ -25,8 +25,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 from .gemv import VEC, WARPS, preload_setting
 from .prefetch import CHUNK
-from .router_topk import THREADS, topk_form
-from .router_topk import _check as _check_router
+from .router_topk import THREADS, topk_form, _check as _check_router
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32

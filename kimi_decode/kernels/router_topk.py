@@ -257,14 +257,20 @@ def _check(w, x, logits, bias, ids, weights, counter) -> None:
         raise ValueError("router_topk: bf16 router weights [E, K] and x [M, K], K a multiple of 8")
     if not (w.is_contiguous() and x.is_contiguous()):
         raise ValueError("router_topk: router weights and x must be contiguous")
+    _check_outputs("router_topk", M, E, logits, bias, ids, weights, ("counter", counter, torch.int32, (1,)))
+
+
+def _check_outputs(who: str, M: int, E: int, logits, bias, ids, weights, *more) -> None:
+    """The routing's tensors for M rows of E experts (and `more` (name, tensor, dtype, shape) specs): a top-k the
+    warps' candidates fit in, each tensor contiguous with its dtype and shape."""
     k = ids.shape[1] if ids.dim() == 2 else 0
     if not 1 <= k <= 32 or WARPS * k > THREADS or k > E:
-        raise ValueError(f"router_topk: top-k of 1..32 (at most the {E} experts), got {k}")
+        raise ValueError(f"{who}: top-k of 1..32 (at most the {E} experts), got {k}")
     for name, t, dtype, shape in (("logits", logits, torch.float32, (M, E)), ("bias", bias, torch.float32, (E,)),
                                   ("ids", ids, torch.int32, (M, k)), ("weights", weights, torch.float32, (M, k)),
-                                  ("counter", counter, torch.int32, (1,))):
+                                  *more):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"router_topk: {name} must be a contiguous {dtype} tensor of shape {shape}")
+            raise ValueError(f"{who}: {name} must be a contiguous {dtype} tensor of shape {shape}")
 
 
 def compile_router_topk(w, x, logits, bias, ids, weights, counter, scaling: float):
@@ -289,13 +295,7 @@ def _check_routing(logits, bias, ids, weights) -> None:
     M, E = logits.shape if logits.dim() == 2 else (0, 0)
     if not 1 <= M <= 65535:
         raise ValueError(f"route_topk: logits [M, E] with 1..65535 rows, got shape {tuple(logits.shape)}")
-    k = ids.shape[1] if ids.dim() == 2 else 0
-    if not 1 <= k <= 32 or WARPS * k > THREADS or k > E:
-        raise ValueError(f"route_topk: top-k of 1..32 (at most the {E} experts), got {k}")
-    for name, t, dtype, shape in (("logits", logits, torch.float32, (M, E)), ("bias", bias, torch.float32, (E,)),
-                                  ("ids", ids, torch.int32, (M, k)), ("weights", weights, torch.float32, (M, k))):
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"route_topk: {name} must be a contiguous {dtype} tensor of shape {shape}")
+    _check_outputs("route_topk", M, E, logits, bias, ids, weights)
 
 
 def compile_route_topk(logits, bias, ids, weights, scaling: float):
