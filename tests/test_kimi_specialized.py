@@ -1879,36 +1879,6 @@ def test_router_kernel_by_rows(monkeypatch, rows, env, want):
     assert backend.last_routes[1] is ids
 
 
-@pytest.mark.parametrize("setting, forked, want_latent, want_shared", [
-    ("0", True, False, False), ("latent", True, True, False), ("all", True, True, True),
-    ("all", False, False, False),  # not forked (the router on the main stream anyway): nothing to wait for
-])
-def test_router_first_makes_the_latent_and_shared_wait_for_the_router_projection(monkeypatch, setting, forked,
-                                                                                  want_latent, want_shared):
-    """KIMI_DECODE_ROUTER_FIRST: the router projection on its branch records an event after it; the latent
-    down-projection ("latent", "all") and the shared experts ("all") wait for it; by default nothing waits."""
-    from types import SimpleNamespace
-
-    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_ROUTER_FIRST": setting})
-    marks = []
-    monkeypatch.setattr(backend, "_mark", lambda: marks.append("mark") or "router done")
-    waited = []
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(wait_event=waited.append))
-    backend._mlp_fast = True
-    if forked:
-        backend._open["router"] = "side stream"
-    w = SimpleNamespace(router=torch.empty(32, 64, dtype=torch.bfloat16, device="meta"))
-    backend.router_logits(torch.empty(8, 64, dtype=torch.bfloat16, device="meta"), w)
-    assert calls == ["rows"] and marks == (["mark"] if forked and setting != "0" else [])
-    backend._wait_router(("latent", "all"))  # where routed_experts launches the latent down-projection
-    assert waited == (["router done"] if want_latent else [])
-    waited.clear()
-    shared = SimpleNamespace(shared_gate_up=torch.empty(48, 64, dtype=torch.bfloat16, device="meta"),
-                             shared_down=torch.empty(64, 24, dtype=torch.bfloat16, device="meta"))
-    backend.shared_experts(torch.empty(8, 64, dtype=torch.bfloat16, device="meta"), shared)
-    assert waited == (["router done"] if want_shared else [])
-
-
 def _dispatch_spy(monkeypatch, env):
     """A latency_specialized backend whose projection kernels only record which one was called."""
     from kimi_decode.kernels import gemm_tc, gemm_tc_rows, gemv, rmsnorm

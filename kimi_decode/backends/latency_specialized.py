@@ -67,8 +67,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
-  runs them in order on one stream (for A/B timing); `KIMI_DECODE_ROUTER_FIRST=latent` / `all` starts the latent
-  down-projection (and the shared experts) only once the router projection is done (not yet measured, off);
+  runs them in order on one stream (for A/B timing);
 - L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
   `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
@@ -248,12 +247,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
         # 0: the generic path's Triton top-k above batch 1 instead of `route_topk` (A/B)
         self._cute_topk = cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", ("0", "1")) == "1"
-        # "latent" / "all": where the MoE entry forks above batch 1, the latent down-projection (with "all" the shared
-        # experts too) starts once the router projection is done, so the router's rows stream with the bandwidth they
-        # would have alone and its routing ends before the latent does; "0" (all three at once) until measured
-        # (benchmarks/NOTES.md item 49)
-        self._router_first = cute_common.env_choice("KIMI_DECODE_ROUTER_FIRST", "0", ("0", "latent", "all"))
-        self._router_done = None  # this layer's event at the router projection's end (`_router_first`)
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
         self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
         self._moe_entry = False  # this layer's router runs inside the latent down-projection's kernel
@@ -361,7 +354,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._pending_shared = None
         self._ssq = self._scaled = None
         self._overlap = device_ok and self._overlap_on and isinstance(lw.mlp, MoEWeights)
-        self._router_done = None
         self._lw = lw
 
     def end_layer(self) -> None:
@@ -609,29 +601,11 @@ class LatencySpecializedBackend(AutoBackend):
         return ids, weights
 
     def router_logits(self, x, w: MoEWeights):
-        if not self._mlp_fast:
-            return super().router_logits(x, w)
-        logits = self._gemv(x, w.router, torch.float32)
-        if self._router_first != "0" and "router" in self._open:  # on the router's branch: the others may wait for it
-            self._router_done = self._mark()
-        return logits
-
-    @staticmethod
-    def _mark() -> torch.cuda.Event:
-        """An event recorded on the current stream (a dependency edge where a captured stream waits for it)."""
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def _wait_router(self, settings: tuple[str, ...]) -> None:
-        """Where `_router_first` is one of `settings`, the current stream waits for this layer's router projection."""
-        if self._router_done is not None and self._router_first in settings:
-            torch.cuda.current_stream().wait_event(self._router_done)
+        return self._gemv(x, w.router, torch.float32) if self._mlp_fast else super().router_logits(x, w)
 
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
-        self._wait_router(("all",))
         if not (self._shared_glu and x.shape[0] <= GLU_MAX_ROWS):
             return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down)
         from ..kernels.gemv import gemv
@@ -681,7 +655,6 @@ class LatencySpecializedBackend(AutoBackend):
                                scaling=shard.model.routed_scaling,
                                glu=(shared[0], shared[2]) if glu_in_entry else None, prefetch=prefetch)
         else:
-            self._wait_router(("latent", "all"))
             latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
         self.join("router", ids, weights)
         B, k = ids.shape
