@@ -1,5 +1,6 @@
 """latency_specialized on the CPU: it falls back to `auto` (and says so once), and its CuTe DSL kernels compile for
 sm_90a with the cutlass-dsl version installed here (no GPU needed)."""
+import contextlib
 import importlib
 import logging
 
@@ -1877,6 +1878,76 @@ def test_router_kernel_by_rows(monkeypatch, rows, env, want):
     ids, weights = backend.router(torch.empty(rows, H, dtype=bf, device=meta), w, sh, layer=1)
     assert calls[-1] == want and ids.shape == weights.shape == (rows, 4)
     assert backend.last_routes[1] is ids
+
+
+@pytest.mark.parametrize("setting, forked, deferred", [
+    ("0", True, False), ("latent", True, True),
+    ("latent", False, False),  # not forked (the shared experts on the main stream anyway): nothing to defer
+])
+def test_shared_after_launches_the_shared_experts_after_the_latent_down_projection(monkeypatch, setting, forked,
+                                                                                  deferred):
+    """KIMI_DECODE_SHARED_AFTER=latent: above batch 1 the forked shared experts are not launched where the model
+    calls them; once the latent down-projection is launched, their stream waits for an event after it and their
+    three kernels run there, writing the output tensor handed back at the call. By default they launch at once."""
+    from types import SimpleNamespace
+
+    from kimi_decode.kernels import gemm_tc_rows
+
+    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_SHARED_AFTER": setting})
+    events, waited, entered = [], [], []
+
+    class Event:
+        def record(self):
+            events.append(self)
+            calls.append("event")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: entered.append(s) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(backend, "situ_glu", lambda h: calls.append("glu") or h[:, : h.shape[1] // 2])
+    outs = []
+    monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, **kw: calls.append("rows") or outs.append(y) or y)
+    backend._mlp_fast = True
+    side = SimpleNamespace(wait_event=waited.append, device="cpu")
+    if forked:
+        backend._open["shared"] = side
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    w = SimpleNamespace(shared_gate_up=torch.zeros(48, 64, dtype=torch.bfloat16),
+                        shared_down=torch.zeros(64, 24, dtype=torch.bfloat16),
+                        down=torch.zeros(32, 64, dtype=torch.bfloat16))
+    shared = backend.shared_experts(x, w)
+    assert shared.shape == (8, 64)
+    assert calls == ([] if deferred else ["rows", "glu", "rows"])
+    calls.clear()
+    backend.latent_down(x, w)
+    if deferred:
+        assert calls == ["rows", "event", "rows", "glu", "rows"]  # latent, its event, then the shared experts
+        assert waited == events and entered == [side] and outs[-1] is shared
+    else:
+        assert calls == ["rows"] and waited == [] and entered == []
+    calls.clear()
+    backend.join("shared")  # nothing left to launch
+    assert calls == []
+
+
+def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch):
+    """Deferred shared experts whose layer ran no latent down-projection (another path took it) launch at the join
+    of their branch, so their output is always written."""
+    from types import SimpleNamespace
+
+    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_SHARED_AFTER": "latent"})
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda: None))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(backend, "situ_glu", lambda h: calls.append("glu") or h[:, : h.shape[1] // 2])
+    backend._mlp_fast = True
+    backend._open["shared"] = SimpleNamespace(wait_event=lambda e: None, device="cpu")
+    w = SimpleNamespace(shared_gate_up=torch.zeros(48, 64, dtype=torch.bfloat16),
+                        shared_down=torch.zeros(64, 24, dtype=torch.bfloat16))
+    shared = backend.shared_experts(torch.zeros(4, 64, dtype=torch.bfloat16), w)
+    assert calls == []
+    backend.join("shared")
+    assert calls == ["rows", "glu", "rows"] and "shared" not in backend._open
 
 
 def _dispatch_spy(monkeypatch, env):

@@ -291,17 +291,34 @@ def test_pdl_steps_replay_in_a_graph_like_eager(monkeypatch, tp):
     _check_graph_replays_like_eager(tp)
 
 
-def _check_graph_replays_like_eager(tp):
+@pytest.mark.parametrize("tp, batch", [(16, 2), (8, 8), (16, 8), (8, 16), (16, 64)])
+def test_specialized_layer_with_the_shared_experts_after_the_latent_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_SHARED_AFTER=latent: the forked shared experts start once the latent down-projection is done."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_AFTER", "latent", tp, batch, 3800)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 8), (8, 64)])
+def test_shared_experts_after_the_latent_replay_in_a_graph_like_eager(monkeypatch, tp, batch):
+    """The shared experts' edge from the latent down-projection across the forked streams, in a captured graph:
+    replays give the eager steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_SHARED_AFTER", "latent")
+    _check_graph_replays_like_eager(tp, batch)
+
+
+def _check_graph_replays_like_eager(tp, batch=1):
     from kimi_decode.slice import DecodeSlice
 
-    eager = DecodeSlice(backend="latency_specialized", tp=tp, batch=1, first_layer=1, num_layers=2, context=256)
-    graphed = DecodeSlice(backend="latency_specialized", tp=tp, batch=1, first_layer=1, num_layers=2, context=256)
+    eager = DecodeSlice(backend="latency_specialized", tp=tp, batch=batch, first_layer=1, num_layers=2, context=256)
+    graphed = DecodeSlice(backend="latency_specialized", tp=tp, batch=batch, first_layer=1, num_layers=2,
+                          context=256)
     graphed.capture(warmup=1)
     eager.step()  # the capture's warm-up advanced the graphed slice's states by one step
     for _ in range(3):
         eager.step()
         graphed.replay()
-        assert rel_err(graphed.res.partial, eager.res.partial.double()) < 1e-6
+        # above one row, kernels that add across CTAs may sum in another order: a stale or unwritten buffer is off
+        # by far more than that
+        assert rel_err(graphed.res.partial, eager.res.partial.double()) < (1e-6 if batch == 1 else 1e-4)
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])

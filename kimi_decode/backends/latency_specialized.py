@@ -67,7 +67,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
-  runs them in order on one stream (for A/B timing);
+  runs them in order on one stream (for A/B timing); `KIMI_DECODE_SHARED_AFTER=latent` starts the shared branch's
+  kernels only once the latent down-projection is done (beside the expert kernels instead);
 - L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
   `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
@@ -247,6 +248,12 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
         # 0: the generic path's Triton top-k above batch 1 instead of `route_topk` (A/B)
         self._cute_topk = cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", ("0", "1")) == "1"
+        # "latent": above batch 1, where the MoE block forks, the shared experts start only once the latent
+        # down-projection is done, so that their weights (TP16 16.5 MB, TP8 33 MB) stream beside the expert kernels,
+        # which leave HBM bandwidth unused, instead of beside the router and the latent, which the experts wait for;
+        # "0": at the fork (the default until measured; benchmarks/NOTES.md item 51)
+        self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "0", ("0", "latent"))
+        self._deferred_shared = None  # (x, weights, out, stream) of those, until the latent down-projection
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
         self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
         self._moe_entry = False  # this layer's router runs inside the latent down-projection's kernel
@@ -358,6 +365,7 @@ class LatencySpecializedBackend(AutoBackend):
 
     def end_layer(self) -> None:
         cute_common.set_layer_pdl(False)
+        self._deferred_shared = None  # a layer that raised before its latent down-projection
 
     def _riders_wanted(self, w: MoEWeights) -> bool:
         """Whether the shared experts run inside the expert kernels at batch 1: where their rows are few, and under PDL
@@ -455,6 +463,8 @@ class LatencySpecializedBackend(AutoBackend):
             yield
 
     def join(self, name: str, *outputs: torch.Tensor) -> None:
+        if name == "shared":  # shared experts still deferred (no latent down-projection ran): launched now
+            self._launch_deferred_shared()
         side = self._open.pop(name, None)
         if side is None:
             return
@@ -463,13 +473,16 @@ class LatencySpecializedBackend(AutoBackend):
         for t in outputs:  # allocated on the side stream, read on the main one
             t.record_stream(main)
 
-    def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16) -> torch.Tensor:
-        """A plain projection (bf16 or fp32 out): the GEMV below TC_MIN_ROWS rows, our tensor-core projection up to
-        TC_MAX_ROWS (`_project`), else cuBLAS (see TC_MIN_ROWS)."""
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A plain projection (bf16 or fp32 out, into `out` where given): the GEMV below TC_MIN_ROWS rows, our
+        tensor-core projection up to TC_MAX_ROWS (`_project`), else cuBLAS (see TC_MIN_ROWS)."""
         if self._plain_on_cublas(x.shape[0]):
             # cuBLAS, fp32 accumulation (and output, for the router's logits)
+            if out is not None:
+                return torch.mm(x, w.T, out=out)
             return torch.mm(x, w.T, out_dtype=dtype) if dtype != BF16 else self.linear(x, w)
-        return self._project(w, x, self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device))
+        return self._project(w, x, out if out is not None else
+                             self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device))
 
     def _prefetch(self, w: torch.Tensor) -> None:
         """Ask L2 for the first bytes of `w` (the weights of a streaming projection to come) on a stream beside the
@@ -607,7 +620,11 @@ class LatencySpecializedBackend(AutoBackend):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
         if not (self._shared_glu and x.shape[0] <= GLU_MAX_ROWS):
-            return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down)
+            if self._shared_after == "latent" and "shared" in self._open:  # launched after the latent (`_launch_...`)
+                out = self._empty(x.shape[0], w.shared_down.shape[0], device=x.device)
+                self._deferred_shared = (x, w, out, self._open["shared"])
+                return out
+            return self._plain_shared(x, w)
         from ..kernels.gemv import gemv
 
         act = self._empty(x.shape[0], w.shared_gate_up.shape[0] // 2, device=x.device)
@@ -624,8 +641,27 @@ class LatencySpecializedBackend(AutoBackend):
         gemv(w.shared_gate_up, x, act, glu=True)  # gate/up GEMV with SiTU-GLU in its epilogue
         return self._gemv(act, w.shared_down)
 
+    def _plain_shared(self, x, w: MoEWeights, out=None):
+        """The shared experts as three kernels: gate/up projection, SiTU-GLU, down-projection (into `out`)."""
+        return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down, out=out)
+
+    def _launch_deferred_shared(self) -> None:
+        """The deferred shared experts on their branch's stream, after what the current stream has launched (the
+        latent down-projection): a dependency edge in a captured graph."""
+        deferred, self._deferred_shared = self._deferred_shared, None
+        if deferred is None:
+            return
+        x, w, out, side = deferred
+        latent_done = torch.cuda.Event()
+        latent_done.record()
+        side.wait_event(latent_done)
+        with torch.cuda.stream(side):
+            self._plain_shared(x, w, out)
+
     def latent_down(self, x, w: MoEWeights):
-        return self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)
+        latent = self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)
+        self._launch_deferred_shared()
+        return latent
 
     def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig):
         if not self._experts_fast:
