@@ -1950,6 +1950,38 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     assert calls == ["rows", "glu", "rows"] and "shared" not in backend._open
 
 
+@pytest.mark.parametrize("env, rows, want", [
+    ({}, 8, None), ({"KIMI_DECODE_ROUTER_WARPS": "16"}, 8, 16), ({"KIMI_DECODE_ROUTER_WARPS": "4"}, 2, 4),
+    ({"KIMI_DECODE_ROUTER_WARPS": "16"}, 1, "gemv"),  # one row: the GEMV, which has no such plan
+])
+def test_router_warps_sets_the_router_projections_plan(monkeypatch, env, rows, want):
+    """KIMI_DECODE_ROUTER_WARPS: the router projection on the row tiles takes a plan of that many warps per CTA (the
+    other projections keep theirs); unset, the plan is the row tiles' own."""
+    from types import SimpleNamespace
+
+    from kimi_decode.kernels import gemm_tc_rows
+
+    backend, calls = _dispatch_spy(monkeypatch, env)
+    plans = []
+    monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, plan=None, **kw: plans.append(plan) or y)
+    backend._mlp_fast = True
+    w = SimpleNamespace(router=torch.zeros(896, 7168, dtype=torch.bfloat16))
+    backend.router_logits(torch.zeros(rows, 7168, dtype=torch.bfloat16), w)
+    if want == "gemv":
+        assert calls == ["gemv"] and plans == []
+        return
+    assert len(plans) == 1
+    assert (plans[0] is None) if want is None else (plans[0].warps == want and plans[0].key()[:3] == (rows, 896, 7168))
+    backend._gemv(torch.zeros(rows, 7168, dtype=torch.bfloat16), torch.zeros(3584, 7168, dtype=torch.bfloat16))
+    assert plans[1] is None  # the latent down-projection: its own plan
+
+
+def test_router_warps_refuses_a_count_out_of_range(monkeypatch):
+    monkeypatch.setenv("KIMI_DECODE_ROUTER_WARPS", "32")
+    with pytest.raises(ValueError, match="KIMI_DECODE_ROUTER_WARPS"):
+        get_backend("latency_specialized")
+
+
 def _dispatch_spy(monkeypatch, env):
     """A latency_specialized backend whose projection kernels only record which one was called."""
     from kimi_decode.kernels import gemm_tc, gemm_tc_rows, gemv, rmsnorm

@@ -297,6 +297,15 @@ def test_specialized_layer_with_the_shared_experts_after_the_latent_matches_refe
     _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_AFTER", "latent", tp, batch, 3800)
 
 
+@pytest.mark.parametrize("shared_after", ["0", "latent"])
+@pytest.mark.parametrize("tp, batch", [(16, 2), (8, 8), (16, 8), (8, 16)])
+def test_specialized_layer_with_the_router_on_more_warps_matches_reference(monkeypatch, shared_after, tp, batch):
+    """KIMI_DECODE_ROUTER_WARPS=16: the router projection on row-tile CTAs of 16 warps, with the shared experts at
+    the fork or after the latent."""
+    monkeypatch.setenv("KIMI_DECODE_SHARED_AFTER", shared_after)
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ROUTER_WARPS", "16", tp, batch, 3900 + len(shared_after))
+
+
 @pytest.mark.parametrize("tp, batch", [(16, 8), (8, 64)])
 def test_shared_experts_after_the_latent_replay_in_a_graph_like_eager(monkeypatch, tp, batch):
     """The shared experts' edge from the latent down-projection across the forked streams, in a captured graph:

@@ -254,6 +254,12 @@ class LatencySpecializedBackend(AutoBackend):
         # "0": at the fork (the default until measured; benchmarks/NOTES.md item 51)
         self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "0", ("0", "latent"))
         self._deferred_shared = None  # (x, weights, out, stream) of those, until the latent down-projection
+        # the most warps per CTA of the router projection on the row tiles (2..16 rows; default: the plans' own
+        # KIMI_DECODE_TC_ROWS_WARPS): its 56 CTAs stream beside the latent down-projection's 224 and finish with them
+        # (TP16 batch 8: 18 us for 12.8 MB, 7 us alone), while the routing after them is what the experts wait for
+        # (benchmarks/NOTES.md item 51); more warps give them a larger share of the bytes in flight
+        self._router_warps = cute_common.env_int("KIMI_DECODE_ROUTER_WARPS", 0, 0, gemm_tc_rows.MAX_WARPS,
+                                                 "warps per CTA") or None
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
         self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
         self._moe_entry = False  # this layer's router runs inside the latent down-projection's kernel
@@ -431,15 +437,18 @@ class LatencySpecializedBackend(AutoBackend):
         projection takes it (KIMI_DECODE_TC_PLAIN=1, the default, up to TC_MAX_ROWS)."""
         return rows >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(rows))
 
-    def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, **epilogue) -> torch.Tensor:
+    def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, warps: int | None = None,
+                 **epilogue) -> torch.Tensor:
         """y = x @ w.T (or `gemv`'s accumulating forms) for up to TC_MAX_ROWS rows: the CUDA-core GEMV below
-        TC_MIN_ROWS rows, else tensor cores (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM)."""
+        TC_MIN_ROWS rows, else tensor cores (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM; `warps`: the
+        most warps per CTA of the row tiles' plan, for this projection)."""
         if x.shape[0] < self._tc_rows[0]:
             from ..kernels.gemv import gemv
 
             return gemv(w, x, y, **epilogue)
         if self._tc_form == "rows" and x.shape[0] <= gemm_tc_rows.MAX_ROWS:
-            return gemm_tc_rows.project_rows(w, x, y, **epilogue)
+            plan = gemm_tc_rows.rows_plan_for(x.shape[0], w.shape[0], w.shape[1], warps) if warps else None
+            return gemm_tc_rows.project_rows(w, x, y, plan=plan, **epilogue)
         from ..kernels.gemm_tc import project
 
         return project(w, x, y, self._tc_counters(x.device), **epilogue)
@@ -473,16 +482,17 @@ class LatencySpecializedBackend(AutoBackend):
         for t in outputs:  # allocated on the side stream, read on the main one
             t.record_stream(main)
 
-    def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16, out: torch.Tensor | None = None,
+              warps: int | None = None) -> torch.Tensor:
         """A plain projection (bf16 or fp32 out, into `out` where given): the GEMV below TC_MIN_ROWS rows, our
-        tensor-core projection up to TC_MAX_ROWS (`_project`), else cuBLAS (see TC_MIN_ROWS)."""
+        tensor-core projection up to TC_MAX_ROWS (`_project`, `warps`), else cuBLAS (see TC_MIN_ROWS)."""
         if self._plain_on_cublas(x.shape[0]):
             # cuBLAS, fp32 accumulation (and output, for the router's logits)
             if out is not None:
                 return torch.mm(x, w.T, out=out)
             return torch.mm(x, w.T, out_dtype=dtype) if dtype != BF16 else self.linear(x, w)
         return self._project(w, x, out if out is not None else
-                             self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device))
+                             self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device), warps=warps)
 
     def _prefetch(self, w: torch.Tensor) -> None:
         """Ask L2 for the first bytes of `w` (the weights of a streaming projection to come) on a stream beside the
@@ -614,7 +624,9 @@ class LatencySpecializedBackend(AutoBackend):
         return ids, weights
 
     def router_logits(self, x, w: MoEWeights):
-        return self._gemv(x, w.router, torch.float32) if self._mlp_fast else super().router_logits(x, w)
+        if not self._mlp_fast:
+            return super().router_logits(x, w)
+        return self._gemv(x, w.router, torch.float32, warps=self._router_warps)
 
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:

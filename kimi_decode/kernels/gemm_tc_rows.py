@@ -171,14 +171,15 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(min(n, most), 0, -1) if n % d == 0]
 
 
-def rows_plan_for(M: int, N: int, K: int) -> RowsPlan:
+def rows_plan_for(M: int, N: int, K: int, most_warps: int | None = None) -> RowsPlan:
     """The fewest warps per CTA (4, 8 or 16, up to `max_warps()`, splitting K's chunks evenly) that give the grid
     GRID_WARPS warps, else the most (down to 1 for short K); then the most chunks in flight (up to MAX_PIPE, within
     MAX_PIPE_LOADS loads per lane) that divide a warp's chunks, at least two where the warps' chunks allow. On the
     H200 at 8 rows, each projection alone (benchmarks/NOTES.md, item 47), the rule with 16 warps at most picks the
     fastest tiling measured, or one within 0.6 us of it, on every projection of the TP16 and TP8 shards: few CTAs
-    (the router's 56) want the most warps each, many (the MoE tail's 448) 4 to 8 with the most chunks in flight."""
-    return _rows_plan(M, N, K, max_warps())
+    (the router's 56) want the most warps each, many (the MoE tail's 448) 4 to 8 with the most chunks in flight.
+    `most_warps` replaces `max_warps()` for one projection."""
+    return _rows_plan(M, N, K, most_warps or max_warps())
 
 
 def max_warps() -> int:
