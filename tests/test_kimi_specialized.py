@@ -1930,12 +1930,16 @@ def test_shared_after_launches_the_shared_experts_after_the_latent_down_projecti
     assert calls == []
 
 
-def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch):
-    """Deferred shared experts whose layer ran no latent down-projection (another path took it) launch at the join
-    of their branch, so their output is always written."""
+@pytest.mark.parametrize("setting, rows, deferred", [
+    ("latent", 4, True), ("auto", 16, False), ("auto", 17, True), ("auto", 64, True), ("0", 64, False),
+])
+def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch, setting, rows, deferred):
+    """By default (auto) the forked shared experts are deferred from SHARED_AFTER_MIN_ROWS (17) rows on. Deferred
+    shared experts whose layer ran no latent down-projection (another path took it) launch at the join of their
+    branch, so their output is always written."""
     from types import SimpleNamespace
 
-    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_SHARED_AFTER": "latent"})
+    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_SHARED_AFTER": setting})
     monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda: None))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None))
@@ -1944,19 +1948,23 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     backend._open["shared"] = SimpleNamespace(wait_event=lambda e: None, device="cpu")
     w = SimpleNamespace(shared_gate_up=torch.zeros(48, 64, dtype=torch.bfloat16),
                         shared_down=torch.zeros(64, 24, dtype=torch.bfloat16))
-    shared = backend.shared_experts(torch.zeros(4, 64, dtype=torch.bfloat16), w)
-    assert calls == []
+    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append("cublas") or out)
+    kernel = "rows" if rows <= 16 else "cublas"
+    shared = backend.shared_experts(torch.zeros(rows, 64, dtype=torch.bfloat16), w)
+    assert shared.shape == (rows, 64)
+    assert calls == ([] if deferred else [kernel, "glu", kernel])
+    calls.clear()
     backend.join("shared")
-    assert calls == ["rows", "glu", "rows"] and "shared" not in backend._open
+    assert calls == ([kernel, "glu", kernel] if deferred else []) and "shared" not in backend._open
 
 
 @pytest.mark.parametrize("env, rows, want", [
-    ({}, 8, None), ({"KIMI_DECODE_ROUTER_WARPS": "16"}, 8, 16), ({"KIMI_DECODE_ROUTER_WARPS": "4"}, 2, 4),
+    ({}, 8, 16), ({"KIMI_DECODE_ROUTER_WARPS": "0"}, 8, None), ({"KIMI_DECODE_ROUTER_WARPS": "4"}, 2, 4),
     ({"KIMI_DECODE_ROUTER_WARPS": "16"}, 1, "gemv"),  # one row: the GEMV, which has no such plan
 ])
 def test_router_warps_sets_the_router_projections_plan(monkeypatch, env, rows, want):
-    """KIMI_DECODE_ROUTER_WARPS: the router projection on the row tiles takes a plan of that many warps per CTA (the
-    other projections keep theirs); unset, the plan is the row tiles' own."""
+    """The router projection on the row tiles takes a plan of ROUTER_WARPS (16) warps per CTA, or as many as
+    KIMI_DECODE_ROUTER_WARPS says (the other projections keep theirs); with 0 the plan is the row tiles' own."""
     from types import SimpleNamespace
 
     from kimi_decode.kernels import gemm_tc_rows

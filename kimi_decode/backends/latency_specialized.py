@@ -67,8 +67,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
-  runs them in order on one stream (for A/B timing); `KIMI_DECODE_SHARED_AFTER=latent` starts the shared branch's
-  kernels only once the latent down-projection is done (beside the expert kernels instead);
+  runs them in order on one stream (for A/B timing). From SHARED_AFTER_MIN_ROWS rows the shared branch's kernels
+  start only once the latent down-projection is done, beside the expert kernels (`KIMI_DECODE_SHARED_AFTER=0` /
+  `latent`: never / from 2 rows); the router projection on the row tiles takes CTAs of ROUTER_WARPS warps
+  (`KIMI_DECODE_ROUTER_WARPS`, 0: the row tiles' own plan);
 - L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
   `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
@@ -202,6 +204,14 @@ ROUTE_TOPK_MAX_ROWS = 16
 # layer 94.0 -> 91.7 us, and the TP8 one on one stream in 8 kernels at 119.0 us (120.4 forked without it); at batch 8
 # it measured slower (TP8 274.1 against 238.4 us; NOTES, v14)
 PDL_MAX_ROWS = 1
+# where the MoE block forks, the shared experts start once the latent down-projection is done from here on
+# (KIMI_DECODE_SHARED_AFTER=auto): at 64 rows 3.9 / 4.7 us faster per layer at TP16 / TP8 on the H200, beside the
+# grouped expert kernels (ALU-bound); at 16 rows 3-5 us slower at TP8, at 2 and 8 even (benchmarks/NOTES.md item 51)
+SHARED_AFTER_MIN_ROWS = 17
+# the router projection's warps per row-tile CTA (KIMI_DECODE_ROUTER_WARPS; the other projections take at most
+# gemm_tc_rows.DEFAULT_WARPS): 2.0-2.8 us faster per layer at 2 and 8 rows at TP16 and 2.2 at TP8 batch 2, even at
+# 16 rows (benchmarks/NOTES.md item 51)
+ROUTER_WARPS = 16
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
@@ -248,17 +258,17 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
         # 0: the generic path's Triton top-k above batch 1 instead of `route_topk` (A/B)
         self._cute_topk = cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", ("0", "1")) == "1"
-        # "latent": above batch 1, where the MoE block forks, the shared experts start only once the latent
-        # down-projection is done, so that their weights (TP16 16.5 MB, TP8 33 MB) stream beside the expert kernels,
-        # which leave HBM bandwidth unused, instead of beside the router and the latent, which the experts wait for;
-        # "0": at the fork (the default until measured; benchmarks/NOTES.md item 51)
-        self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "0", ("0", "latent"))
+        # "latent": where the MoE block forks, the shared experts start only once the latent down-projection is
+        # done, so that their weights (TP16 16.5 MB, TP8 33 MB) stream beside the expert kernels instead of beside
+        # the router and the latent, which the experts wait for; "0": at the fork; "auto" (default): "latent" from
+        # SHARED_AFTER_MIN_ROWS rows
+        self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "auto", ("auto", "0", "latent"))
         self._deferred_shared = None  # (x, weights, out, stream) of those, until the latent down-projection
-        # the most warps per CTA of the router projection on the row tiles (2..16 rows; default: the plans' own
-        # KIMI_DECODE_TC_ROWS_WARPS): its 56 CTAs stream beside the latent down-projection's 224 and finish with them
-        # (TP16 batch 8: 18 us for 12.8 MB, 7 us alone), while the routing after them is what the experts wait for
-        # (benchmarks/NOTES.md item 51); more warps give them a larger share of the bytes in flight
-        self._router_warps = cute_common.env_int("KIMI_DECODE_ROUTER_WARPS", 0, 0, gemm_tc_rows.MAX_WARPS,
+        # the most warps per CTA of the router projection on the row tiles (2..16 rows; 0: the row tiles' own plan,
+        # KIMI_DECODE_TC_ROWS_WARPS): its 56 CTAs stream beside the latent down-projection's 224, and with a larger
+        # share of the bytes in flight they end sooner (TP16 batch 8: 8 warps 18 us for 12.8 MB, 7 us alone), so the
+        # routing after them, which the experts wait for, starts sooner
+        self._router_warps = cute_common.env_int("KIMI_DECODE_ROUTER_WARPS", ROUTER_WARPS, 0, gemm_tc_rows.MAX_WARPS,
                                                  "warps per CTA") or None
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
         self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
@@ -632,7 +642,9 @@ class LatencySpecializedBackend(AutoBackend):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
         if not (self._shared_glu and x.shape[0] <= GLU_MAX_ROWS):
-            if self._shared_after == "latent" and "shared" in self._open:  # launched after the latent (`_launch_...`)
+            after = self._shared_after == "latent" or (self._shared_after == "auto"
+                                                       and x.shape[0] >= SHARED_AFTER_MIN_ROWS)
+            if after and "shared" in self._open:  # launched after the latent down-projection (`_launch_...`)
                 out = self._empty(x.shape[0], w.shared_down.shape[0], device=x.device)
                 self._deferred_shared = (x, w, out, self._open["shared"])
                 return out
