@@ -300,8 +300,8 @@ def test_specialized_layer_with_the_shared_experts_after_the_latent_matches_refe
 @pytest.mark.parametrize("shared_after", ["0", "latent"])
 @pytest.mark.parametrize("tp, batch", [(16, 2), (8, 8), (16, 8), (8, 16)])
 def test_specialized_layer_with_the_router_on_more_warps_matches_reference(monkeypatch, shared_after, tp, batch):
-    """KIMI_DECODE_ROUTER_WARPS=16: the router projection on row-tile CTAs of 16 warps, with the shared experts at
-    the fork or after the latent."""
+    """KIMI_DECODE_ROUTER_WARPS=16 (the default, set here so that the test keeps it if the default moves): the router
+    projection on row-tile CTAs of 16 warps, with the shared experts at the fork or after the latent."""
     monkeypatch.setenv("KIMI_DECODE_SHARED_AFTER", shared_after)
     _layer_matches_with(monkeypatch, "KIMI_DECODE_ROUTER_WARPS", "16", tp, batch, 3900 + len(shared_after))
 
