@@ -32,7 +32,8 @@
 # v24 (the A/B runs of benchmarks/NOTES.md items 35 and 36: KIMI_DECODE_GROUPED_ALIGN, KIMI_DECODE_W13_FIRST),
 # v25 (item 38: KIMI_DECODE_W2_COMPACT at TP16, both backends beside the new setting), v26 (items 40 and 41:
 # KIMI_DECODE_MX_ALU, KIMI_DECODE_ENTRY_PREFETCH).
-# AB_LIMIT: seconds per ab setting (default 70).
+# AB_LIMIT: seconds per ab setting (default 70). PACK=NAME: at the end, every file under $OUT goes into $OUT/NAME.tgz
+# and the rest is removed (the device tool brings back at most 8 files).
 set -u
 # The device bundle has no msgspec (the Kineto JSON reader's decoder, which torch.profiler captures and their tests
 # need): carry a cp312 wheel unpacked at .whl/site (`pip download msgspec --only-binary=:all: --python-version 3.12
@@ -294,3 +295,7 @@ for name in "$@"; do
   esac
 done
 echo "## done in ${SECONDS}s" | tee -a "$LOG"
+if [ -n "${PACK:-}" ]; then  # everything under $OUT as one archive (a device run returns only a few files)
+  (cd "$OUT" && tar czf "$PACK.tgz.part" --exclude "$PACK.tgz.part" -- * && find . -type f ! -name "$PACK.tgz.part" -delete \
+     && mv "$PACK.tgz.part" "$PACK.tgz")
+fi
