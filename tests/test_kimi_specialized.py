@@ -862,6 +862,21 @@ def test_row_tile_projection_compiles_for_sm90a(sm90a, n, k):
                                            row_scale=(torch.empty(rows, 224), 1e-5))[0] is not None
 
 
+@needs_cute
+def test_router_projection_on_its_own_plan_compiles_for_sm90a(sm90a):
+    """The router projection as the backend runs it from 2 to 16 rows: fp32 logits on a plan of ROUTER_WARPS warps
+    per CTA."""
+    from kimi_decode.backends.latency_specialized import ROUTER_WARPS
+    from kimi_decode.kernels.gemm_tc_rows import compile_rows_projection, rows_plan_for
+
+    w = torch.empty(896, 7168, dtype=torch.bfloat16)
+    for rows in (2, 8, 16):
+        plan = rows_plan_for(rows, 896, 7168, ROUTER_WARPS)
+        assert plan.warps == ROUTER_WARPS
+        x = torch.empty(rows, 7168, dtype=torch.bfloat16)
+        assert compile_rows_projection(w, x, torch.empty(rows, 896), plan=plan)[0] is not None
+
+
 @pytest.mark.parametrize("rows", [2, 8, 16])
 def test_row_tile_plan_splits_k_evenly_within_its_limits(rows):
     from kimi_decode.kernels.gemm_tc_rows import (CHUNK, DEFAULT_WARPS, GRID_WARPS, MAX_PIPE, MAX_PIPE_LOADS,
