@@ -263,7 +263,7 @@ class LatencySpecializedBackend(AutoBackend):
         # the router and the latent, which the experts wait for; "0": at the fork; "auto" (default): "latent" from
         # SHARED_AFTER_MIN_ROWS rows
         self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "auto", ("auto", "0", "latent"))
-        self._deferred_shared = None  # (x, weights, out, stream) of those, until the latent down-projection
+        self._deferred_shared = None  # (x, weights, out) of those, until the latent down-projection
         # the most warps per CTA of the router projection on the row tiles (2..16 rows; 0: the row tiles' own plan,
         # KIMI_DECODE_TC_ROWS_WARPS): its 56 CTAs stream beside the latent down-projection's 224, and with a larger
         # share of the bytes in flight they end sooner (TP16 batch 8: 8 warps 18 us for 12.8 MB, 7 us alone), so the
@@ -646,7 +646,7 @@ class LatencySpecializedBackend(AutoBackend):
                                                        and x.shape[0] >= SHARED_AFTER_MIN_ROWS)
             if after and "shared" in self._open:  # launched after the latent down-projection (`_launch_...`)
                 out = self._empty(x.shape[0], w.shared_down.shape[0], device=x.device)
-                self._deferred_shared = (x, w, out, self._open["shared"])
+                self._deferred_shared = (x, w, out)
                 return out
             return self._plain_shared(x, w)
         from ..kernels.gemv import gemv
@@ -670,12 +670,14 @@ class LatencySpecializedBackend(AutoBackend):
         return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down, out=out)
 
     def _launch_deferred_shared(self) -> None:
-        """The deferred shared experts on their branch's stream, after what the current stream has launched (the
-        latent down-projection): a dependency edge in a captured graph."""
+        """The deferred shared experts on their branch's stream (still open: `join` launches them before it closes
+        it), after what the current stream has launched (the latent down-projection): a dependency edge in a captured
+        graph."""
         deferred, self._deferred_shared = self._deferred_shared, None
         if deferred is None:
             return
-        x, w, out, side = deferred
+        x, w, out = deferred
+        side = self._open["shared"]
         latent_done = torch.cuda.Event()
         latent_done.record()
         side.wait_event(latent_done)
