@@ -1904,32 +1904,12 @@ def test_shared_after_launches_the_shared_experts_after_the_latent_down_projecti
     """KIMI_DECODE_SHARED_AFTER=latent: above batch 1 the forked shared experts are not launched where the model
     calls them; once the latent down-projection is launched, their stream waits for an event after it and their
     three kernels run there, writing the output tensor handed back at the call. By default they launch at once."""
-    from types import SimpleNamespace
-
     from kimi_decode.kernels import gemm_tc_rows
 
-    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_SHARED_AFTER": setting})
-    events, waited, entered = [], [], []
-
-    class Event:
-        def record(self):
-            events.append(self)
-            calls.append("event")
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: entered.append(s) or contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None))
-    monkeypatch.setattr(backend, "situ_glu", lambda h: calls.append("glu") or h[:, : h.shape[1] // 2])
+    backend, calls, spy = _shared_branch_spy(monkeypatch, setting, forked)
     outs = []
     monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, **kw: calls.append("rows") or outs.append(y) or y)
-    backend._mlp_fast = True
-    side = SimpleNamespace(wait_event=waited.append, device="cpu")
-    if forked:
-        backend._open["shared"] = side
-    x = torch.zeros(8, 64, dtype=torch.bfloat16)
-    w = SimpleNamespace(shared_gate_up=torch.zeros(48, 64, dtype=torch.bfloat16),
-                        shared_down=torch.zeros(64, 24, dtype=torch.bfloat16),
-                        down=torch.zeros(32, 64, dtype=torch.bfloat16))
+    x, w = torch.zeros(8, 64, dtype=torch.bfloat16), spy.w
     shared = backend.shared_experts(x, w)
     assert shared.shape == (8, 64)
     assert calls == ([] if deferred else ["rows", "glu", "rows"])
@@ -1937,9 +1917,9 @@ def test_shared_after_launches_the_shared_experts_after_the_latent_down_projecti
     backend.latent_down(x, w)
     if deferred:
         assert calls == ["rows", "event", "rows", "glu", "rows"]  # latent, its event, then the shared experts
-        assert waited == events and entered == [side] and outs[-1] is shared
+        assert spy.waited == spy.events and spy.entered == [spy.side] and outs[-1] is shared
     else:
-        assert calls == ["rows"] and waited == [] and entered == []
+        assert calls == ["rows"] and spy.waited == [] and spy.entered == []
     calls.clear()
     backend.join("shared")  # nothing left to launch
     assert calls == []
@@ -1952,25 +1932,45 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     """By default (auto) the forked shared experts are deferred from SHARED_AFTER_MIN_ROWS (17) rows on. Deferred
     shared experts whose layer ran no latent down-projection (another path took it) launch at the join of their
     branch, so their output is always written."""
-    from types import SimpleNamespace
-
-    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_SHARED_AFTER": setting})
-    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda: None))
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None))
-    monkeypatch.setattr(backend, "situ_glu", lambda h: calls.append("glu") or h[:, : h.shape[1] // 2])
-    backend._mlp_fast = True
-    backend._open["shared"] = SimpleNamespace(wait_event=lambda e: None, device="cpu")
-    w = SimpleNamespace(shared_gate_up=torch.zeros(48, 64, dtype=torch.bfloat16),
-                        shared_down=torch.zeros(64, 24, dtype=torch.bfloat16))
+    backend, calls, spy = _shared_branch_spy(monkeypatch, setting, forked=True)
     monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append("cublas") or out)
     kernel = "rows" if rows <= 16 else "cublas"
-    shared = backend.shared_experts(torch.zeros(rows, 64, dtype=torch.bfloat16), w)
+    shared = backend.shared_experts(torch.zeros(rows, 64, dtype=torch.bfloat16), spy.w)
     assert shared.shape == (rows, 64)
     assert calls == ([] if deferred else [kernel, "glu", kernel])
     calls.clear()
     backend.join("shared")
-    assert calls == ([kernel, "glu", kernel] if deferred else []) and "shared" not in backend._open
+    assert calls == (["event", kernel, "glu", kernel] if deferred else []) and "shared" not in backend._open
+    assert spy.waited == spy.events and spy.entered == ([spy.side] if deferred else [])
+
+
+def _shared_branch_spy(monkeypatch, setting, forked):
+    """A `_dispatch_spy` backend at KIMI_DECODE_SHARED_AFTER=`setting`, with the shared branch open (`forked`) on a
+    stand-in stream, SiTU-GLU recorded as "glu", and CUDA events and streams replaced by recorders: `spy.events` (each
+    recorded event; "event" in the calls too), `spy.waited` (the events the branch's stream waited for),
+    `spy.entered` (the streams entered), `spy.side` (that stream), `spy.w` (shared expert and down weights)."""
+    from types import SimpleNamespace
+
+    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_SHARED_AFTER": setting})
+    spy = SimpleNamespace(events=[], waited=[], entered=[])
+
+    class Event:
+        def record(self):
+            spy.events.append(self)
+            calls.append("event")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: spy.entered.append(s) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(backend, "situ_glu", lambda h: calls.append("glu") or h[:, : h.shape[1] // 2])
+    backend._mlp_fast = True
+    spy.side = SimpleNamespace(wait_event=spy.waited.append, device="cpu")
+    if forked:
+        backend._open["shared"] = spy.side
+    spy.w = SimpleNamespace(shared_gate_up=torch.zeros(48, 64, dtype=torch.bfloat16),
+                            shared_down=torch.zeros(64, 24, dtype=torch.bfloat16),
+                            down=torch.zeros(32, 64, dtype=torch.bfloat16))
+    return backend, calls, spy
 
 
 @pytest.mark.parametrize("env, rows, want", [
