@@ -621,31 +621,6 @@ def test_moe_w13_with_its_weights_asked_of_l2_compiles_for_sm90a(sm90a_pdl, monk
         compile_moe(*args)
 
 
-@needs_cute
-@pytest.mark.parametrize("tp", [16, 8])
-def test_moe_w2_with_the_shared_down_ahead_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
-    """KIMI_DECODE_SHARED_DOWN_AHEAD=1: with the shared act from the entry kernel, the w2 kernel's own variant (the
-    shared CTAs first, not waiting under PDL); with the act from the w13 kernel's CTAs it is the kernel without it,
-    since those CTAs must wait for that act."""
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe
-
-    s = shard("k3", tp=tp, pad_experts=True)
-    S, H, bf = s_inter(tp), s.model.hidden, torch.bfloat16
-    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
-    args = _moe_args(s, 1)
-    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_AHEAD", "0")
-    _, waiting = compile_moe(*args, shared=shared, shared_act_ready=True)
-    _, waiting_w13 = compile_moe(*args, shared=shared)
-    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_AHEAD", "1")
-    _, ahead = compile_moe(*args, shared=shared, shared_act_ready=True)
-    assert ahead is not None and ahead is not waiting
-    assert compile_moe(*args, shared=shared)[1] is waiting_w13
-    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_AHEAD", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_SHARED_DOWN_AHEAD must be one of 0, 1"):
-        compile_moe(*args, shared=shared, shared_act_ready=True)
-
-
 def test_shared_down_lanes_setting(monkeypatch):
     """KIMI_DECODE_SHARED_DOWN_LANES: 8 lanes per row under auto, the value given otherwise; others refused."""
     from kimi_decode.kernels.moe_mxfp4 import shared_down_lanes
@@ -1598,39 +1573,6 @@ def test_prefetch_compiles_for_sm90a(sm90a):
     for mb in (1, 24, 200):  # fewer chunks than threads, a few per thread, all of a 51 MB weight
         assert compile_prefetch(prefetch_view(torch.empty(m.moe_latent, m.hidden, dtype=torch.bfloat16),
                                               mb << 20)) is not None
-
-
-@pytest.mark.parametrize("env, rows, fused", [
-    ({}, 8, True), ({}, 9, False), ({"KIMI_DECODE_FUSED_GATE_MAX_ROWS": "64"}, 64, True),
-    ({"KIMI_DECODE_FUSED_GATE_MAX_ROWS": "64", "KIMI_DECODE_FUSED_GATE": "0"}, 1, False),
-])
-def test_f_b_inside_the_kda_kernel_up_to_its_rows(monkeypatch, env, rows, fused):
-    """The decay gate's f_b goes into the KDA kernel (no f_b projection; kda_core gets f=None) up to
-    FUSED_GATE_MAX_ROWS rows or KIMI_DECODE_FUSED_GATE_MAX_ROWS; above, or with KIMI_DECODE_FUSED_GATE=0, the f_b
-    projection runs on y's f_a columns."""
-    from types import SimpleNamespace
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    backend = get_backend("latency_specialized")
-    backend._attn_fast = backend._kda_fast = True
-    s = shard("k3", tp=16)
-    w = SimpleNamespace(in_proj=torch.empty(s.kda_in_proj_rows, 8), f_b=torch.empty(s.kda_dim, s.model.kda_f_rank))
-    calls = []
-    monkeypatch.setattr(backend, "_gemv", lambda x, wt: calls.append((x.shape, wt)) or torch.zeros(x.shape[0],
-                                                                                                   wt.shape[0]))
-    monkeypatch.setattr(backend, "_f_b_columns", lambda f_b: f_b)
-    y, f = backend.kda_in_proj(torch.zeros(rows, 8), w, s)
-    assert y.shape == (rows, s.kda_in_proj_rows) and (f is None) == fused
-    assert [c[1] for c in calls] == ([w.in_proj] if fused else [w.in_proj, w.f_b])
-    if not fused:
-        assert calls[1][0] == (rows, s.model.kda_f_rank) and f.shape == (rows, s.kda_dim)
-
-
-def test_fused_gate_rows_setting_is_validated(monkeypatch):
-    monkeypatch.setenv("KIMI_DECODE_FUSED_GATE_MAX_ROWS", "65")
-    with pytest.raises(ValueError, match="KIMI_DECODE_FUSED_GATE_MAX_ROWS must be a batch in 1..64"):
-        get_backend("latency_specialized")
 
 
 @pytest.mark.parametrize("env, overlap, prefetch, fused_gate", [

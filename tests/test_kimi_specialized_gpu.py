@@ -314,26 +314,6 @@ def test_shared_experts_after_the_latent_replay_in_a_graph_like_eager(monkeypatc
     _check_graph_replays_like_eager(tp, batch)
 
 
-@pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_the_shared_down_ahead_matches_reference(monkeypatch, tp):
-    """KIMI_DECODE_SHARED_DOWN_AHEAD=1 at batch 1 (PDL): the w2 kernel's shared down-projection CTAs first in its
-    grid, streaming during the w13 kernel instead of waiting for it."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_DOWN_AHEAD", "1", tp, 1, 4000)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_shared_down_ahead_replays_in_a_graph_like_eager(monkeypatch, tp):
-    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_AHEAD", "1")
-    _check_graph_replays_like_eager(tp)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch", [16, 64])
-def test_specialized_layer_with_f_b_in_the_kda_kernel_above_8_rows_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_FUSED_GATE_MAX_ROWS=64: the decay gate's f_b inside the KDA kernel at 16 and 64 rows too."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_FUSED_GATE_MAX_ROWS", "64", tp, batch, 4100)
-
-
 def _check_graph_replays_like_eager(tp, batch=1):
     from kimi_decode.slice import DecodeSlice
 

@@ -212,9 +212,6 @@ SHARED_AFTER_MIN_ROWS = 17
 # gemm_tc_rows.DEFAULT_WARPS): 2.0-2.8 us faster per layer at 2 and 8 rows at TP16 and 2.2 at TP8 batch 2, even at
 # 16 rows (benchmarks/NOTES.md item 51)
 ROUTER_WARPS = 16
-# f_b inside the KDA kernel up to here (KIMI_DECODE_FUSED_GATE_MAX_ROWS, 1..KDA_MAX_ROWS): above, the f_b
-# projection runs as its own kernel; measured at 1 and 8 rows (NOTES v12: -0.4 / -2 us per layer)
-FUSED_GATE_MAX_ROWS = 8
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
@@ -248,8 +245,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._shared_glu = os.environ.get("KIMI_DECODE_SHARED_GLU", "1") != "0"  # 0: GLU as its own kernel (A/B)
         # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
         self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "1") != "0"
-        self._fused_gate_rows = cute_common.env_int("KIMI_DECODE_FUSED_GATE_MAX_ROWS", FUSED_GATE_MAX_ROWS, 1,
-                                                    KDA_MAX_ROWS, "a batch")
         # (layout, id(weight)) -> (weak reference to the weight, its copy in that layout): `_copy_of`
         self._copies: dict[tuple[str, int], tuple] = {}
         # the expert kernels' MXFP4 codes in quad-major order (`moe_mxfp4.quad_major`: no word exchange between
@@ -548,7 +543,7 @@ class LatencySpecializedBackend(AutoBackend):
         if not self._attn_fast:
             return super().kda_in_proj(x, w, shard)
         y = self._gemv(x, w.in_proj)
-        if (self._fused_gate and x.shape[0] <= self._fused_gate_rows and self._kda_fast
+        if (self._fused_gate and x.shape[0] <= GEMV_MAX_ROWS and self._kda_fast
                 and self._f_b_columns(w.f_b) is not None):
             return y, None  # the decay gate's up-projection f_b runs inside the KDA kernel (kda_core gets f=None)
         a, b = shard.kda_in_proj_layout["f_a"]

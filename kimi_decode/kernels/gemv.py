@@ -84,17 +84,14 @@ if HAVE_CUTE:
             assert warps % self.split == 0
             assert row_lanes in (32, 16, 8, 4) and (row_lanes == 32 or self.split == 1)
             self.row_lanes = row_lanes
-            # False: under PDL `project` neither waits for the previous kernel nor preloads, for a GEMV whose inputs
-            # were written two or more kernels back (`pdl_reads_ahead`; set by the kernel that runs it)
-            self.waits = True
             self.per_warp = 32 // row_lanes  # output rows side by side in a warp
             self.rows = warps // self.split * self.per_warp  # output rows per CTA
             self.iters = -(-(-(-K // (row_lanes * VEC))) // self.split)  # iterations of one K slice
             self.preload = min(preload, self.iters)
 
         def preloaded(self) -> int:
-            """The slices per lane and row this kernel copies before its wait (none without PDL or a wait)."""
-            return self.preload if self.pdl and self.waits else 0
+            """The slices per lane and row this kernel copies before its wait (none without PDL)."""
+            return self.preload if self.pdl else 0
 
         def allocate_preload(self, smem, slices: int | None = None):
             """The shared memory `project` copies the preloaded weights into: [16 bytes, lane, slice, row of the
@@ -159,7 +156,7 @@ if HAVE_CUTE:
                             if cutlass.const_expr(self.glu):
                                 copy_async_16(gW[(None, (N + n, kk))], sPre[(None, lane, it, self.warps + warp)])
                 cute.arch.cp_async_commit_group()
-            pdl_wait(self.pdl and self.waits)
+            pdl_wait(self.pdl)
             acc = cute.make_rmem_tensor((self.M,), Float32)
             acc.fill(0.0)
             acc_up = cute.make_rmem_tensor((self.M,), Float32)  # the up rows' sums (glu)

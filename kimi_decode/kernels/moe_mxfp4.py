@@ -47,9 +47,6 @@ QUAD = 4  # MX groups per 16-byte weight load (`quad_words`)
 # 28 would need 252. With chunks of C groups per load (`w2_chunk`) that is 14 // C chunks.
 W2_EARLY_ITEMS = 14
 F16_SHIFT = 14  # fp16 value of a shifted code = e2m1 value * 2**-14
-# the w2 kernel's shared down-projection CTAs at batch 1 first in its grid, streaming during the w13 kernel
-# (`shared_down_ahead`): off until measured
-SHARED_DOWN_AHEAD = "0"
 
 # e2m1 codes of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> four fp16x2 registers holding the codes
 # (i, i + 4) for i = 0..3, each as value * 2**-14: its magnitude bits at fp16 bits 9-11 (lo) / 25-27 (hi), its sign at
@@ -624,16 +621,11 @@ if HAVE_CUTE:
 
     class MoEW2SumShared(MoEW2Sum):
         """`MoEW2Sum` with the shared experts' down-projection (`gemv.SmallBatchGemv`, `row_lanes` lanes per row:
-        32 // row_lanes rows per warp) in CTAs of its own after the expert CTAs (batch 1).
-
-        `ahead` (`shared_down_ahead`, for a shared act written by the entry kernel, two kernels back): the shared
-        CTAs come first in the grid and, where every kernel lets the next launch only after its own wait
-        (`pdl_reads_ahead`), do not wait for the w13 kernel: their weights and act do not depend on it, so they
-        stream during the w13 kernel instead of after it."""
+        32 // row_lanes rows per warp) in CTAs of its own after the expert CTAs (batch 1)."""
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
                      early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
-                     quad_major: int = 0, ahead: bool = False):
+                     quad_major: int = 0):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
                              quad_major=quad_major)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
@@ -641,14 +633,12 @@ if HAVE_CUTE:
             self.tiles = latent // ROWS2
             self.H = hidden
             self.n_shared = -(-hidden // self.shared.rows)
-            self.ahead = ahead
 
         @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
                      w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
                      scaled: cute.Tensor, down: cute.Tensor, s_act: cute.Tensor, s_out: cute.Tensor, stream):
             self.shared.pdl = self.pdl
-            self.shared.waits = not (self.ahead and pdl_reads_ahead())
             gA = cute.zipped_divide(act, (1, 4))
             gD = cute.zipped_divide(down, (1, 8))
             gS = cute.zipped_divide(s_act, (1, 8))
@@ -665,14 +655,7 @@ if HAVE_CUTE:
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((ROWS2, self.warps)), 16)
             pre = self.shared.allocate_preload(smem)
-            if cutlass.const_expr(self.ahead):  # the shared CTAs first
-                if bidx < self.n_shared:
-                    self.shared.project(gD, gS, s_out, s_out, s_out, Int32(self.H), red, tidx, bidx, pre)
-                else:
-                    pdl_launch_dependents(self.pdl)
-                    self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx - self.n_shared, 0,
-                              tidx, ssq, -1)
-            elif bidx < self.tiles:
+            if bidx < self.tiles:
                 pdl_launch_dependents(self.pdl)
                 self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx, 0, tidx, ssq, -1)
             else:
@@ -865,14 +848,6 @@ def w13_first() -> int:
 SHARED_DOWN_LANES = ("32", "16", "8", "4")
 
 
-def shared_down_ahead() -> bool:
-    """Whether the w2 kernel's shared down-projection CTAs, when the shared act comes from the entry kernel, go first
-    in its grid and (under PDL with the trigger after the wait) stream during the w13 kernel instead of waiting for
-    it (`MoEW2SumShared`'s `ahead`; `KIMI_DECODE_SHARED_DOWN_AHEAD`: "1", or "0" for the CTAs after the expert
-    CTAs, waiting)."""
-    return env_choice("KIMI_DECODE_SHARED_DOWN_AHEAD", SHARED_DOWN_AHEAD, ("0", "1")) == "1"
-
-
 def shared_down_lanes() -> int:
     """Lanes per output row of the shared experts' down-projection CTAs in the w2 kernel
     (`KIMI_DECODE_SHARED_DOWN_LANES`: "auto", the default, or 32 / 16 / 8 / 4; a row of K = the shared intermediate
@@ -928,11 +903,10 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         lanes = shared_down_lanes()
-        ahead = shared_act_ready and shared_down_ahead()
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, ahead,
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2,
                              *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
-                                           qm2, ahead),
+                                           qm2),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
