@@ -688,6 +688,31 @@ def test_moe_mxfp4_grouped_segment_grid_matches_float64(monkeypatch, seg_ctas, t
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, False)
 
 
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+def test_moe_mxfp4_grouped_persistent_w13_matches_float64(monkeypatch, tp, pad):
+    """KIMI_DECODE_GROUPED_PERSISTENT=1: the w13 kernel's CTAs looping over (segment, row block) items with two
+    buffers, against float64 with act and the pair outputs poisoned: ~300 distinct experts (batch 64, fp16
+    operands from the CuTe alignment), every token on the same 16 (batch 33: most CTAs have no item, each segment
+    five tiles of pairs), 144 pairs (batch 9, natural rows), 256 (batch 16)."""
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_PERSISTENT", "1")
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True, "operands")
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, False)
+    test_moe_mxfp4_grouped_matches_float64(tp, pad, 16, False, True, "align")
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 16), (16, 64), (8, 8), (8, 64)])
+def test_specialized_layer_with_the_persistent_grouped_w13_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_GROUPED_PERSISTENT=1 in whole layers, where the grouped experts run (TP8 from batch 8)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_GROUPED_PERSISTENT", "1", tp, batch, 4200)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 8)])
+def test_persistent_grouped_w13_replays_in_a_graph_like_eager(monkeypatch, tp, batch):
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_PERSISTENT", "1")
+    _check_graph_replays_like_eager(tp, batch)
+
+
 @pytest.mark.parametrize("stage", ["0", "all"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (8, True), (16, False)])
 def test_moe_mxfp4_grouped_staging_settings_match_float64(monkeypatch, tp, pad, stage):
