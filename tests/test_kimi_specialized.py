@@ -1561,6 +1561,27 @@ def test_persistent_grouped_w13_compiles_for_sm90a(sm90a, monkeypatch, tp, batch
     assert compile_grouped(*ops, quad_major=True, x_operands=True)[0] is not None
 
 
+@needs_cute
+@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
+def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
+    """KIMI_DECODE_GROUPED_W13_UNROLL 2 / 4: the staged w13 kernel's mma loop over 2 or all 4 of a warp's quads per
+    iteration, a variant each (the w2 kernel unchanged); other counts are refused by name."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
+    monkeypatch.delenv("KIMI_DECODE_GROUPED_W13_UNROLL", raising=False)
+    one = compile_grouped(*args, quad_major=True)
+    seen = {id(one[0])}
+    for u in ("2", "4"):
+        monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_UNROLL", u)
+        f13, f2 = compile_grouped(*args, quad_major=True)
+        assert f13 is not None and id(f13) not in seen and f2 is one[1]
+        seen.add(id(f13))
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_UNROLL", "3")
+    with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_W13_UNROLL must be one of 1, 2, 4"):
+        compile_grouped(*args)
+
+
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import SEG_CTAS_PER_SM, segment_ctas
 

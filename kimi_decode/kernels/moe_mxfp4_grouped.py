@@ -101,6 +101,12 @@ def w13_persistent(pairs: int) -> int:
     return PERSISTENT_CTAS_PER_SM * sm_count() if on and pairs <= 32 * 32 else 0
 
 
+def w13_unroll() -> int:
+    """Quads per iteration of the staged grouped w13 kernel's mma loop (KIMI_DECODE_GROUPED_W13_UNROLL: 1, the
+    default, 2 or 4)."""
+    return int(env_choice("KIMI_DECODE_GROUPED_W13_UNROLL", "1", ("1", "2", "4")))
+
+
 W2_AHEAD = ("0", "1")
 
 
@@ -210,6 +216,7 @@ if HAVE_CUTE:
                 raise ValueError("grouped w13: the persistent form stages its weights")
             self.persistent = persistent
             self.bufs = 2 if persistent else 1
+            self.unroll = w13_unroll()  # quads per iteration of the staged mma loop
             self.I, self.used, self.topk = inter, used, topk
             self.x_operands = x_operands
             self.qm = quad_major
@@ -409,7 +416,7 @@ if HAVE_CUTE:
             `4 * tiles` accumulators as the unstaged loop has them."""
             acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
             acc.fill(0.0)
-            for it in cutlass.range(self.per_warp, unroll=1):
+            for it in cutlass.range(self.per_warp, unroll=self.unroll):
                 G0 = (warp * self.per_warp + it) * QUAD
                 bs = []
                 for i in cutlass.range_constexpr(QUAD):
@@ -708,7 +715,8 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     persistent = w13_persistent(ids.numel()) if stage13 else 0
     if persistent:
         t13 = 1
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, persistent, *signature(*a13)),
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, persistent, w13_unroll(),
+                          *signature(*a13)),
                          MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, persistent),
                          *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
