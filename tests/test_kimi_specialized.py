@@ -1517,59 +1517,17 @@ def test_staged_grouped_kernels_fit_their_ctas_per_sm_in_shared_memory():
     assert MoEW2Grouped(L, 384, k, 4, True, 64 * k, 0, True).stage
 
 
-def test_persistent_grouped_w13_setting_grid_and_shared_memory(monkeypatch):
-    """KIMI_DECODE_GROUPED_PERSISTENT: off by default; "1" a grid of PERSISTENT_CTAS_PER_SM CTAs per SM, whose two
-    buffers of one row tile fit that many per SM (227 KB); more than 32 x 32 pairs keep the other form (the count of
-    the non-empty segments takes two rounds of 32 lanes); other values are refused by name; the persistent form is
-    staged only."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import PERSISTENT_CTAS_PER_SM, MoEW13Grouped, w13_persistent
-
-    monkeypatch.setattr("kimi_decode.kernels.moe_mxfp4_grouped.sm_count", lambda: 132)
-    monkeypatch.delenv("KIMI_DECODE_GROUPED_PERSISTENT", raising=False)
-    assert w13_persistent(1024) == 0
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_PERSISTENT", "1")
-    assert PERSISTENT_CTAS_PER_SM == 3 and w13_persistent(1024) == 396 and w13_persistent(144) == 396
-    assert w13_persistent(1025) == 0
-    for tp in (16, 8):
-        s = shard("k3", tp=tp, pad_experts=True)
-        L, used, k = s.model.moe_latent, s.expert_inter_used, s.model.top_k
-        one = MoEW13Grouped(L, s.expert_inter, used, k, 1, 0, True)
-        two = MoEW13Grouped(L, s.expert_inter, used, k, 1, 0, True, persistent=396)
-        assert two.stage_bytes() == 2 * one.stage_bytes() and 3 * two.smem_bytes() <= 227 * 1024
-    with pytest.raises(ValueError, match="persistent form stages"):
-        MoEW13Grouped(L, s.expert_inter, used, k, 1, 0, False, persistent=396)
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_PERSISTENT", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_PERSISTENT must be one of 0, 1"):
-        w13_persistent(64)
-
-
-@needs_cute
-@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False), (8, 16, True)])
-def test_persistent_grouped_w13_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
-    """The persistent grouped w13 kernel, on natural and quad-major codes, bf16 activations and fp16 operands: a
-    variant of its own; the w2 kernel is unchanged."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
-
-    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
-    monkeypatch.delenv("KIMI_DECODE_GROUPED_PERSISTENT", raising=False)
-    plain = compile_grouped(*args, quad_major=True)
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_PERSISTENT", "1")
-    quad = compile_grouped(*args, quad_major=True)
-    assert quad[0] is not None and quad[0] is not plain[0] and quad[1] is plain[1]
-    assert compile_grouped(*args)[0] is not None
-    ops = [torch.empty(batch, args[0].shape[1], dtype=torch.float16), *args[1:]]
-    assert compile_grouped(*ops, quad_major=True, x_operands=True)[0] is not None
-
-
 @needs_cute
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
 def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
-    """KIMI_DECODE_GROUPED_W13_UNROLL 2 / 4: the staged w13 kernel's mma loop over 2 or all 4 of a warp's quads per
-    iteration, a variant each (the w2 kernel unchanged); other counts are refused by name."""
+    """KIMI_DECODE_GROUPED_W13_UNROLL 1 / 2 / 4: the staged w13 kernel's mma loop over 1, 2 or all 4 of a warp's
+    quads per iteration, a variant each (the w2 kernel unchanged), 4 by default; other counts are refused by name."""
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
     args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
     monkeypatch.delenv("KIMI_DECODE_GROUPED_W13_UNROLL", raising=False)
+    default = compile_grouped(*args, quad_major=True)
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_UNROLL", "1")
     one = compile_grouped(*args, quad_major=True)
     seen = {id(one[0])}
     for u in ("2", "4"):
@@ -1577,6 +1535,7 @@ def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, 
         f13, f2 = compile_grouped(*args, quad_major=True)
         assert f13 is not None and id(f13) not in seen and f2 is one[1]
         seen.add(id(f13))
+    assert f13 is default[0]  # 4, the default
     monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_UNROLL", "3")
     with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_W13_UNROLL must be one of 1, 2, 4"):
         compile_grouped(*args)

@@ -89,22 +89,16 @@ def grouped_staged(kernel: str, used: int = 0) -> bool:
     return raw == "all" or (raw == "1" and used // GROUP % QUAD == 0)
 
 
-PERSISTENT_CTAS_PER_SM = 3  # the persistent w13 CTAs per SM (one row tile, two buffers: 64.5 KB of shared memory)
-
-
-def w13_persistent(pairs: int) -> int:
-    """The persistent grouped w13 kernel's grid (`MoEW13Grouped`'s `persistent`), or 0 for one CTA per (row block,
-    segment slot): KIMI_DECODE_GROUPED_PERSISTENT "1" (PERSISTENT_CTAS_PER_SM CTAs per SM, one row tile per warp)
-    or "0", the default until measured. Its count of the non-empty segments takes at most 32 x 32 of them, so more
-    pairs keep the other form."""
-    on = env_choice("KIMI_DECODE_GROUPED_PERSISTENT", "0", ("0", "1")) == "1"
-    return PERSISTENT_CTAS_PER_SM * sm_count() if on and pairs <= 32 * 32 else 0
+# quads per iteration of the staged grouped w13 kernel's mma loop: all 4 of a warp's, 1-3 us faster per layer at
+# batch 64 than one on the H200, even at 8 and 16 (benchmarks/NOTES.md item 54)
+W13_UNROLL = "4"
 
 
 def w13_unroll() -> int:
-    """Quads per iteration of the staged grouped w13 kernel's mma loop (KIMI_DECODE_GROUPED_W13_UNROLL: 1, the
-    default, 2 or 4)."""
-    return int(env_choice("KIMI_DECODE_GROUPED_W13_UNROLL", "1", ("1", "2", "4")))
+    """Quads per iteration of the staged grouped w13 kernel's mma loop (KIMI_DECODE_GROUPED_W13_UNROLL: W13_UNROLL by
+    default, or 1 or 2 for A/B). Shared memory holds the kernel at 3 CTAs per SM, so the registers unrolling takes
+    (66-80 under cutlass-dsl 4.3.5) cost no occupancy."""
+    return int(env_choice("KIMI_DECODE_GROUPED_W13_UNROLL", W13_UNROLL, ("1", "2", "4")))
 
 
 W2_AHEAD = ("0", "1")
@@ -199,25 +193,17 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0,
-                     stage: bool = False, x_operands: bool = False, persistent: int = 0):
+                     stage: bool = False, x_operands: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
             weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `stage`
             (`grouped_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
             w1 and w3) into its own slots of shared memory with `cp.async` once the segment's expert is known, and
             the four lanes of each row a quarter of its scale words, so the CTA's whole weight tile is in flight at
-            once without holding registers; the mma loop, one quad per iteration (not unrolled, so that the
-            compiler does not hold every quad's words at once), reads them back. `x_operands`: the activations come
+            once without holding registers; the mma loop, `w13_unroll()` quads per iteration, reads them back. `x_operands`: the activations come
             as fp16 mma operands (`latent_operands`), used as loaded, instead of bf16 that every CTA converts (12
-            integer and conversion instructions per group and lane, repeated by each row block). `persistent` > 0
-            (staged only): a grid of that many CTAs, each working on the (segment, row block) items bx, bx + G, ...
-            of the non-empty segments with two buffers, so that the next item's weights are copied while the
-            current one is computed (`persistent_items`), instead of one CTA per (row block, segment slot)."""
-            if persistent and not stage:
-                raise ValueError("grouped w13: the persistent form stages its weights")
-            self.persistent = persistent
-            self.bufs = 2 if persistent else 1
-            self.unroll = w13_unroll()  # quads per iteration of the staged mma loop
+            integer and conversion instructions per group and lane, repeated by each row block)."""
             self.I, self.used, self.topk = inter, used, topk
+            self.unroll = w13_unroll()  # quads per iteration of the staged mma loop
             self.x_operands = x_operands
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
@@ -227,8 +213,8 @@ if HAVE_CUTE:
             self.red_shape = (2 * ROWS13, COLS, self.warps, self.tiles)  # the warps' partial sums, fp32
 
         def stage_bytes(self) -> int:
-            """Shared memory of the staged weights and scale words per CTA (0 unstaged), both buffers when persistent."""
-            return self.bufs * self.slots * (16 * 32 + 4 * ROWS13) * self.warps if self.stage else 0
+            """Shared memory of the staged weights and scale words per CTA (0 unstaged)."""
+            return self.slots * (16 * 32 + 4 * ROWS13) * self.warps if self.stage else 0
 
         def smem_bytes(self) -> int:
             """Shared memory per CTA: the staged weights and scale words, and the reduction buffer."""
@@ -244,11 +230,8 @@ if HAVE_CUTE:
             P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16 (or fp16 operands): ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
-            grid = [self.used // (ROWS13 * self.tiles), P, 1]
-            if cutlass.const_expr(self.persistent):
-                grid = [self.persistent, 1, 1]
             self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
-                grid=grid, block=[32 * self.warps, 1, 1], stream=stream)
+                grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -256,125 +239,65 @@ if HAVE_CUTE:
             tidx, _, _ = cute.arch.thread_idx()
             bx, s, _ = cute.arch.block_idx()
             warp, lane, g, t = mma_lanes(tidx)
+            j0 = bx * ROWS13 * self.tiles + g
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(self.red_shape), 16)
             n_slots = self.slots if self.stage else 1
             n_warps = self.warps if self.stage else 1
-            wbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, n_slots, n_warps, self.bufs)), 16)
-            sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, n_slots, n_warps, self.bufs)), 16)
-            if cutlass.const_expr(self.persistent):
-                self.persistent_items(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act, red, wbuf, sbuf,
-                                      bx, tidx)
-            else:
-                length = seg_len[s]
-                start = seg_start[s]
-                e = seg_expert[s]
-                # all three in the condition: they are then loaded together (one round trip) instead of start and
-                # expert after the length test; neither is ever negative
-                if (length > 0) & (start >= 0) & (e >= 0):
-                    if cutlass.const_expr(self.stage):
-                        self.stage_weights(gW, w_scale, wbuf, sbuf, e, bx * ROWS13 * self.tiles + g, warp, lane, g,
-                                           t, 0)
-                    self.segment(gX, gW, w_scale, order, act, red, wbuf, sbuf, e, start, length, bx, 0, 0, tidx)
-
-        @cute.jit
-        def persistent_items(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
-                             seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor,
-                             act: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, bx, tidx):
-            """The persistent form: this CTA's items i = bx + it * G (segment i // RB, row block i % RB) of the n
-            non-empty segments. Item it + 1's weights are copied into the other buffer before item it is
-            computed, and each item's table entries (expert, start, length) are loaded an item before they are
-            used. The non-empty segments are a prefix (`moe_align` writes the distinct experts first), so n is
-            found in two rounds of one load per lane: the 32-entry chunks whose last entry is non-empty, then the
-            entries of the first chunk that is not full."""
-            warp, lane, g, t = mma_lanes(tidx)
-            P = seg_len.shape[0]
-            RB = self.used // (ROWS13 * self.tiles)
-            G = self.persistent
-            last = lane * 32 + 31
-            full = cute.arch.popc(cute.arch.vote_ballot_sync((last < P) & (seg_len[select_i32(last < P, last, P - 1)]
-                                                                           > 0)))
-            s = full * 32 + lane
-            n = full * 32 + cute.arch.popc(cute.arch.vote_ballot_sync((s < P) & (seg_len[select_i32(s < P, s, P - 1)]
-                                                                                 > 0)))
-            mine = (n * RB + G - 1 - bx) // G  # items bx, bx + G, ... below n * RB (0 when bx >= n * RB)
-            e0, st0, ln0 = self.entries(seg_start, seg_len, seg_expert, bx, RB, P)
-            if mine > 0:
-                self.stage_weights(gW, w_scale, wbuf, sbuf, e0, (bx % RB) * ROWS13 * self.tiles + g, warp, lane, g,
-                                   t, 0)
-            cute.arch.cp_async_commit_group()
-            e1, st1, ln1 = self.entries(seg_start, seg_len, seg_expert, bx + G, RB, P)
-            for it in cutlass.range(mine, unroll=1):
-                i = bx + it * G
-                buf = it & 1
-                e2, st2, ln2 = self.entries(seg_start, seg_len, seg_expert, i + 2 * G, RB, P)
-                if it + 1 < mine:
-                    self.stage_weights(gW, w_scale, wbuf, sbuf, e1, ((i + G) % RB) * ROWS13 * self.tiles + g, warp,
-                                       lane, g, t, buf ^ 1)
-                cute.arch.cp_async_commit_group()
-                self.segment(gX, gW, w_scale, order, act, red, wbuf, sbuf, e0, st0, ln0, i % RB, buf, 1, tidx)
-                e0, st0, ln0 = e1, st1, ln1
-                e1, st1, ln1 = e2, st2, ln2
-
-        def entries(self, seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, i, RB: int, P):
-            """Item i's segment's expert, start and length (the last segment's past the table: unused)."""
-            s = i // RB
-            s = select_i32(s < P, s, P - 1)
-            return seg_expert[s], seg_start[s], seg_len[s]
-
-        @cute.jit
-        def segment(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
-                    act: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, e, start, length, rb,
-                    buf, pending: cutlass.Constexpr, tidx):
-            """Row block rb of one segment (expert e, its pairs order[start : start + length]), from staged buffer
-            `buf` (waiting until at most `pending` copy groups are left) or from global memory: its pairs in tiles
-            of COLS, the warps' partial sums added through `red`, SiTU-GLU -> act."""
-            warp, lane, g, t = mma_lanes(tidx)
-            j0 = rb * ROWS13 * self.tiles + g
-            for tile in cutlass.range((length + COLS - 1) // COLS):
-                col = tile * COLS + g  # this lane group's pair: mma column g
-                if col >= length:  # past the segment: any pair of it, its column is not stored
-                    col = length - 1
-                b = order[start + col] // self.topk
+            wbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, n_slots, n_warps)), 16)
+            sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, n_slots, n_warps)), 16)
+            length = seg_len[s]
+            start = seg_start[s]
+            e = seg_expert[s]
+            # all three in the condition: they are then loaded together (one round trip) instead of start and
+            # expert after the length test; neither is ever negative
+            if (length > 0) & (start >= 0) & (e >= 0):
                 if cutlass.const_expr(self.stage):
-                    acc = self.staged_sums(gX, wbuf, sbuf, b, warp, lane, g, t, buf, pending)
-                else:
-                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
-                    for it in cutlass.range_constexpr(self.per_warp):
-                        G0 = (warp * self.per_warp + it) * QUAD
-                        bs = []  # the quad's activations as fp16 operands, shared by the row tiles
-                        for i in cutlass.range_constexpr(QUAD):
-                            bs.append(self.operands(gX, b, G0 + i, t))
-                        for r in cutlass.range_constexpr(self.tiles):
-                            j = j0 + r * ROWS13
-                            u1 = quad_words(gW, e, j, G0, t, self.qm)
-                            u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
-                            sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
-                            sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                    self.stage_weights(gW, w_scale, wbuf, sbuf, e, j0, warp, lane, g, t)
+                for tile in cutlass.range((length + COLS - 1) // COLS):
+                    col = tile * COLS + g  # this lane group's pair: mma column g
+                    if col >= length:  # past the segment: any pair of it, its column is not stored
+                        col = length - 1
+                    b = order[start + col] // self.topk
+                    if cutlass.const_expr(self.stage):
+                        acc = self.staged_sums(gX, wbuf, sbuf, b, warp, lane, g, t)
+                    else:
+                        acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
+                        for it in cutlass.range_constexpr(self.per_warp):
+                            G0 = (warp * self.per_warp + it) * QUAD
+                            bs = []  # the quad's activations as fp16 operands, shared by the row tiles
                             for i in cutlass.range_constexpr(QUAD):
-                                _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
-                                           lambda: mx_scale_of(sw3, i))
-                for r in cutlass.range_constexpr(self.tiles):
-                    red[g, 2 * t, warp, r] = acc[4 * r]
-                    red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
-                    red[ROWS13 + g, 2 * t, warp, r] = acc[4 * r + 2]
-                    red[ROWS13 + g, 2 * t + 1, warp, r] = acc[4 * r + 3]
-                cute.arch.barrier()
-                for q in cutlass.range_constexpr(-(-ROWS13 * COLS * self.tiles // (32 * self.warps))):
-                    i = q * 32 * self.warps + tidx  # one (tile, row, column) of the reduction per thread
-                    if i < ROWS13 * COLS * self.tiles:
-                        r = i // (ROWS13 * COLS)
-                        row = i % (ROWS13 * COLS) // COLS
-                        n = i % COLS
-                        if tile * COLS + n < length:
-                            h1 = Float32(0.0)
-                            h3 = Float32(0.0)
-                            for k in cutlass.range_constexpr(self.warps):
-                                h1 = h1 + red[row, n, k, r]
-                                h3 = h3 + red[ROWS13 + row, n, k, r]
-                            act[order[start + tile * COLS + n], rb * ROWS13 * self.tiles + r * ROWS13 + row] = (
-                                situ_glu(h1, h3).to(act.element_type))
-                cute.arch.barrier()  # the next tile reuses `red`
+                                bs.append(self.operands(gX, b, G0 + i, t))
+                            for r in cutlass.range_constexpr(self.tiles):
+                                j = j0 + r * ROWS13
+                                u1 = quad_words(gW, e, j, G0, t, self.qm)
+                                u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
+                                sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
+                                sw3 = w_scale[e, self.I + j, G0 // QUAD]
+                                for i in cutlass.range_constexpr(QUAD):
+                                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
+                                               lambda: mx_scale_of(sw3, i))
+                    for r in cutlass.range_constexpr(self.tiles):
+                        red[g, 2 * t, warp, r] = acc[4 * r]
+                        red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
+                        red[ROWS13 + g, 2 * t, warp, r] = acc[4 * r + 2]
+                        red[ROWS13 + g, 2 * t + 1, warp, r] = acc[4 * r + 3]
+                    cute.arch.barrier()
+                    for q in cutlass.range_constexpr(-(-ROWS13 * COLS * self.tiles // (32 * self.warps))):
+                        i = q * 32 * self.warps + tidx  # one (tile, row, column) of the reduction per thread
+                        if i < ROWS13 * COLS * self.tiles:
+                            r = i // (ROWS13 * COLS)
+                            row = i % (ROWS13 * COLS) // COLS
+                            n = i % COLS
+                            if tile * COLS + n < length:
+                                h1 = Float32(0.0)
+                                h3 = Float32(0.0)
+                                for k in cutlass.range_constexpr(self.warps):
+                                    h1 = h1 + red[row, n, k, r]
+                                    h3 = h3 + red[ROWS13 + row, n, k, r]
+                                act[order[start + tile * COLS + n], bx * ROWS13 * self.tiles + r * ROWS13 + row] = (
+                                    situ_glu(h1, h3).to(act.element_type))
+                    cute.arch.barrier()  # the next tile reuses `red`
 
         def operands(self, gX: cute.Tensor, b, G, t):
             """Token b's activations 8t..8t+7 of MX group G as the four fp16x2 mma operands (inlined where it is
@@ -385,16 +308,16 @@ if HAVE_CUTE:
             return mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
 
         def stage_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, e, j0,
-                          warp, lane, g, t, buf):
+                          warp, lane, g, t):
             """The staged form's start: this lane's weight slices of every (quad, row tile, w1 / w3) slot (`_slot`)
             copied into its own slots of `wbuf`, and every 4th scale word of its row from slot t on into `sbuf`
-            [row, slot, warp], in buffer `buf` (inlined where it is called; the caller commits the copies)."""
+            [row, slot, warp] (inlined where it is called)."""
             for it in range(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
                 for r in range(self.tiles):
                     for h in range(2):
                         copy_async_16(gW[(None, (e, j0 + r * ROWS13 + h * self.I, G0 + t))],
-                                      wbuf[(None, lane, self._slot(it, r, h), warp, buf)])
+                                      wbuf[(None, lane, self._slot(it, r, h), warp)])
             one = (1, 1, 1)
             gS, sS = cute.zipped_divide(w_scale, one), cute.zipped_divide(sbuf, one)
             for q in range(self.slots // 4):  # slots is a multiple of 4: per_warp quads x tiles x 2
@@ -403,17 +326,14 @@ if HAVE_CUTE:
                 r = slot // 2 % self.tiles
                 h = slot % 2
                 copy_async_words(gS[(None, (e, j0 + r * ROWS13 + h * self.I, warp * self.per_warp + it))],
-                                 sS[(None, (g, slot, warp, buf))])
-            if cutlass.const_expr(not self.persistent):
-                cute.arch.cp_async_commit_group()
+                                 sS[(None, (g, slot, warp))])
+            cute.arch.cp_async_commit_group()
 
         @cute.jit
-        def staged_sums(self, gX: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, b, warp, lane, g, t, buf,
-                        pending: cutlass.Constexpr):
-            """The staged form's dot products for token b's activations from buffer `buf`: one quad per iteration
-            of a loop the compiler keeps (the first waits for this lane's copies, all but the last `pending` copy
-            groups, then for the warp's, since the scale words come from the row's four lanes); returns the
-            `4 * tiles` accumulators as the unstaged loop has them."""
+        def staged_sums(self, gX: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, b, warp, lane, g, t):
+            """The staged form's dot products for token b's activations: `unroll` quads per iteration of a loop the
+            compiler keeps (the first waits for this lane's copies, then for the warp's, since the scale words
+            come from the row's four lanes); returns the `4 * tiles` accumulators as the unstaged loop has them."""
             acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
             acc.fill(0.0)
             for it in cutlass.range(self.per_warp, unroll=self.unroll):
@@ -421,16 +341,16 @@ if HAVE_CUTE:
                 bs = []
                 for i in cutlass.range_constexpr(QUAD):
                     bs.append(self.operands(gX, b, G0 + i, t))
-                cute.arch.cp_async_wait_group(pending)  # nothing left after the first quad: no wait
+                cute.arch.cp_async_wait_group(0)  # nothing left after the first quad: no wait
                 cute.arch.sync_warp()
                 for r in cutlass.range_constexpr(self.tiles):
                     slot = self._slot(it, r, 0)
-                    v1 = load4(wbuf[(None, lane, slot, warp, buf)])
-                    v3 = load4(wbuf[(None, lane, slot + 1, warp, buf)])
+                    v1 = load4(wbuf[(None, lane, slot, warp)])
+                    v3 = load4(wbuf[(None, lane, slot + 1, warp)])
                     u1 = quad_exchange([v1[0], v1[1], v1[2], v1[3]], t, self.qm)
                     u3 = quad_exchange([v3[0], v3[1], v3[2], v3[3]], t, self.qm)
-                    sw1 = sbuf[g, slot, warp, buf]
-                    sw3 = sbuf[g, slot + 1, warp, buf]
+                    sw1 = sbuf[g, slot, warp]
+                    sw3 = sbuf[g, slot + 1, warp]
                     for i in cutlass.range_constexpr(QUAD):
                         _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
                                    lambda: mx_scale_of(sw3, i))
@@ -712,12 +632,8 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    persistent = w13_persistent(ids.numel()) if stage13 else 0
-    if persistent:
-        t13 = 1
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, persistent, w13_unroll(),
-                          *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, persistent),
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, w13_unroll(), *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands),
                          *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
