@@ -272,11 +272,12 @@ for name in "$@"; do
         done
       done ;;
     ncu-b1)  # per-kernel metrics of the KDA, o_proj + AttnRes and expert kernels, latency_specialized TP8 batch 1
-      # (NCU_KERNELS, NCU_TP, NCU_BATCH, NCU_SKIP, NCU_COUNT; NCU_SECTIONS adds sections, e.g. "SchedulerStats")
+      # (NCU_KERNELS, NCU_TP, NCU_BATCH, NCU_SKIP, NCU_COUNT; NCU_SECTIONS adds sections, e.g. "SchedulerStats";
+      # NCU_ARGS more ncu options, e.g. "--print-details all" for the stall reasons)
       step "ncu-b1 tp${NCU_TP:-8} b${NCU_BATCH:-1}" 150 ncu --clock-control none \
         -k "regex:${NCU_KERNELS:-KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum}" --launch-skip ${NCU_SKIP:-20} \
         --launch-count ${NCU_COUNT:-4} --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats $(for n in ${NCU_SECTIONS:-}; do echo "--section $n"; done) \
+        --section WarpStateStats $(for n in ${NCU_SECTIONS:-}; do echo "--section $n"; done) ${NCU_ARGS:-} \
         python3 -m kimi_decode.bench --backend latency_specialized --tp ${NCU_TP:-8} \
         --batch ${NCU_BATCH:-1} --layers 1 --copies 1 --replays 5 --warmup 2 ;;
     ncu-experts)  # per-kernel metrics of the grouped expert kernels at TP16 batch 64 (one eager launch each)
