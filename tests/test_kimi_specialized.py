@@ -1541,27 +1541,6 @@ def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, 
         compile_grouped(*args)
 
 
-@needs_cute
-@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
-def test_grouped_w13_with_activations_ahead_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
-    """KIMI_DECODE_GROUPED_W13_X_AHEAD=1: the w13 kernel loading each quad's activations during the quad before, a
-    variant of its own on both layouts (w2 unchanged); "0" is the default kernel; other values are refused."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
-
-    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
-    monkeypatch.delenv("KIMI_DECODE_GROUPED_W13_X_AHEAD", raising=False)
-    default = compile_grouped(*args, quad_major=True)
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_X_AHEAD", "0")
-    assert compile_grouped(*args, quad_major=True)[0] is default[0]
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_X_AHEAD", "1")
-    f13, f2 = compile_grouped(*args, quad_major=True)
-    assert f13 is not None and f13 is not default[0] and f2 is default[1]
-    assert compile_grouped(*args)[0] is not None
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_X_AHEAD", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_GROUPED_W13_X_AHEAD must be one of 0, 1"):
-        compile_grouped(*args)
-
-
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import SEG_CTAS_PER_SM, segment_ctas
 

@@ -701,21 +701,6 @@ def test_moe_mxfp4_grouped_w13_unrolled_matches_float64(monkeypatch, tp, pad, un
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, False)
 
 
-@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
-def test_moe_mxfp4_grouped_w13_with_activations_ahead_matches_float64(monkeypatch, tp, pad):
-    """KIMI_DECODE_GROUPED_W13_X_AHEAD=1: each quad's activations loaded during the quad before, at the shapes of
-    the test above."""
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_W13_X_AHEAD", "1")
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True, "operands")
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, False)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 8)])
-def test_specialized_layer_with_the_grouped_w13_activations_ahead_matches_reference(monkeypatch, tp, batch):
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_GROUPED_W13_X_AHEAD", "1", tp, batch, 4400)
-
-
 @pytest.mark.parametrize("unroll", ["1", "2"])
 @pytest.mark.parametrize("tp, batch", [(16, 64), (8, 8)])
 def test_specialized_layer_with_the_grouped_w13_unrolled_matches_reference(monkeypatch, tp, batch, unroll):

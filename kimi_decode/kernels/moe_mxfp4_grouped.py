@@ -101,13 +101,6 @@ def w13_unroll() -> int:
     return int(env_choice("KIMI_DECODE_GROUPED_W13_UNROLL", W13_UNROLL, ("1", "2", "4")))
 
 
-def w13_x_ahead() -> bool:
-    """KIMI_DECODE_GROUPED_W13_X_AHEAD: whether the staged grouped w13 kernel loads each quad's activation operands
-    (4 x 16 bytes per lane, from L2) during the quad before, in a fully unrolled mma loop ("1"), or at the quad's start
-    ("0", the default until measured)."""
-    return env_choice("KIMI_DECODE_GROUPED_W13_X_AHEAD", "0", ("0", "1")) == "1"
-
-
 W2_AHEAD = ("0", "1")
 
 
@@ -211,7 +204,6 @@ if HAVE_CUTE:
             integer and conversion instructions per group and lane, repeated by each row block)."""
             self.I, self.used, self.topk = inter, used, topk
             self.unroll = w13_unroll()  # quads per iteration of the staged mma loop
-            self.x_ahead = w13_x_ahead()  # each quad's activations loaded during the quad before
             self.x_operands = x_operands
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
@@ -344,39 +336,25 @@ if HAVE_CUTE:
             come from the row's four lanes); returns the `4 * tiles` accumulators as the unstaged loop has them."""
             acc = cute.make_rmem_tensor((4 * self.tiles,), Float32)
             acc.fill(0.0)
-            if cutlass.const_expr(self.x_ahead):  # quad it + 1's activations asked for before quad it's work
-                ahead = self.quad_operands(gX, b, warp, 0, t)
-                for it in cutlass.range_constexpr(self.per_warp):
-                    bs = ahead
-                    if cutlass.const_expr(it + 1 < self.per_warp):
-                        ahead = self.quad_operands(gX, b, warp, it + 1, t)
-                    self.staged_quad(acc, wbuf, sbuf, bs, it, warp, lane, g, t)
-            else:
-                for it in cutlass.range(self.per_warp, unroll=self.unroll):
-                    self.staged_quad(acc, wbuf, sbuf, self.quad_operands(gX, b, warp, it, t), it, warp, lane, g, t)
+            for it in cutlass.range(self.per_warp, unroll=self.unroll):
+                G0 = (warp * self.per_warp + it) * QUAD
+                bs = []
+                for i in cutlass.range_constexpr(QUAD):
+                    bs.append(self.operands(gX, b, G0 + i, t))
+                cute.arch.cp_async_wait_group(0)  # nothing left after the first quad: no wait
+                cute.arch.sync_warp()
+                for r in cutlass.range_constexpr(self.tiles):
+                    slot = self._slot(it, r, 0)
+                    v1 = load4(wbuf[(None, lane, slot, warp)])
+                    v3 = load4(wbuf[(None, lane, slot + 1, warp)])
+                    u1 = quad_exchange([v1[0], v1[1], v1[2], v1[3]], t, self.qm)
+                    u3 = quad_exchange([v3[0], v3[1], v3[2], v3[3]], t, self.qm)
+                    sw1 = sbuf[g, slot, warp]
+                    sw3 = sbuf[g, slot + 1, warp]
+                    for i in cutlass.range_constexpr(QUAD):
+                        _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
+                                   lambda: mx_scale_of(sw3, i))
             return [acc[i] for i in range(4 * self.tiles)]
-
-        def quad_operands(self, gX: cute.Tensor, b, warp, it, t):
-            """Token b's activations of this warp's quad `it` as the four groups' mma operands (`operands`)."""
-            G0 = (warp * self.per_warp + it) * QUAD
-            return [self.operands(gX, b, G0 + i, t) for i in range(QUAD)]
-
-        def staged_quad(self, acc, wbuf: cute.Tensor, sbuf: cute.Tensor, bs, it, warp, lane, g, t):
-            """Quad `it`'s mma for every row tile into `acc`, from the staged words once this lane's copies, then the
-            warp's, have landed (no wait after the first quad), against its activation operands `bs`."""
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_warp()
-            for r in range(self.tiles):
-                slot = self._slot(it, r, 0)
-                v1 = load4(wbuf[(None, lane, slot, warp)])
-                v3 = load4(wbuf[(None, lane, slot + 1, warp)])
-                u1 = quad_exchange([v1[0], v1[1], v1[2], v1[3]], t, self.qm)
-                u3 = quad_exchange([v3[0], v3[1], v3[2], v3[3]], t, self.qm)
-                sw1 = sbuf[g, slot, warp]
-                sw3 = sbuf[g, slot + 1, warp]
-                for i in range(QUAD):
-                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
-                               lambda: mx_scale_of(sw3, i))
 
     class MoEW2Grouped:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
@@ -654,8 +632,7 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, w13_unroll(), w13_x_ahead(),
-                          *signature(*a13)),
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, w13_unroll(), *signature(*a13)),
                          MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands),
                          *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
