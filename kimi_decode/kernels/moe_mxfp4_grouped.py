@@ -96,8 +96,8 @@ W13_UNROLL = "4"
 
 def w13_unroll() -> int:
     """Quads per iteration of the staged grouped w13 kernel's mma loop (KIMI_DECODE_GROUPED_W13_UNROLL: W13_UNROLL by
-    default, or 1 or 2 for A/B). Shared memory holds the kernel at 3 CTAs per SM, so the registers unrolling takes
-    (66-80 under cutlass-dsl 4.3.5) cost no occupancy."""
+    default, or 1 or 2 for A/B). Shared memory holds the kernel at 3 CTAs per SM, so the registers unrolling may take
+    cost no occupancy up to 96 per thread (4: 66 on the H200, by ncu)."""
     return int(env_choice("KIMI_DECODE_GROUPED_W13_UNROLL", W13_UNROLL, ("1", "2", "4")))
 
 
@@ -199,9 +199,10 @@ if HAVE_CUTE:
             (`grouped_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
             w1 and w3) into its own slots of shared memory with `cp.async` once the segment's expert is known, and
             the four lanes of each row a quarter of its scale words, so the CTA's whole weight tile is in flight at
-            once without holding registers; the mma loop, `w13_unroll()` quads per iteration, reads them back. `x_operands`: the activations come
-            as fp16 mma operands (`latent_operands`), used as loaded, instead of bf16 that every CTA converts (12
-            integer and conversion instructions per group and lane, repeated by each row block)."""
+            once without holding registers; the mma loop, `w13_unroll()` quads per iteration, reads them back.
+            `x_operands`: the activations come as fp16 mma operands (`latent_operands`), used as loaded, instead of
+            bf16 that every CTA converts (12 integer and conversion instructions per group and lane, repeated by each
+            row block)."""
             self.I, self.used, self.topk = inter, used, topk
             self.unroll = w13_unroll()  # quads per iteration of the staged mma loop
             self.x_operands = x_operands
