@@ -193,18 +193,18 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0,
-                     stage: bool = False, x_operands: bool = False):
+                     stage: bool = False, x_operands: bool = False, unroll: int = 1):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
             weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `stage`
             (`grouped_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
             w1 and w3) into its own slots of shared memory with `cp.async` once the segment's expert is known, and
             the four lanes of each row a quarter of its scale words, so the CTA's whole weight tile is in flight at
-            once without holding registers; the mma loop, `w13_unroll()` quads per iteration, reads them back.
-            `x_operands`: the activations come as fp16 mma operands (`latent_operands`), used as loaded, instead of
-            bf16 that every CTA converts (12 integer and conversion instructions per group and lane, repeated by each
-            row block)."""
+            once without holding registers; the mma loop, `unroll` quads per iteration (`w13_unroll`), reads them
+            back. `x_operands`: the activations come as fp16 mma operands (`latent_operands`), used as loaded,
+            instead of bf16 that every CTA converts (12 integer and conversion instructions per group and lane,
+            repeated by each row block)."""
             self.I, self.used, self.topk = inter, used, topk
-            self.unroll = w13_unroll()  # quads per iteration of the staged mma loop
+            self.unroll = unroll  # quads per iteration of the staged mma loop
             self.x_operands = x_operands
             self.qm = quad_major
             self.warps, self.per_warp = quad_split(latent)  # K over the warps in whole quads
@@ -633,8 +633,9 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, w13_unroll(), *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands),
+    unroll = w13_unroll()
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, unroll, *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, unroll),
                          *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
