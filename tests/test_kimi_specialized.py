@@ -1541,6 +1541,31 @@ def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, 
         compile_grouped(*args)
 
 
+@needs_cute
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch, tp, pad):
+    """KIMI_DECODE_MX_PACKED "codes" / "all": the per-pair (batches 1 and 8; at one token with the shared experts
+    inside) and grouped (batch 64) kernels on quad-major codes, a variant each per setting."""
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
+    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    L, bf, S, H = s.model.moe_latent, torch.bfloat16, s_inter(tp), s.model.hidden
+    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+    seen = set()
+    for setting in ("0", "codes", "all"):
+        monkeypatch.setenv("KIMI_DECODE_MX_PACKED", setting)
+        fns = [*compile_grouped(*_grouped_args(s, 64), quad_major=True)]
+        for batch in (1, 8):
+            fns += compile_moe(*_moe_args(s, batch), scaled=(torch.empty(L), torch.empty(batch, L, dtype=bf)),
+                               quad_major=True)
+        fns += compile_moe(*_moe_args(s, 1), scaled=(torch.empty(L), torch.empty(1, L, dtype=bf)), shared=shared,
+                           shared_act_ready=True, quad_major=True)
+        assert all(f is not None for f in fns) and not seen & {id(f) for f in fns}
+        seen |= {id(f) for f in fns}
+
+
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import SEG_CTAS_PER_SM, segment_ctas
 
@@ -1715,6 +1740,75 @@ def test_quad_major_puts_each_lanes_words_side_by_side_and_inverts(groups):
     for c in range(0, groups - groups % 4, 4):  # lane t's 16 bytes of quad c // 4: word t of its four groups
         for t in range(4):
             assert [quad_major_offset(c + i, t, groups) for i in range(4)] == list(range(4 * c + 4 * t, 4 * c + 4 * t + 4))
+
+
+def _run_dequant_ptx(template: str, w: int) -> list[int]:
+    """The four 32-bit registers h0..h3 that a `moe_mxfp4` dequantisation template computes from word `w`, by
+    interpreting its PTX (the few integer instructions it uses, on unsigned 32-bit values)."""
+    import re
+
+    M = 0xFFFFFFFF
+    regs = {"w": w, "z": 0}
+
+    def val(x: str) -> int:
+        x = x.strip()
+        return int(x, 16) & M if x.startswith("0x") else int(x) if x.isdigit() else regs[x]
+
+    def prmt(a: int, b: int, sel: int) -> int:
+        pool = (a | b << 32).to_bytes(8, "little")
+        return int.from_bytes(bytes(pool[sel >> 4 * i & 7] for i in range(4)), "little")
+
+    ops = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "shl.b32": lambda a, b: a << b & M,
+           "shr.u32": lambda a, b: a >> b, "mul.hi.u32": lambda a, b: a * b >> 32, "prmt.b32": prmt}
+    for ins in re.findall(r"([a-z0-9.]+) ([^;]+);", template.format(w="w", h="h", shr="shr.u32 t1, w, 3")):
+        op, args = ins[0], [a.strip() for a in ins[1].split(",")]
+        regs[args[0]] = ops[op](*(val(a) for a in args[1:]))
+    return [regs[f"h{i}"] for i in range(4)]
+
+
+def test_packed_dequantisation_gives_every_code_its_value():
+    """`_DEQUANT_PACKED` on a word of packed codes (`quad_major`'s byte packing) gives the same four fp16x2 registers
+    as `_DEQUANT` on the natural word, and each fp16 is its e2m1 code's value x 2**-14: codes (i, i + 4) in h_i,
+    for words covering every byte value in each of the four byte places."""
+    import numpy as np
+
+    from kimi_decode.kernels.moe_mxfp4 import _DEQUANT, _DEQUANT_PACKED, _pack_bytes
+    from kimi_decode.quant import E2M1_VALUES
+
+    for b in range(256):
+        for place in range(4):
+            w = (b << 8 * place) | (((b * 37 + 11) & 0xFF) << 8 * ((place + 1) % 4))
+            nat = torch.tensor(list(w.to_bytes(4, "little")), dtype=torch.uint8)
+            packed = int.from_bytes(bytes(_pack_bytes(nat, inverse=False).tolist()), "little")
+            h = _run_dequant_ptx(_DEQUANT, w)
+            assert _run_dequant_ptx(_DEQUANT_PACKED, packed) == h
+            halves = np.array(h, dtype=np.uint32).view(np.float16).astype(np.float64)  # h0.lo, h0.hi, h1.lo, ...
+            codes = [w >> 4 * i & 0xF for i in range(8)]
+            want = [(-1 if c & 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -14 for c in codes]
+            assert list(halves) == [want[i + 4 * j] for i in range(4) for j in range(2)]
+
+
+@pytest.mark.parametrize("groups", [4, 6, 12, 112])
+def test_quad_major_packs_each_bytes_codes_and_inverts(monkeypatch, groups):
+    """`quad_major(packed=True)`: the quad-major words with every byte through `_pack_bytes` (a permutation of the
+    256 byte values); `inverse` gives the natural rows back; `packed=None` follows KIMI_DECODE_MX_PACKED."""
+    from kimi_decode.kernels.moe_mxfp4 import _pack_bytes, quad_major
+
+    every = torch.arange(256, dtype=torch.uint8)
+    assert sorted(_pack_bytes(every, inverse=False).tolist()) == list(range(256))
+    assert torch.equal(_pack_bytes(_pack_bytes(every, inverse=False), inverse=True), every)
+    w = torch.randint(0, 256, (3, 5, 16 * groups), dtype=torch.uint8)
+    q = quad_major(w, packed=True)
+    assert torch.equal(q, _pack_bytes(quad_major(w, packed=False), inverse=False))
+    assert torch.equal(quad_major(q, inverse=True, packed=True), w)
+    monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "0")
+    assert torch.equal(quad_major(w), quad_major(w, packed=False))
+    for setting in ("codes", "all"):
+        monkeypatch.setenv("KIMI_DECODE_MX_PACKED", setting)
+        assert torch.equal(quad_major(w), q)
+    monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "1")
+    with pytest.raises(ValueError, match="KIMI_DECODE_MX_PACKED must be one of 0, codes, all"):
+        quad_major(w)
 
 
 def test_quad_major_refuses_odd_groups_and_other_dtypes():

@@ -591,14 +591,17 @@ class LatencySpecializedBackend(AutoBackend):
         (`_copy_of`), else the natural rows. The w2 copy keeps only the `used` columns of each row
         (`KIMI_DECODE_W2_COMPACT=0`: all of them): a padded shard's zero columns share the rows' DRAM bursts with
         the used ones, so they would be read too (TP16: a third more than the used bytes)."""
+        from ..kernels.cute_common import mx_packed
         from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
         cols = used // 2 if self._w2_compact else w.w2.shape[2]  # w2's bytes per row in the copy
         if self._quad_major_on and quad_major_fits(w.w13) and quad_major_fits(w.w2[..., :cols]):
             why = ("expert weights first seen inside a CUDA-graph capture: their quad-major copies are made outside "
                    "captures, so the expert kernels read the natural rows in this graph")
-            w13 = self._copy_of(w.w13, "quad_major", quad_major, why)
-            w2 = self._copy_of(w.w2, f"quad_major:{cols}", lambda t: quad_major(t[..., :cols]), why)
+            packed = mx_packed()  # the kernels compiled now read packed codes (KIMI_DECODE_MX_PACKED)
+            w13 = self._copy_of(w.w13, f"quad_major:packed={packed}", lambda t: quad_major(t, packed=packed), why)
+            w2 = self._copy_of(w.w2, f"quad_major:{cols}:packed={packed}",
+                               lambda t: quad_major(t[..., :cols], packed=packed), why)
             if w13 is not None and w2 is not None:
                 return w13, w2, True
         return w.w13, w.w2, False

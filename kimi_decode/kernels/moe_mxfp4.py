@@ -29,8 +29,8 @@ import os
 
 import torch
 
-from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, signature,
-                          sm_count)
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
+                          mx_packed_scales, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -64,8 +64,22 @@ _DEQUANT = """
 """
 
 
-def _dequant(w: str, h: str) -> str:
-    """`_DEQUANT` of word `w` into registers h0..h3, in the form `mx_alu()` asks for."""
+# The same on packed codes (`quad_major` with `mx_packed()`): each byte holds its even code's sign in bit 7 and
+# magnitude in bits 1-3, where an fp16's high byte wants them, and its odd code's magnitude in bits 4-6 and sign in
+# bit 0. One mask then gives every even code's fields, and two shifts and two masks every odd code's: 9 instructions
+# per word (8 on the ALU pipe, the left shift a multiply) against 11.
+_DEQUANT_PACKED = """
+    and.b32 t0, {w}, 0x8E8E8E8E;
+    shr.u32 t1, {w}, 3;  and.b32 t1, t1, 0x0E0E0E0E;  shl.b32 t2, {w}, 7;  and.b32 t2, t2, 0x80808080;  or.b32 t1, t1, t2;
+    prmt.b32 {h}0, t0, z, 0x2404;  prmt.b32 {h}2, t0, z, 0x3414;  prmt.b32 {h}1, t1, z, 0x2404;  prmt.b32 {h}3, t1, z, 0x3414;
+"""
+
+
+def _dequant(w: str, h: str, packed: bool = False) -> str:
+    """`_DEQUANT` of word `w` into registers h0..h3, in the form `mx_alu()` asks for; `_DEQUANT_PACKED` where the
+    word holds packed codes (`packed`: quad-major codes with `mx_packed()`)."""
+    if packed and mx_packed():
+        return _DEQUANT_PACKED.format(w=w, h=h)
     shr = f"mul.hi.u32 t1, {w}, 0x20000000" if mx_alu() else f"shr.u32 t1, {w}, 3"
     return _DEQUANT.format(w=w, h=h, shr=shr)
 
@@ -104,17 +118,17 @@ _MMA_PAIR = (" mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3
 _MMA_REGS = "{\n .reg .b32 t0, t1, t2, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
 
 
-def _group_mma_asm(bf16_activations: bool) -> str:
-    """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8, $6..$9 the activations;
-    outputs $0..$3 the fp32 accumulator fragment (c0, c1: row g; c2, c3: row g + 8), unscaled."""
-    return (_MMA_REGS + _dequant("$4", "ha") + _dequant("$5", "hb")
+def _group_mma_asm(bf16_activations: bool, packed: bool = False) -> str:
+    """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8 (`packed`: see `_dequant`), $6..$9 the
+    activations; outputs $0..$3 the fp32 accumulator fragment (c0, c1: row g; c2, c3: row g + 8), unscaled."""
+    return (_MMA_REGS + _dequant("$4", "ha", packed) + _dequant("$5", "hb", packed)
             + _b_operands(bf16_activations, 6, "b") + _MMA_PAIR)
 
 
-def _operand_mma_asm() -> str:
+def _operand_mma_asm(packed: bool = False) -> str:
     """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
     use one activation group against several weight tiles convert it once."""
-    return (_MMA_REGS + _dequant("$4", "ha") + _dequant("$5", "hb")
+    return (_MMA_REGS + _dequant("$4", "ha", packed) + _dequant("$5", "hb", packed)
             + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR)
 
 
@@ -167,15 +181,32 @@ def quad_major_fits(w: torch.Tensor) -> bool:
     return w.dtype == torch.uint8 and w.shape[-1] % (2 * 16) == 0
 
 
-def quad_major(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def _pack_bytes(b: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Each byte's two e2m1 codes (even code in bits 0-3, odd code in bits 4-7, sign bits 3 / 7) moved into the fields
+    `_DEQUANT_PACKED` reads: the even code's sign to bit 7 and magnitude to bits 1-3, the odd code's sign to bit 0
+    (its magnitude stays in bits 4-6); `inverse` moves them back. uint8 in, uint8 out."""
+    b = b.to(torch.int32)
+    if inverse:
+        b = ((b & 0x80) >> 4) | ((b & 0x0E) >> 1) | ((b & 0x01) << 7) | (b & 0x70)
+    else:
+        b = ((b & 0x08) << 4) | ((b & 0x07) << 1) | ((b & 0x80) >> 7) | (b & 0x70)
+    return b.to(torch.uint8)
+
+
+def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | None = None) -> torch.Tensor:
     """MXFP4 codes [..., row bytes] (uint8, 16 bytes per MX group, an even number of groups per row) in the order in
     which the expert kernels' lanes read them without exchanging words: within each quad of 4 groups (64 bytes) of
     a row, word t of group c moves to word 4t + c (a 4 x 4 transpose of words), in a row's last pair of groups (when
     the groups are not a multiple of 4) to 2t + c. Lane t of a quad then finds word t of every group of a chunk
-    side by side, what `quad_transpose` / `pair_transpose` assemble from natural rows. A new tensor; `inverse`
-    gives back the natural order. Made once per weight, outside the step (`latency_specialized`)."""
+    side by side, what `quad_transpose` / `pair_transpose` assemble from natural rows. With `packed` (None:
+    `mx_packed()`) each byte's two codes also move into the fields the packed dequantisation reads (`_pack_bytes`).
+    A new tensor; `inverse` gives back the natural order. Made once per weight, outside the step
+    (`latency_specialized`)."""
     if not quad_major_fits(w):
         raise ValueError("quad_major: uint8 MXFP4 codes with an even number of 16-byte groups per row expected")
+    packed = mx_packed() if packed is None else packed
+    if packed and inverse:
+        w = _pack_bytes(w, inverse=True)
     groups = w.shape[-1] // 16
     full = groups // QUAD * QUAD
     words = w.contiguous().view(torch.int32).reshape(-1, groups * 4)
@@ -187,7 +218,8 @@ def quad_major(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         n = groups - full
         tail = words[:, full * 4:].reshape(rows, *((4, n) if inverse else (n, 4)))
         out[:, full * 4:] = tail.transpose(-1, -2).reshape(rows, -1)
-    return out.view(torch.uint8).view(w.shape)
+    out = out.view(torch.uint8).view(w.shape)
+    return _pack_bytes(out, inverse=False) if packed and not inverse else out
 
 
 def quad_major_offset(G, t, groups: int, select=None):
@@ -208,13 +240,13 @@ if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    def group_mma_fragment(wa, wb, xs, bf16_activations: bool):
+    def group_mma_fragment(wa, wb, xs, bf16_activations: bool, packed: bool = False):
         """The whole accumulator fragment of one MX group, before its scale: (row g, column 2t), (row g, 2t + 1),
         (row g + 8, 2t), (row g + 8, 2t + 1), column n being the activations of the lanes with lane // 4 = n."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(x).ir_value() for x in xs],
-            _group_mma_asm(bf16_activations), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False,
+            _group_mma_asm(bf16_activations, packed), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False,
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
@@ -236,12 +268,12 @@ if HAVE_CUTE:
             r[i] = ops[i]
         cute.autovec_copy(r, dst)
 
-    def operand_mma(wa, wb, bs):
-        """`group_mma_fragment` on operands from `mma_operands`."""
+    def operand_mma(wa, wb, bs, packed: bool = False):
+        """`group_mma_fragment` on operands from `mma_operands` (`packed`: the words are quad-major codes)."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(b).ir_value() for b in bs],
-            _operand_mma_asm(), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            _operand_mma_asm(packed), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
@@ -293,10 +325,10 @@ if HAVE_CUTE:
         """`w` (int32 words [E, rows, words]) divided for `chunk_load`."""
         return w if chunk == 1 else cute.zipped_divide(w, (1, 1, chunk))
 
-    def _group_mma(wa, wb, xs, bf16_activations: bool):
+    def _group_mma(wa, wb, xs, bf16_activations: bool, packed: bool = False):
         """(row g, row g + 8) partial dot products of one MX group, before its scale (every column holds the same
         token: column 0 is read)."""
-        c = group_mma_fragment(wa, wb, xs, bf16_activations)
+        c = group_mma_fragment(wa, wb, xs, bf16_activations, packed)
         return c[0], c[2]
 
     def mx_scale(s):
@@ -309,8 +341,8 @@ if HAVE_CUTE:
     def mx_scale_of(word, i: int):
         """`mx_scale(byte_of(word, i))`: with `mx_alu()` as one mask (a `mul.hi` for the top byte, i = 3) and one
         `mad` that shifts the byte into an fp32's exponent field and adds the 14: `(word & 0xFF << 8i) * 2**(23 - 8i)
-        + 14 * 2**23`, the same bits as `(byte + 14) << 23`."""
-        if not mx_alu():
+        + 14 * 2**23`, the same bits as `(byte + 14) << 23`; with `mx_packed_scales()` that form for bytes 0-2."""
+        if not (mx_alu() or (mx_packed_scales() and i < 3)):  # packed: the top byte keeps its 2-instruction form
             return mx_scale(byte_of(word, i))
         asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i)
         return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value()], asm, "=f,r", has_side_effects=False,
@@ -323,7 +355,7 @@ if HAVE_CUTE:
     def word_scales(word, n: int = QUAD):
         """The fp32 scales of a scale word's first n bytes, as functions to call where each is used: `mx_scale_of`;
         in the ALU form the bytes are taken out of the word here and converted at the call."""
-        if mx_alu():
+        if mx_alu() or mx_packed_scales():
             return [lambda i=i: mx_scale_of(word, i) for i in range(n)]
         return byte_scales([byte_of(word, i) for i in range(n)])
 
@@ -422,11 +454,11 @@ if HAVE_CUTE:
                 for i in cutlass.range_constexpr(QUAD):
                     if cutlass.const_expr(self.x_once):
                         bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
-                        c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]])
+                        c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0)
                         d1, d3 = c[0], c[2]
                     else:
                         xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                        d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True)
+                        d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
                     acc1 = acc1 + d1 * mx_scale_of(sw1, i)
                     acc3 = acc3 + d3 * mx_scale_of(sw3, i)
             if t == 0:
@@ -550,7 +582,7 @@ if HAVE_CUTE:
                 ka, kb = self.scales(w_scale, e, ra, G0), self.scales(w_scale, e, rb, G0)
                 for i in cutlass.range_constexpr(C):
                     xs = load4(gA[(None, (b * self.topk + k, (G0 + i) * 4 + t))])
-                    da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False)
+                    da, db = _group_mma(wa[i], wb[i], [xs[0], xs[1], xs[2], xs[3]], False, self.qm != 0)
                     acc_a = acc_a + da * (wt * ka[i]())
                     acc_b = acc_b + db * (wt * kb[i]())
             if t == 0:

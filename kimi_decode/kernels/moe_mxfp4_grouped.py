@@ -146,11 +146,12 @@ if HAVE_CUTE:
         ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
         return [f for i, word in enumerate(ws) for f in word_scales(word, min(QUAD, groups - QUAD * i))]
 
-    def _group_acc(acc, k: int, wa, wb, bs, sa, sb) -> None:
+    def _group_acc(acc, k: int, wa, wb, bs, sa, sb, packed: bool) -> None:
         """acc[k], acc[k + 1] (rows a, columns 2t / 2t + 1) and acc[k + 2], acc[k + 3] (rows b) += one MX group's mma
-        of words wa / wb against operands bs, scaled by the rows' fp32 scales, which `sa()` / `sb()` give after the
-        mma is issued (`acc` a list or a register tensor; inlined where it is called)."""
-        c = operand_mma(wa, wb, bs)
+        of words wa / wb (`packed`: quad-major codes, `operand_mma`) against operands bs, scaled by the rows' fp32
+        scales, which `sa()` / `sb()` give after the mma is issued (`acc` a list or a register tensor; inlined where
+        it is called)."""
+        c = operand_mma(wa, wb, bs, packed)
         fa = sa()
         fb = sb()
         acc[k] = acc[k] + c[0] * fa
@@ -277,7 +278,7 @@ if HAVE_CUTE:
                                 sw3 = w_scale[e, self.I + j, G0 // QUAD]
                                 for i in cutlass.range_constexpr(QUAD):
                                     _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
-                                               lambda: mx_scale_of(sw3, i))
+                                               lambda: mx_scale_of(sw3, i), self.qm != 0)
                     for r in cutlass.range_constexpr(self.tiles):
                         red[g, 2 * t, warp, r] = acc[4 * r]
                         red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
@@ -354,7 +355,7 @@ if HAVE_CUTE:
                     sw3 = sbuf[g, slot + 1, warp]
                     for i in cutlass.range_constexpr(QUAD):
                         _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
-                                   lambda: mx_scale_of(sw3, i))
+                                   lambda: mx_scale_of(sw3, i), self.qm != 0)
             return [acc[i] for i in range(4 * self.tiles)]
 
     class MoEW2Grouped:
@@ -501,7 +502,7 @@ if HAVE_CUTE:
                     sa = _row_scales(w_scale, e, ra, self.groups, self.scale_words)
                     sb = _row_scales(w_scale, e, ra + 8, self.groups, self.scale_words)
                     for G in cutlass.range_constexpr(self.groups):
-                        _group_acc(acc, 4 * r, wa[G], wb[G], bs[G], sa[G], sb[G])
+                        _group_acc(acc, 4 * r, wa[G], wb[G], bs[G], sa[G], sb[G], self.qm != 0)
                 # this lane holds columns 2t and 2t + 1 of rows r0 + 16r and r0 + 16r + 8
                 if cutlass.const_expr(qs is None):
                     for h in cutlass.range_constexpr(2):
@@ -573,7 +574,7 @@ if HAVE_CUTE:
                     _group_acc(acc, 0, wa[G], wb[G], bs[G],
                                lambda: mx_scale_of(sbuf[g, 2 * r * self.swords + G // QUAD, buf, warp], G % QUAD),
                                lambda: mx_scale_of(sbuf[g, (2 * r + 1) * self.swords + G // QUAD, buf, warp],
-                                                   G % QUAD))
+                                                   G % QUAD), self.qm != 0)
                 for h in cutlass.range_constexpr(2):
                     if q[h][0]:  # (inside the segment, pair, routing weight)
                         out[q[h][1], r0 + 16 * r] = (q[h][2] * acc[h]).to(out.element_type)
