@@ -181,16 +181,21 @@ def quad_major_fits(w: torch.Tensor) -> bool:
     return w.dtype == torch.uint8 and w.shape[-1] % (2 * 16) == 0
 
 
-def _pack_bytes(b: torch.Tensor, inverse: bool) -> torch.Tensor:
+def _pack_bytes(b: torch.Tensor, inverse: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each byte's two e2m1 codes (even code in bits 0-3, odd code in bits 4-7, sign bits 3 / 7) moved into the fields
     `_DEQUANT_PACKED` reads: the even code's sign to bit 7 and magnitude to bits 1-3, the odd code's sign to bit 0
-    (its magnitude stays in bits 4-6); `inverse` moves them back. uint8 in, uint8 out."""
-    b = b.to(torch.int32)
-    if inverse:
-        b = ((b & 0x80) >> 4) | ((b & 0x0E) >> 1) | ((b & 0x01) << 7) | (b & 0x70)
-    else:
-        b = ((b & 0x08) << 4) | ((b & 0x07) << 1) | ((b & 0x80) >> 7) | (b & 0x70)
-    return b.to(torch.uint8)
+    (its magnitude stays in bits 4-6); `inverse` moves them back. uint8 in, uint8 out (into `out`, which may be `b`
+    itself), a slice at a time so that a layer's experts need no more than a slice of scratch memory."""
+    out = torch.empty_like(b) if out is None else out
+    src, dst = b.reshape(-1), out.view(-1)
+    for i in range(0, src.numel(), 1 << 24):
+        x = src[i:i + (1 << 24)]
+        if inverse:
+            y = ((x & 0x80) >> 4) | ((x & 0x0E) >> 1) | ((x & 0x01) << 7) | (x & 0x70)
+        else:
+            y = ((x & 0x08) << 4) | ((x & 0x07) << 1) | ((x & 0x80) >> 7) | (x & 0x70)
+        dst[i:i + (1 << 24)] = y
+    return out
 
 
 def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | None = None) -> torch.Tensor:
@@ -219,7 +224,7 @@ def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | None = Non
         tail = words[:, full * 4:].reshape(rows, *((4, n) if inverse else (n, 4)))
         out[:, full * 4:] = tail.transpose(-1, -2).reshape(rows, -1)
     out = out.view(torch.uint8).view(w.shape)
-    return _pack_bytes(out, inverse=False) if packed and not inverse else out
+    return _pack_bytes(out, inverse=False, out=out) if packed and not inverse else out
 
 
 def quad_major_offset(G, t, groups: int, select=None):
