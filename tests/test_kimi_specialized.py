@@ -1544,8 +1544,8 @@ def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, 
 @needs_cute
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch, tp, pad):
-    """KIMI_DECODE_MX_PACKED "codes" / "all": the per-pair (batches 1 and 8; at one token with the shared experts
-    inside) and grouped (batch 64) kernels on quad-major codes, a variant each per setting."""
+    """KIMI_DECODE_MX_PACKED "1" (the default) / "0": the per-pair (batches 1 and 8; at one token with the shared
+    experts inside) and grouped (batch 64) kernels on quad-major codes, a variant each per setting."""
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
@@ -1554,7 +1554,7 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
     shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
               torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
     seen = set()
-    for setting in ("0", "codes", "all"):
+    for setting in ("0", "1"):
         monkeypatch.setenv("KIMI_DECODE_MX_PACKED", setting)
         fns = [*compile_grouped(*_grouped_args(s, 64), quad_major=True)]
         for batch in (1, 8):
@@ -1728,9 +1728,9 @@ def test_quad_major_puts_each_lanes_words_side_by_side_and_inverts(groups):
     from kimi_decode.kernels.moe_mxfp4 import quad_major, quad_major_offset
 
     w = torch.randint(0, 256, (3, 5, 16 * groups), dtype=torch.uint8)
-    q = quad_major(w)
+    q = quad_major(w, packed=False)
     assert q.shape == w.shape and q.dtype == w.dtype and not torch.equal(q, w)
-    assert torch.equal(quad_major(q, inverse=True), w)
+    assert torch.equal(quad_major(q, inverse=True, packed=False), w)
     nat, moved = w.view(torch.int32), q.view(torch.int32)
     places = [quad_major_offset(G, t, groups) for G in range(groups) for t in range(4)]
     assert sorted(places) == list(range(4 * groups))  # a permutation of each row's words
@@ -1791,7 +1791,8 @@ def test_packed_dequantisation_gives_every_code_its_value():
 @pytest.mark.parametrize("groups", [4, 6, 12, 112])
 def test_quad_major_packs_each_bytes_codes_and_inverts(monkeypatch, groups):
     """`quad_major(packed=True)`: the quad-major words with every byte through `_pack_bytes` (a permutation of the
-    256 byte values); `inverse` gives the natural rows back; `packed=None` follows KIMI_DECODE_MX_PACKED."""
+    256 byte values); `inverse` gives the natural rows back; `packed=None` follows KIMI_DECODE_MX_PACKED ("1" by
+    default); other values of it are refused by name."""
     from kimi_decode.kernels.moe_mxfp4 import _pack_bytes, quad_major
 
     every = torch.arange(256, dtype=torch.uint8)
@@ -1801,13 +1802,12 @@ def test_quad_major_packs_each_bytes_codes_and_inverts(monkeypatch, groups):
     q = quad_major(w, packed=True)
     assert torch.equal(q, _pack_bytes(quad_major(w, packed=False), inverse=False))
     assert torch.equal(quad_major(q, inverse=True, packed=True), w)
+    monkeypatch.delenv("KIMI_DECODE_MX_PACKED", raising=False)
+    assert torch.equal(quad_major(w), q)  # packed by default
     monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "0")
     assert torch.equal(quad_major(w), quad_major(w, packed=False))
-    for setting in ("codes", "all"):
-        monkeypatch.setenv("KIMI_DECODE_MX_PACKED", setting)
-        assert torch.equal(quad_major(w), q)
-    monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "1")
-    with pytest.raises(ValueError, match="KIMI_DECODE_MX_PACKED must be one of 0, codes, all"):
+    monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "codes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_MX_PACKED must be one of 0, 1"):
         quad_major(w)
 
 

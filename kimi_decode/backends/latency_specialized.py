@@ -52,7 +52,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   quads of groups, `KIMI_DECODE_GROUPED_STAGE`); all of them read copies of the expert codes in quad-major
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
-  natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored);
+  natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored), and
+  each byte's two codes moved where a dequantisation of 9 instructions per word reads them instead of 11
+  (`KIMI_DECODE_MX_PACKED=0`: as stored);
 - the MoE tail, up to TC_MAX_ROWS rows (16; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: with
   the per-pair experts one projection over bf16(routed sum x norm weight), which the w2 expert kernel writes beside
   the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in

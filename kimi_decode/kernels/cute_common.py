@@ -111,22 +111,15 @@ def mx_alu() -> bool:
     return env_choice("KIMI_DECODE_MX_ALU", "0", MX_ALU) == "1"
 
 
-MX_PACKED = ("0", "codes", "all")
+MX_PACKED = ("0", "1")
 
 
 def mx_packed() -> bool:
-    """KIMI_DECODE_MX_PACKED: whether the MXFP4 expert kernels take fewer instructions per code. "codes": on quad-major
-    codes (`moe_mxfp4.quad_major`, whose copy then also moves each byte's two codes into the fields the
-    dequantisation wants) 9 instructions per word of 8 codes instead of 11; "all": that, and every ue8m0 scale byte
-    but a scale word's top one turned into its fp32 scale by a mask and a multiply-add instead of a shift, a mask,
-    an add and a shift (`mx_packed_scales`). The same values either way. "0", the default until timed, is the
-    kernels of before."""
-    return env_choice("KIMI_DECODE_MX_PACKED", "0", MX_PACKED) != "0"
-
-
-def mx_packed_scales() -> bool:
-    """Whether KIMI_DECODE_MX_PACKED=all asks for the 2-instruction scales too (`mx_packed`)."""
-    return env_choice("KIMI_DECODE_MX_PACKED", "0", MX_PACKED) == "all"
+    """KIMI_DECODE_MX_PACKED: whether the MXFP4 expert kernels dequantise quad-major codes (`moe_mxfp4.quad_major`,
+    whose copy then also moves each byte's two codes into the fields the dequantisation wants) in 9 instructions per
+    word of 8 codes ("1", the default: on the H200 0 to 8 us faster per layer at batches 1 to 64, benchmarks/NOTES.md
+    item 56) or in 11 ("0", for A/B runs). The same values either way."""
+    return env_choice("KIMI_DECODE_MX_PACKED", "1", MX_PACKED) == "1"
 
 
 def set_layer_pdl(on: bool) -> None:
@@ -190,12 +183,11 @@ def compile_kernel(key: tuple, op, *fake_args):
     """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
     from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
     trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`; the
-    key carries `mx_alu()`, `mx_packed()` and `mx_packed_scales()`, which the expert kernels' instruction forms
-    follow."""
+    key carries `mx_alu()` and `mx_packed()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed(), mx_packed_scales())
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()

@@ -17,12 +17,13 @@ about the order of k). `moe_w13_act` (and the grouped kernels) load 16 bytes per
 groups, and exchange words within each quad of lanes (`quad_transpose`), since a 4-byte load per lane touches 8 rows
 for 16 bytes each and bounds the kernel by load instructions. On codes in quad-major order (`quad_major`: each row's
 quads of groups stored as a 4 x 4 transpose of words) the same 16-byte load brings lane t word t of the four groups
-directly, and no words are exchanged (every kernel here takes either layout, `quad_major=`). `moe_w2_sum`, whose
-rows are short (6 groups at TP16, 12 at TP8), loads chunks of 4 groups the same way where they divide the row, else
-pairs (8 bytes per lane, `pair_transpose`), else the word itself (`w2_chunk`). The warps of a CTA split the K groups
-between them and add their partial sums through shared memory. The activation operand carries the same token in all
-8 mma columns, so column 0 (lanes with t = 0) holds the result. Only the expert rows the math needs are read: padded
-intermediate rows (TP16 stores 256, uses 192) are skipped."""
+directly, and no words are exchanged (every kernel here takes either layout, `quad_major=`); the quad-major copy also
+moves each byte's two codes into fields that a 9-instruction dequantisation reads, instead of 11 (`mx_packed`,
+`_DEQUANT_PACKED`). `moe_w2_sum`, whose rows are short (6 groups at TP16, 12 at TP8), loads chunks of 4 groups the
+same way where they divide the row, else pairs (8 bytes per lane, `pair_transpose`), else the word itself
+(`w2_chunk`). The warps of a CTA split the K groups between them and add their partial sums through shared memory.
+The activation operand carries the same token in all 8 mma columns, so column 0 (lanes with t = 0) holds the result.
+Only the expert rows the math needs are read: padded intermediate rows (TP16 stores 256, uses 192) are skipped."""
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
-                          mx_packed_scales, signature, sm_count)
+                          signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -346,8 +347,8 @@ if HAVE_CUTE:
     def mx_scale_of(word, i: int):
         """`mx_scale(byte_of(word, i))`: with `mx_alu()` as one mask (a `mul.hi` for the top byte, i = 3) and one
         `mad` that shifts the byte into an fp32's exponent field and adds the 14: `(word & 0xFF << 8i) * 2**(23 - 8i)
-        + 14 * 2**23`, the same bits as `(byte + 14) << 23`; with `mx_packed_scales()` that form for bytes 0-2."""
-        if not (mx_alu() or (mx_packed_scales() and i < 3)):  # packed: the top byte keeps its 2-instruction form
+        + 14 * 2**23`, the same bits as `(byte + 14) << 23`."""
+        if not mx_alu():
             return mx_scale(byte_of(word, i))
         asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i)
         return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value()], asm, "=f,r", has_side_effects=False,
@@ -360,7 +361,7 @@ if HAVE_CUTE:
     def word_scales(word, n: int = QUAD):
         """The fp32 scales of a scale word's first n bytes, as functions to call where each is used: `mx_scale_of`;
         in the ALU form the bytes are taken out of the word here and converted at the call."""
-        if mx_alu() or mx_packed_scales():
+        if mx_alu():
             return [lambda i=i: mx_scale_of(word, i) for i in range(n)]
         return byte_scales([byte_of(word, i) for i in range(n)])
 
