@@ -1566,35 +1566,6 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
         seen |= {id(f) for f in fns}
 
 
-@needs_cute
-@pytest.mark.parametrize("tp, pad", [(16, True), (8, True)])
-def test_w13_short_scales_compile_for_sm90a_as_w13_variants_only(sm90a, monkeypatch, tp, pad):
-    """KIMI_DECODE_W13_SHORT_SCALES=1: variants of their own of the expert kernels (the w13 ones per pair at 1 and 8
-    tokens and grouped at 64 take the short scales; the w2 ones beside them are compiled again under the new key),
-    compiled for sm_90a. Other values are refused by name."""
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe
-    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
-
-    s = shard("k3", tp=tp, pad_experts=pad)
-    L, bf = s.model.moe_latent, torch.bfloat16
-
-    def kernels():
-        fns = [*compile_grouped(*_grouped_args(s, 64), quad_major=True)]
-        for batch in (1, 8):
-            fns += compile_moe(*_moe_args(s, batch), scaled=(torch.empty(L), torch.empty(batch, L, dtype=bf)),
-                               quad_major=True)
-        return fns  # w13, w2, w13, w2, w13, w2
-
-    monkeypatch.delenv("KIMI_DECODE_W13_SHORT_SCALES", raising=False)
-    default = kernels()
-    monkeypatch.setenv("KIMI_DECODE_W13_SHORT_SCALES", "1")
-    short = kernels()
-    assert all(f is not None for f in short) and not {id(f) for f in default} & {id(f) for f in short}
-    monkeypatch.setenv("KIMI_DECODE_W13_SHORT_SCALES", "2")
-    with pytest.raises(ValueError, match="KIMI_DECODE_W13_SHORT_SCALES must be one of 0, 1"):
-        kernels()
-
-
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import SEG_CTAS_PER_SM, segment_ctas
 

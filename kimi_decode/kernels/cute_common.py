@@ -122,18 +122,6 @@ def mx_packed() -> bool:
     return env_choice("KIMI_DECODE_MX_PACKED", "1", MX_PACKED) == "1"
 
 
-MX_SHORT_SCALES = ("0", "1")
-
-
-def mx_short_scales() -> bool:
-    """KIMI_DECODE_W13_SHORT_SCALES: whether the w13 expert kernels (per pair and grouped) turn the ue8m0 scale bytes
-    0-2 of a scale word into fp32 scales by one mask and one multiply-add (`moe_mxfp4.mx_scale_of`'s `short` form:
-    2 instructions) instead of a shift, a mask, an add and a shift ("1"), or not ("0", the default until timed). The
-    same bits either way; the w2 kernels keep the longer form, which held 12 fewer registers in TP8's grouped w2
-    kernel (benchmarks/NOTES.md item 56)."""
-    return env_choice("KIMI_DECODE_W13_SHORT_SCALES", "0", MX_SHORT_SCALES) == "1"
-
-
 def set_layer_pdl(on: bool) -> None:
     """The backend's choice for the kernels of the layer it is about to run (under KIMI_DECODE_PDL=auto)."""
     _pdl_mode["layer"] = bool(on)
@@ -195,12 +183,11 @@ def compile_kernel(key: tuple, op, *fake_args):
     """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
     from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
     trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`; the
-    key carries `mx_alu()`, `mx_packed()` and `mx_short_scales()`, which the expert kernels' instruction forms
-    follow."""
+    key carries `mx_alu()` and `mx_packed()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed(), mx_short_scales())
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()

@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
-                          mx_short_scales, signature, sm_count)
+                          signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -344,12 +344,11 @@ if HAVE_CUTE:
                                        "=f,r", has_side_effects=False, is_align_stack=False,
                                        asm_dialect=llvm.AsmDialect.AD_ATT))
 
-    def mx_scale_of(word, i: int, short: bool = False):
+    def mx_scale_of(word, i: int):
         """`mx_scale(byte_of(word, i))`: with `mx_alu()` as one mask (a `mul.hi` for the top byte, i = 3) and one
         `mad` that shifts the byte into an fp32's exponent field and adds the 14: `(word & 0xFF << 8i) * 2**(23 - 8i)
-        + 14 * 2**23`, the same bits as `(byte + 14) << 23`; with `short` (the w13 kernels, `mx_short_scales()`)
-        that form for bytes 0-2 (the top byte's shift, add and shift already take 2 instructions)."""
-        if not (mx_alu() or (short and mx_short_scales() and i < 3)):
+        + 14 * 2**23`, the same bits as `(byte + 14) << 23`."""
+        if not mx_alu():
             return mx_scale(byte_of(word, i))
         asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i)
         return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value()], asm, "=f,r", has_side_effects=False,
@@ -466,8 +465,8 @@ if HAVE_CUTE:
                     else:
                         xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
                         d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
-                    acc1 = acc1 + d1 * mx_scale_of(sw1, i, True)
-                    acc3 = acc3 + d3 * mx_scale_of(sw3, i, True)
+                    acc1 = acc1 + d1 * mx_scale_of(sw1, i)
+                    acc3 = acc3 + d3 * mx_scale_of(sw3, i)
             if t == 0:
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3

@@ -277,8 +277,8 @@ if HAVE_CUTE:
                                 sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
                                 sw3 = w_scale[e, self.I + j, G0 // QUAD]
                                 for i in cutlass.range_constexpr(QUAD):
-                                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i, True),
-                                               lambda: mx_scale_of(sw3, i, True), self.qm != 0)
+                                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
+                                               lambda: mx_scale_of(sw3, i), self.qm != 0)
                     for r in cutlass.range_constexpr(self.tiles):
                         red[g, 2 * t, warp, r] = acc[4 * r]
                         red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
@@ -354,8 +354,8 @@ if HAVE_CUTE:
                     sw1 = sbuf[g, slot, warp]
                     sw3 = sbuf[g, slot + 1, warp]
                     for i in cutlass.range_constexpr(QUAD):
-                        _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i, True),
-                                   lambda: mx_scale_of(sw3, i, True), self.qm != 0)
+                        _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
+                                   lambda: mx_scale_of(sw3, i), self.qm != 0)
             return [acc[i] for i in range(4 * self.tiles)]
 
     class MoEW2Grouped:
