@@ -1544,8 +1544,8 @@ def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, 
 @needs_cute
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch, tp, pad):
-    """KIMI_DECODE_MX_PACKED "1" (the default) / "direct" / "0": the per-pair (batches 1 and 8; at one token with
-    the shared experts inside) and grouped (batch 64) kernels on quad-major codes, a variant each per setting."""
+    """KIMI_DECODE_MX_PACKED "1" (the default) / "0": the per-pair (batches 1 and 8; at one token with the shared
+    experts inside) and grouped (batch 64) kernels on quad-major codes, a variant each per setting."""
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
@@ -1554,7 +1554,7 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
     shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
               torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
     seen = set()
-    for setting in ("0", "1", "direct"):
+    for setting in ("0", "1"):
         monkeypatch.setenv("KIMI_DECODE_MX_PACKED", setting)
         fns = [*compile_grouped(*_grouped_args(s, 64), quad_major=True)]
         for batch in (1, 8):
@@ -1767,12 +1767,12 @@ def _run_dequant_ptx(template: str, w: int) -> list[int]:
 
 
 def test_packed_dequantisation_gives_every_code_its_value():
-    """`_DEQUANT_PACKED` and `_DEQUANT_DIRECT` on a word of packed codes (`quad_major`'s byte packing) give the same
-    four fp16x2 registers as `_DEQUANT` on the natural word, and each fp16 is its e2m1 code's value x 2**-14: codes (i, i + 4) in h_i,
+    """`_DEQUANT_PACKED` on a word of packed codes (`quad_major`'s byte packing) gives the same four fp16x2 registers
+    as `_DEQUANT` on the natural word, and each fp16 is its e2m1 code's value x 2**-14: codes (i, i + 4) in h_i,
     for words covering every byte value in each of the four byte places."""
     import numpy as np
 
-    from kimi_decode.kernels.moe_mxfp4 import _DEQUANT, _DEQUANT_DIRECT, _DEQUANT_PACKED, _pack_bytes
+    from kimi_decode.kernels.moe_mxfp4 import _DEQUANT, _DEQUANT_PACKED, _pack_bytes
     from kimi_decode.quant import E2M1_VALUES
 
     for b in range(256):
@@ -1782,7 +1782,6 @@ def test_packed_dequantisation_gives_every_code_its_value():
             packed = int.from_bytes(bytes(_pack_bytes(nat, inverse=False).tolist()), "little")
             h = _run_dequant_ptx(_DEQUANT, w)
             assert _run_dequant_ptx(_DEQUANT_PACKED, packed) == h
-            assert _run_dequant_ptx(_DEQUANT_DIRECT, packed) == h
             halves = np.array(h, dtype=np.uint32).view(np.float16).astype(np.float64)  # h0.lo, h0.hi, h1.lo, ...
             codes = [w >> 4 * i & 0xF for i in range(8)]
             want = [(-1 if c & 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -14 for c in codes]
@@ -1807,10 +1806,8 @@ def test_quad_major_packs_each_bytes_codes_and_inverts(monkeypatch, groups):
     assert torch.equal(quad_major(w), q)  # packed by default
     monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "0")
     assert torch.equal(quad_major(w), quad_major(w, packed=False))
-    monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "direct")
-    assert torch.equal(quad_major(w), q)
     monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "codes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_MX_PACKED must be one of 0, 1, direct"):
+    with pytest.raises(ValueError, match="KIMI_DECODE_MX_PACKED must be one of 0, 1"):
         quad_major(w)
 
 

@@ -722,24 +722,6 @@ def test_moe_mxfp4_on_unpacked_quad_major_codes_matches_float64(monkeypatch, tp,
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
 
 
-@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
-def test_moe_mxfp4_on_packed_codes_without_byte_permutes_matches_float64(monkeypatch, tp, pad):
-    """KIMI_DECODE_MX_PACKED=direct: the expert kernels dequantising packed codes by masks and shifts alone, against
-    float64 with their outputs poisoned: per pair at 1, 3 and 8 tokens (at one token also with the shared experts
-    inside), grouped at batch 64 (fp16 operands from the CuTe alignment) and 33 (every token on the same 16)."""
-    monkeypatch.setenv("KIMI_DECODE_MX_PACKED", "direct")
-    for batch in (1, 3, 8):
-        _check_moe_mxfp4(tp, pad, batch, quad=True)
-    test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True, "operands")
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 8), (16, 64)])
-def test_specialized_layer_on_packed_codes_without_byte_permutes_matches_reference(monkeypatch, tp, batch):
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_MX_PACKED", "direct", tp, batch, 4600)
-
-
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 64)])
 def test_specialized_layer_on_unpacked_codes_matches_reference(monkeypatch, tp, batch):
     _layer_matches_with(monkeypatch, "KIMI_DECODE_MX_PACKED", "0", tp, batch, 4400)

@@ -111,21 +111,15 @@ def mx_alu() -> bool:
     return env_choice("KIMI_DECODE_MX_ALU", "0", MX_ALU) == "1"
 
 
-MX_PACKED = ("0", "1", "direct")
-
-
-def mx_packed_form() -> str:
-    """KIMI_DECODE_MX_PACKED: how the MXFP4 expert kernels dequantise quad-major codes (`moe_mxfp4.quad_major`, whose
-    copy then, but for "0", also moves each byte's two codes into the fields the dequantisation wants): "1", the
-    default, in 9 instructions per word of 8 codes (on the H200 0 to 8 us faster per layer at batches 1 to 64 than
-    "0", benchmarks/NOTES.md item 56); "direct" in 11 that mask the fp16 pairs out of the word with no byte permute,
-    at most 3 deep (not yet timed, item 58); "0" in 11 as stored (A/B runs). The same values every way."""
-    return env_choice("KIMI_DECODE_MX_PACKED", "1", MX_PACKED)
+MX_PACKED = ("0", "1")
 
 
 def mx_packed() -> bool:
-    """Whether the quad-major codes are packed (`mx_packed_form` other than "0")."""
-    return mx_packed_form() != "0"
+    """KIMI_DECODE_MX_PACKED: whether the MXFP4 expert kernels dequantise quad-major codes (`moe_mxfp4.quad_major`,
+    whose copy then also moves each byte's two codes into the fields the dequantisation wants) in 9 instructions per
+    word of 8 codes ("1", the default: on the H200 0 to 8 us faster per layer at batches 1 to 64, benchmarks/NOTES.md
+    item 56) or in 11 ("0", for A/B runs). The same values either way."""
+    return env_choice("KIMI_DECODE_MX_PACKED", "1", MX_PACKED) == "1"
 
 
 def set_layer_pdl(on: bool) -> None:
@@ -189,11 +183,11 @@ def compile_kernel(key: tuple, op, *fake_args):
     """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
     from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
     trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`; the
-    key carries `mx_alu()` and `mx_packed_form()`, which the expert kernels' instruction forms follow."""
+    key carries `mx_alu()` and `mx_packed()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed_form())
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()

@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
-                          mx_packed_form, signature, sm_count)
+                          signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -75,23 +75,12 @@ _DEQUANT_PACKED = """
     prmt.b32 {h}0, t0, z, 0x2404;  prmt.b32 {h}2, t0, z, 0x3414;  prmt.b32 {h}1, t1, z, 0x2404;  prmt.b32 {h}3, t1, z, 0x3414;
 """
 
-# Packed codes without the byte permutes (`mx_packed_form()` "direct"): bytes 1 and 3 hold the fp16 high bytes of
-# codes (2, 6) and (3, 7), bytes 0 and 2 those of (0, 4) and (1, 5), so each register is the word masked, or shifted
-# and masked, or two of those or-ed: 11 instructions (7 on the ALU pipe, 4 left shifts as multiplies), each register
-# at most 3 deep where `_DEQUANT_PACKED` has the odd codes' registers 4 deep.
-_DEQUANT_DIRECT = """
-    and.b32 {h}2, {w}, 0x8E008E00;  shl.b32 t0, {w}, 8;  and.b32 {h}0, t0, 0x8E008E00;
-    shr.u32 t0, {w}, 3;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 7;  and.b32 t1, t1, 0x80008000;  or.b32 {h}3, t0, t1;
-    shl.b32 t0, {w}, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, {w}, 15;  and.b32 t1, t1, 0x80008000;  or.b32 {h}1, t0, t1;
-"""
-
 
 def _dequant(w: str, h: str, packed: bool = False) -> str:
-    """`_DEQUANT` of word `w` into registers h0..h3, in the form `mx_alu()` asks for; where the word holds packed
-    codes (`packed`: quad-major codes with `mx_packed()`), `_DEQUANT_PACKED` or, by `mx_packed_form()`,
-    `_DEQUANT_DIRECT`."""
+    """`_DEQUANT` of word `w` into registers h0..h3, in the form `mx_alu()` asks for; `_DEQUANT_PACKED` where the
+    word holds packed codes (`packed`: quad-major codes with `mx_packed()`)."""
     if packed and mx_packed():
-        return (_DEQUANT_DIRECT if mx_packed_form() == "direct" else _DEQUANT_PACKED).format(w=w, h=h)
+        return _DEQUANT_PACKED.format(w=w, h=h)
     shr = f"mul.hi.u32 t1, {w}, 0x20000000" if mx_alu() else f"shr.u32 t1, {w}, 3"
     return _DEQUANT.format(w=w, h=h, shr=shr)
 
