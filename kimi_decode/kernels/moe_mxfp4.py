@@ -76,10 +76,10 @@ _DEQUANT_PACKED = """
 """
 
 
-def _dequant(w: str, h: str, packed: bool = False) -> str:
+def _dequant(w: str, h: str, quad: bool = False) -> str:
     """`_DEQUANT` of word `w` into registers h0..h3, in the form `mx_alu()` asks for; `_DEQUANT_PACKED` where the
-    word holds packed codes (`packed`: quad-major codes with `mx_packed()`)."""
-    if packed and mx_packed():
+    word holds packed codes (`quad`: it comes from a `quad_major` copy, which packs them under `mx_packed()`)."""
+    if quad and mx_packed():
         return _DEQUANT_PACKED.format(w=w, h=h)
     shr = f"mul.hi.u32 t1, {w}, 0x20000000" if mx_alu() else f"shr.u32 t1, {w}, 3"
     return _DEQUANT.format(w=w, h=h, shr=shr)
@@ -119,17 +119,17 @@ _MMA_PAIR = (" mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3
 _MMA_REGS = "{\n .reg .b32 t0, t1, t2, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
 
 
-def _group_mma_asm(bf16_activations: bool, packed: bool = False) -> str:
-    """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8 (`packed`: see `_dequant`), $6..$9 the
+def _group_mma_asm(bf16_activations: bool, quad: bool = False) -> str:
+    """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8 (`quad`: see `_dequant`), $6..$9 the
     activations; outputs $0..$3 the fp32 accumulator fragment (c0, c1: row g; c2, c3: row g + 8), unscaled."""
-    return (_MMA_REGS + _dequant("$4", "ha", packed) + _dequant("$5", "hb", packed)
+    return (_MMA_REGS + _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
             + _b_operands(bf16_activations, 6, "b") + _MMA_PAIR)
 
 
-def _operand_mma_asm(packed: bool = False) -> str:
+def _operand_mma_asm(quad: bool = False) -> str:
     """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
     use one activation group against several weight tiles convert it once."""
-    return (_MMA_REGS + _dequant("$4", "ha", packed) + _dequant("$5", "hb", packed)
+    return (_MMA_REGS + _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
             + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR)
 
 
@@ -246,13 +246,13 @@ if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    def group_mma_fragment(wa, wb, xs, bf16_activations: bool, packed: bool = False):
+    def group_mma_fragment(wa, wb, xs, bf16_activations: bool, quad: bool = False):
         """The whole accumulator fragment of one MX group, before its scale: (row g, column 2t), (row g, 2t + 1),
         (row g + 8, 2t), (row g + 8, 2t + 1), column n being the activations of the lanes with lane // 4 = n."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(x).ir_value() for x in xs],
-            _group_mma_asm(bf16_activations, packed), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False,
+            _group_mma_asm(bf16_activations, quad), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False,
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
@@ -274,12 +274,12 @@ if HAVE_CUTE:
             r[i] = ops[i]
         cute.autovec_copy(r, dst)
 
-    def operand_mma(wa, wb, bs, packed: bool = False):
-        """`group_mma_fragment` on operands from `mma_operands` (`packed`: the words are quad-major codes)."""
+    def operand_mma(wa, wb, bs, quad: bool = False):
+        """`group_mma_fragment` on operands from `mma_operands` (`quad`: the words come from a `quad_major` copy)."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(b).ir_value() for b in bs],
-            _operand_mma_asm(packed), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            _operand_mma_asm(quad), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
@@ -331,10 +331,10 @@ if HAVE_CUTE:
         """`w` (int32 words [E, rows, words]) divided for `chunk_load`."""
         return w if chunk == 1 else cute.zipped_divide(w, (1, 1, chunk))
 
-    def _group_mma(wa, wb, xs, bf16_activations: bool, packed: bool = False):
+    def _group_mma(wa, wb, xs, bf16_activations: bool, quad: bool = False):
         """(row g, row g + 8) partial dot products of one MX group, before its scale (every column holds the same
         token: column 0 is read)."""
-        c = group_mma_fragment(wa, wb, xs, bf16_activations, packed)
+        c = group_mma_fragment(wa, wb, xs, bf16_activations, quad)
         return c[0], c[2]
 
     def mx_scale(s):

@@ -146,12 +146,12 @@ if HAVE_CUTE:
         ws = [w_scale[e, row, i] for i in range(-(-groups // QUAD))]
         return [f for i, word in enumerate(ws) for f in word_scales(word, min(QUAD, groups - QUAD * i))]
 
-    def _group_acc(acc, k: int, wa, wb, bs, sa, sb, packed: bool) -> None:
+    def _group_acc(acc, k: int, wa, wb, bs, sa, sb, quad: bool) -> None:
         """acc[k], acc[k + 1] (rows a, columns 2t / 2t + 1) and acc[k + 2], acc[k + 3] (rows b) += one MX group's mma
-        of words wa / wb (`packed`: quad-major codes, `operand_mma`) against operands bs, scaled by the rows' fp32
+        of words wa / wb (`quad`: from a quad-major copy, `operand_mma`) against operands bs, scaled by the rows' fp32
         scales, which `sa()` / `sb()` give after the mma is issued (`acc` a list or a register tensor; inlined where
         it is called)."""
-        c = operand_mma(wa, wb, bs, packed)
+        c = operand_mma(wa, wb, bs, quad)
         fa = sa()
         fb = sb()
         acc[k] = acc[k] + c[0] * fa
