@@ -1519,6 +1519,37 @@ def test_staged_grouped_kernels_fit_their_ctas_per_sm_in_shared_memory():
 
 @needs_cute
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
+def test_grouped_w13_over_several_segments_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
+    """KIMI_DECODE_W13_SEG_DIV 2 / 4 / 8: the grouped w13 kernel on ceil(P / D) CTA rows that loop over their
+    segments, a variant each (the w2 kernel unchanged); 1, the default, is one CTA row per segment slot; other
+    values are refused by name."""
+    from kimi_decode.kernels.moe_mxfp4_grouped import MoEW13Grouped, compile_grouped
+
+    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
+    monkeypatch.delenv("KIMI_DECODE_W13_SEG_DIV", raising=False)
+    default = compile_grouped(*args, quad_major=True)
+    seen = {id(default[0])}
+    for d in ("2", "4", "8"):
+        monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", d)
+        f13, f2 = compile_grouped(*args, quad_major=True)
+        assert f13 is not None and id(f13) not in seen and f2 is default[1]
+        seen.add(id(f13))
+    monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", "1")
+    assert compile_grouped(*args, quad_major=True)[0] is default[0]
+    monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", "3")
+    with pytest.raises(ValueError, match="KIMI_DECODE_W13_SEG_DIV must be one of 1, 2, 4, 8"):
+        compile_grouped(*args)
+    # the rows cover every slot with one lane each; unstaged, or at 1, one row per slot
+    P = batch * 16
+    for d in (2, 4, 8):
+        rows = MoEW13Grouped(3584, 256, 192, 16, 2, 0, True, pairs=P, seg_div=d).seg_rows
+        assert rows == -(-P // d) and 32 * rows >= P
+    assert MoEW13Grouped(3584, 256, 192, 16, 2, 0, False, pairs=P, seg_div=4).seg_rows == 0
+    assert MoEW13Grouped(3584, 256, 192, 16, 2, 0, True, pairs=P, seg_div=1).seg_rows == 0
+
+
+@needs_cute
+@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
 def test_grouped_w13_unrolled_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
     """KIMI_DECODE_GROUPED_W13_UNROLL 1 / 2 / 4: the staged w13 kernel's mma loop over 1, 2 or all 4 of a warp's
     quads per iteration, a variant each (the w2 kernel unchanged), 4 by default; other counts are refused by name."""

@@ -101,6 +101,20 @@ def w13_unroll() -> int:
     return int(env_choice("KIMI_DECODE_GROUPED_W13_UNROLL", W13_UNROLL, ("1", "2", "4")))
 
 
+# segments per CTA row of the grouped w13 kernel, at most: "1" launches one CTA per (row block, segment slot), most
+# of which find an empty segment at batch 64 (about 300 distinct experts in 1,024 slots)
+W13_SEG_DIV = "1"
+
+
+def w13_seg_div() -> int:
+    """KIMI_DECODE_W13_SEG_DIV (W13_SEG_DIV by default, or 2, 4 or 8 for A/B): the grouped w13 kernel's grid covers
+    the P segment slots with ceil(P / D) CTA rows, row y taking segments y, y + ceil(P / D), ... that are non-empty
+    (a ballot over one load per lane, as the w2 kernel does), one after the other in the same staged buffers. With
+    1 every slot has its own CTA and the empty ones exit after their first load. The CTAs that take two segments
+    come first in the grid (the non-empty segments are a prefix), so they start first."""
+    return int(env_choice("KIMI_DECODE_W13_SEG_DIV", W13_SEG_DIV, ("1", "2", "4", "8")))
+
+
 W2_AHEAD = ("0", "1")
 
 
@@ -194,7 +208,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e, j] . x_b, w3[e, j] . x_b) for every pair p = (b, slot) of expert e, j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, tiles: int, quad_major: int = 0,
-                     stage: bool = False, x_operands: bool = False, unroll: int = 1):
+                     stage: bool = False, x_operands: bool = False, unroll: int = 1, pairs: int = 0, seg_div: int = 1):
             """`w_scale` comes as int32 words (4 scale bytes each: latent / 32 is a multiple of 4). `quad_major`: the
             weights' groups per row when they come in `moe_mxfp4.quad_major` order, else 0. `stage`
             (`grouped_staged`): every lane copies the 16-byte weight slices it will read (all quads, both row tiles,
@@ -203,8 +217,10 @@ if HAVE_CUTE:
             once without holding registers; the mma loop, `unroll` quads per iteration (`w13_unroll`), reads them
             back. `x_operands`: the activations come as fp16 mma operands (`latent_operands`), used as loaded,
             instead of bf16 that every CTA converts (12 integer and conversion instructions per group and lane,
-            repeated by each row block)."""
+            repeated by each row block). `seg_div` > 1 (`w13_seg_div`, staged only): ceil(pairs / seg_div) CTA rows,
+            each looping over its non-empty segments of the `pairs` slots."""
             self.I, self.used, self.topk = inter, used, topk
+            self.seg_rows = -(-pairs // seg_div) if stage and seg_div > 1 else 0  # 0: one CTA row per slot
             self.unroll = unroll  # quads per iteration of the staged mma loop
             self.x_operands = x_operands
             self.qm = quad_major
@@ -232,8 +248,11 @@ if HAVE_CUTE:
             P = act.shape[0]
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16 (or fp16 operands): ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
+            rows = P
+            if cutlass.const_expr(self.seg_rows > 0):
+                rows = self.seg_rows
             self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act).launch(
-                grid=[self.used // (ROWS13 * self.tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream)
+                grid=[self.used // (ROWS13 * self.tiles), rows, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
@@ -248,58 +267,75 @@ if HAVE_CUTE:
             n_warps = self.warps if self.stage else 1
             wbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, n_slots, n_warps)), 16)
             sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, n_slots, n_warps)), 16)
-            length = seg_len[s]
-            start = seg_start[s]
-            e = seg_expert[s]
-            # all three in the condition: they are then loaded together (one round trip) instead of start and
-            # expert after the length test; neither is ever negative
-            if (length > 0) & (start >= 0) & (e >= 0):
+            if cutlass.const_expr(self.seg_rows > 0):
+                n = _segments(seg_len, s, lane, self.seg_rows)  # this CTA row's non-empty segments
+                for i in cutlass.range(n):
+                    si = s + i * self.seg_rows  # the same in every lane: loads at a uniform address (an L1 hit)
+                    self.segment(gX, gW, w_scale, order, act, red, wbuf, sbuf, seg_len[si], seg_start[si],
+                                 seg_expert[si], bx, j0, tidx, warp, lane, g, t)
+            else:
+                length = seg_len[s]
+                start = seg_start[s]
+                e = seg_expert[s]
+                # all three in the condition: they are then loaded together (one round trip) instead of start and
+                # expert after the length test; neither is ever negative
+                if (length > 0) & (start >= 0) & (e >= 0):
+                    self.segment(gX, gW, w_scale, order, act, red, wbuf, sbuf, length, start, e, bx, j0, tidx, warp,
+                                 lane, g, t)
+
+        @cute.jit
+        def segment(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
+                    act: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, sbuf: cute.Tensor, length, start, e, bx,
+                    j0, tidx, warp, lane, g, t):
+            """One non-empty segment (expert e, its pairs order[start:start + length]): the row block's weights
+            staged (or loaded per quad), then each tile of 8 pairs' dot products, reduced over the warps through
+            `red` and written as SiTU-GLU to act. Ends on a barrier, so the buffers may take the next segment."""
+            if cutlass.const_expr(self.stage):
+                self.stage_weights(gW, w_scale, wbuf, sbuf, e, j0, warp, lane, g, t)
+            for tile in cutlass.range((length + COLS - 1) // COLS):
+                col = tile * COLS + g  # this lane group's pair: mma column g
+                if col >= length:  # past the segment: any pair of it, its column is not stored
+                    col = length - 1
+                b = order[start + col] // self.topk
                 if cutlass.const_expr(self.stage):
-                    self.stage_weights(gW, w_scale, wbuf, sbuf, e, j0, warp, lane, g, t)
-                for tile in cutlass.range((length + COLS - 1) // COLS):
-                    col = tile * COLS + g  # this lane group's pair: mma column g
-                    if col >= length:  # past the segment: any pair of it, its column is not stored
-                        col = length - 1
-                    b = order[start + col] // self.topk
-                    if cutlass.const_expr(self.stage):
-                        acc = self.staged_sums(gX, wbuf, sbuf, b, warp, lane, g, t)
-                    else:
-                        acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
-                        for it in cutlass.range_constexpr(self.per_warp):
-                            G0 = (warp * self.per_warp + it) * QUAD
-                            bs = []  # the quad's activations as fp16 operands, shared by the row tiles
+                    acc = self.staged_sums(gX, wbuf, sbuf, b, warp, lane, g, t)
+                else:
+                    acc = [Float32(0.0) for _ in range(4 * self.tiles)]  # values, so registers
+                    for it in cutlass.range_constexpr(self.per_warp):
+                        G0 = (warp * self.per_warp + it) * QUAD
+                        bs = []  # the quad's activations as fp16 operands, shared by the row tiles
+                        for i in cutlass.range_constexpr(QUAD):
+                            bs.append(self.operands(gX, b, G0 + i, t))
+                        for r in cutlass.range_constexpr(self.tiles):
+                            j = j0 + r * ROWS13
+                            u1 = quad_words(gW, e, j, G0, t, self.qm)
+                            u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
+                            sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
+                            sw3 = w_scale[e, self.I + j, G0 // QUAD]
                             for i in cutlass.range_constexpr(QUAD):
-                                bs.append(self.operands(gX, b, G0 + i, t))
-                            for r in cutlass.range_constexpr(self.tiles):
-                                j = j0 + r * ROWS13
-                                u1 = quad_words(gW, e, j, G0, t, self.qm)
-                                u3 = quad_words(gW, e, self.I + j, G0, t, self.qm)
-                                sw1 = w_scale[e, j, G0 // QUAD]  # the quad's four ue8m0 scale bytes
-                                sw3 = w_scale[e, self.I + j, G0 // QUAD]
-                                for i in cutlass.range_constexpr(QUAD):
-                                    _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
-                                               lambda: mx_scale_of(sw3, i), self.qm != 0)
-                    for r in cutlass.range_constexpr(self.tiles):
-                        red[g, 2 * t, warp, r] = acc[4 * r]
-                        red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
-                        red[ROWS13 + g, 2 * t, warp, r] = acc[4 * r + 2]
-                        red[ROWS13 + g, 2 * t + 1, warp, r] = acc[4 * r + 3]
-                    cute.arch.barrier()
-                    for q in cutlass.range_constexpr(-(-ROWS13 * COLS * self.tiles // (32 * self.warps))):
-                        i = q * 32 * self.warps + tidx  # one (tile, row, column) of the reduction per thread
-                        if i < ROWS13 * COLS * self.tiles:
-                            r = i // (ROWS13 * COLS)
-                            row = i % (ROWS13 * COLS) // COLS
-                            n = i % COLS
-                            if tile * COLS + n < length:
-                                h1 = Float32(0.0)
-                                h3 = Float32(0.0)
-                                for k in cutlass.range_constexpr(self.warps):
-                                    h1 = h1 + red[row, n, k, r]
-                                    h3 = h3 + red[ROWS13 + row, n, k, r]
-                                act[order[start + tile * COLS + n], bx * ROWS13 * self.tiles + r * ROWS13 + row] = (
-                                    situ_glu(h1, h3).to(act.element_type))
-                    cute.arch.barrier()  # the next tile reuses `red`
+                                _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
+                                           lambda: mx_scale_of(sw3, i), self.qm != 0)
+                for r in cutlass.range_constexpr(self.tiles):
+                    red[g, 2 * t, warp, r] = acc[4 * r]
+                    red[g, 2 * t + 1, warp, r] = acc[4 * r + 1]
+                    red[ROWS13 + g, 2 * t, warp, r] = acc[4 * r + 2]
+                    red[ROWS13 + g, 2 * t + 1, warp, r] = acc[4 * r + 3]
+                cute.arch.barrier()
+                for q in cutlass.range_constexpr(-(-ROWS13 * COLS * self.tiles // (32 * self.warps))):
+                    i = q * 32 * self.warps + tidx  # one (tile, row, column) of the reduction per thread
+                    if i < ROWS13 * COLS * self.tiles:
+                        r = i // (ROWS13 * COLS)
+                        row = i % (ROWS13 * COLS) // COLS
+                        n = i % COLS
+                        if tile * COLS + n < length:
+                            h1 = Float32(0.0)
+                            h3 = Float32(0.0)
+                            for k in cutlass.range_constexpr(self.warps):
+                                h1 = h1 + red[row, n, k, r]
+                                h3 = h3 + red[ROWS13 + row, n, k, r]
+                            act[order[start + tile * COLS + n], bx * ROWS13 * self.tiles + r * ROWS13 + row] = (
+                                situ_glu(h1, h3).to(act.element_type))
+                cute.arch.barrier()  # the next tile reuses `red`
 
         def operands(self, gX: cute.Tensor, b, G, t):
             """Token b's activations 8t..8t+7 of MX group G as the four fp16x2 mma operands (inlined where it is
@@ -634,9 +670,10 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    unroll = w13_unroll()
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, unroll, *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, unroll),
+    unroll, seg_div = w13_unroll(), w13_seg_div()
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, unroll, seg_div,
+                          *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, unroll, ids.numel(), seg_div),
                          *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
