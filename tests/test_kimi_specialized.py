@@ -1520,24 +1520,23 @@ def test_staged_grouped_kernels_fit_their_ctas_per_sm_in_shared_memory():
 @needs_cute
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
 def test_grouped_w13_over_several_segments_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
-    """KIMI_DECODE_W13_SEG_DIV 2 / 4 / 8: the grouped w13 kernel on ceil(P / D) CTA rows that loop over their
-    segments, a variant each (the w2 kernel unchanged); 1, the default, is one CTA row per segment slot; other
-    values are refused by name."""
+    """KIMI_DECODE_W13_SEG_DIV 1 / 2 / 4 / 8: the grouped w13 kernel on one CTA row per segment slot (1) or on
+    ceil(P / D) CTA rows that loop over their segments, a variant each (the w2 kernel unchanged); "auto", the
+    default, is 2 from 512 pair slots on (batch 64 here) and 1 below (batch 9); other values are refused by name."""
     from kimi_decode.kernels.moe_mxfp4_grouped import MoEW13Grouped, compile_grouped
 
     args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
     monkeypatch.delenv("KIMI_DECODE_W13_SEG_DIV", raising=False)
     default = compile_grouped(*args, quad_major=True)
-    seen = {id(default[0])}
-    for d in ("2", "4", "8"):
+    by_div = {}
+    for d in ("1", "2", "4", "8"):
         monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", d)
         f13, f2 = compile_grouped(*args, quad_major=True)
-        assert f13 is not None and id(f13) not in seen and f2 is default[1]
-        seen.add(id(f13))
-    monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", "1")
-    assert compile_grouped(*args, quad_major=True)[0] is default[0]
+        assert f13 is not None and id(f13) not in {id(f) for f in by_div.values()} and f2 is default[1]
+        by_div[d] = f13
+    assert default[0] is by_div["2" if batch * 16 >= 512 else "1"]
     monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", "3")
-    with pytest.raises(ValueError, match="KIMI_DECODE_W13_SEG_DIV must be one of 1, 2, 4, 8"):
+    with pytest.raises(ValueError, match="KIMI_DECODE_W13_SEG_DIV must be one of auto, 1, 2, 4, 8"):
         compile_grouped(*args)
     # the rows cover every slot with one lane each; unstaged, or at 1, one row per slot
     P = batch * 16

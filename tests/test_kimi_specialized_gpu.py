@@ -707,13 +707,14 @@ def test_specialized_layer_with_the_grouped_w13_unrolled_matches_reference(monke
     _layer_matches_with(monkeypatch, "KIMI_DECODE_GROUPED_W13_UNROLL", unroll, tp, batch, 4300 + int(unroll))
 
 
-@pytest.mark.parametrize("div", ["2", "8"])
+@pytest.mark.parametrize("div", ["1", "8"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 def test_moe_mxfp4_grouped_w13_over_several_segments_matches_float64(monkeypatch, tp, pad, div):
     """KIMI_DECODE_W13_SEG_DIV: the grouped w13 kernel on ceil(P / D) CTA rows, each looping over its non-empty
-    segments in the same staged buffers. At batch 64 with 8 a row takes 2-3 of the ~300 segments, so a segment's
-    weights go into buffers the one before has just used; batch 33 (16 distinct experts) leaves most rows empty;
-    batch 9 on natural rows. act and the pair outputs poisoned, against float64."""
+    segments in the same staged buffers ("auto", the default, runs 2 at batch 64 and 33 in the tests this calls). At
+    batch 64 with 8 a row takes 2-3 of the ~300 segments, so a segment's weights go into buffers the one before has
+    just used; with 1 every slot has its own CTA row. Batch 33 (16 distinct experts) leaves most rows empty; batch 9
+    on natural rows. act and the pair outputs poisoned, against float64."""
     monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", div)
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True, "operands")
     test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
@@ -722,7 +723,9 @@ def test_moe_mxfp4_grouped_w13_over_several_segments_matches_float64(monkeypatch
 
 @pytest.mark.parametrize("tp, batch", [(16, 64), (8, 8), (8, 64)])
 def test_specialized_layer_with_the_grouped_w13_over_several_segments_matches_reference(monkeypatch, tp, batch):
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_SEG_DIV", "4", tp, batch, 4400 + batch)
+    """Whole layers with every segment slot on its own w13 CTA row (1; "auto" loops from batch 32) and with 4."""
+    for div in ("1", "4"):
+        _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_SEG_DIV", div, tp, batch, 4400 + batch + int(div))
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])

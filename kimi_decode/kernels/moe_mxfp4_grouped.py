@@ -27,9 +27,10 @@ whole (short) K = used, its weights loaded the same way (whole quads by 16-byte 
 shared-memory buffers while it works on the current one), the act operands converted once for the four tiles ->
 routing weight x partial output per pair [pair, latent] fp32, summed over each token's k pairs afterwards (no atomics:
 the result does not depend on the order in which CTAs finish). Segments past the number of distinct experts have
-length 0: a w13 CTA that finds one exits at once, and a w2 CTA counts its non-empty segments first (lane i loads the
-length, start and expert of its i-th one; each segment takes them from lane i, and loads its first pairs during the
-segment before, `w2_ahead`)."""
+length 0. A w2 CTA counts its non-empty segments first (lane i loads the length, start and expert of its i-th one;
+each segment takes them from lane i, and loads its first pairs during the segment before, `w2_ahead`); a w13 CTA row
+counts them the same way from 512 pair slots on and works on its (at most two) one after the other, below that each
+slot has a CTA row, and one that finds its segment empty exits at once (`w13_seg_div`)."""
 from __future__ import annotations
 
 import math
@@ -68,7 +69,7 @@ def segment_ctas(pairs: int, row_blocks: int) -> int:
     segment, up to 32 of them (one per lane), so G >= pairs / 32; and at least SEG_CTAS_PER_SM per SM over the whole
     grid. KIMI_DECODE_GROUPED_SEG_CTAS sets that number per SM for A/B timing; "0" launches one CTA per segment
     slot (`pairs`: the distinct experts are known only on the device, so most of them find an empty segment). The
-    w13 kernel keeps one CTA per segment slot: looping, it measured slower (benchmarks/NOTES.md, v22)."""
+    w13 kernel loops over at most a few segments per CTA row (`w13_seg_div`)."""
     per_sm = env_int("KIMI_DECODE_GROUPED_SEG_CTAS", SEG_CTAS_PER_SM, 0, 64, "CTAs per SM")
     if per_sm == 0:
         return pairs
@@ -101,18 +102,24 @@ def w13_unroll() -> int:
     return int(env_choice("KIMI_DECODE_GROUPED_W13_UNROLL", W13_UNROLL, ("1", "2", "4")))
 
 
-# segments per CTA row of the grouped w13 kernel, at most: "1" launches one CTA per (row block, segment slot), most
-# of which find an empty segment at batch 64 (about 300 distinct experts in 1,024 slots)
-W13_SEG_DIV = "1"
+# segments per CTA row of the grouped w13 kernel, at most: 2 from 512 pair slots (batch 32 at top-16) on, 6 / 12 us
+# faster per layer at batch 64 (TP16 / TP8) than one CTA row per slot, whose empty CTAs (~8,700 of 12,288 at TP16)
+# hold the SMs' slots at the end of the grid; 0.5-2 us slower at 128 and 256 slots (benchmarks/NOTES.md item 60)
+W13_SEG_DIV = "auto"
+W13_LOOP_FROM_PAIRS = 512
 
 
-def w13_seg_div() -> int:
-    """KIMI_DECODE_W13_SEG_DIV (W13_SEG_DIV by default, or 2, 4 or 8 for A/B): the grouped w13 kernel's grid covers
-    the P segment slots with ceil(P / D) CTA rows, row y taking segments y, y + ceil(P / D), ... that are non-empty
-    (a ballot over one load per lane, as the w2 kernel does), one after the other in the same staged buffers. With
-    1 every slot has its own CTA and the empty ones exit after their first load. The CTAs that take two segments
-    come first in the grid (the non-empty segments are a prefix), so they start first."""
-    return int(env_choice("KIMI_DECODE_W13_SEG_DIV", W13_SEG_DIV, ("1", "2", "4", "8")))
+def w13_seg_div(pairs: int) -> int:
+    """KIMI_DECODE_W13_SEG_DIV ("auto", the default: 2 from W13_LOOP_FROM_PAIRS pair slots, else 1; or 1, 2, 4 or 8
+    for A/B): the grouped w13 kernel's grid covers the `pairs` segment slots with ceil(pairs / D) CTA rows, row y
+    taking segments y, y + ceil(pairs / D), ... that are non-empty (a ballot over one load per lane, as the w2 kernel
+    does), one after the other in the same staged buffers. With 1 every slot has its own CTA and the empty ones exit
+    after their first load. The CTAs that take two segments come first in the grid (the non-empty segments are a
+    prefix), so they start first."""
+    raw = env_choice("KIMI_DECODE_W13_SEG_DIV", W13_SEG_DIV, ("auto", "1", "2", "4", "8"))
+    if raw == "auto":
+        return 2 if pairs >= W13_LOOP_FROM_PAIRS else 1
+    return int(raw)
 
 
 W2_AHEAD = ("0", "1")
@@ -670,7 +677,7 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    unroll, seg_div = w13_unroll(), w13_seg_div()
+    unroll, seg_div = w13_unroll(), w13_seg_div(ids.numel())
     f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, unroll, seg_div,
                           *signature(*a13)),
                          MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, unroll, ids.numel(), seg_div),
