@@ -1519,41 +1519,6 @@ def test_staged_grouped_kernels_fit_their_ctas_per_sm_in_shared_memory():
 
 @needs_cute
 @pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
-def test_grouped_w13_by_tickets_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
-    """KIMI_DECODE_W13_TICKETS=1: the grouped w13 kernel as resident CTAs taking items by tickets, compiled where a
-    counter is given (the w2 kernel unchanged), on a grid of 3 CTAs per SM (its 68 KB of shared memory); without the
-    setting, or unstaged, `moe_mxfp4_grouped` drops the counter."""
-    import torch
-
-    from kimi_decode.kernels.cute_common import sm_count
-    from kimi_decode.kernels.moe_mxfp4_grouped import MoEW13Tickets, compile_grouped, ticket_ctas
-
-    args = _grouped_args(shard("k3", tp=tp, pad_experts=pad), batch)
-    monkeypatch.setenv("KIMI_DECODE_W13_TICKETS", "1")
-    plain = compile_grouped(*args, quad_major=True)
-    tickets = compile_grouped(*args, quad_major=True, counter=torch.zeros(2, dtype=torch.int32))
-    assert tickets[0] is not None and tickets[0] is not plain[0] and tickets[1] is plain[1]
-    k13 = MoEW13Tickets(3584, 256, 192, 16, 2, 4, True, ctas=1)
-    assert ticket_ctas(k13, torch.device("cpu")) == 3 * sm_count(torch.device("cpu"))
-    assert k13.row_blocks == 192 // 16
-
-
-def test_grouped_w13_tickets_setting_and_counter_are_checked(monkeypatch):
-    import torch
-
-    from kimi_decode.kernels import moe_mxfp4_grouped as G
-
-    monkeypatch.setenv("KIMI_DECODE_W13_TICKETS", "2")
-    with pytest.raises(ValueError, match="KIMI_DECODE_W13_TICKETS must be one of 0, 1"):
-        G.w13_tickets()
-    monkeypatch.setenv("KIMI_DECODE_W13_TICKETS", "1")
-    assert G.w13_tickets()
-    monkeypatch.delenv("KIMI_DECODE_W13_TICKETS")
-    assert not G.w13_tickets()
-
-
-@needs_cute
-@pytest.mark.parametrize("tp, batch, pad", [(16, 64, True), (8, 64, True), (16, 9, False)])
 def test_grouped_w13_over_several_segments_compiles_for_sm90a(sm90a, monkeypatch, tp, batch, pad):
     """KIMI_DECODE_W13_SEG_DIV 1 / 2 / 4 / 8: the grouped w13 kernel on one CTA row per segment slot (1) or on
     ceil(P / D) CTA rows that loop over their segments, a variant each (the w2 kernel unchanged); "auto", the

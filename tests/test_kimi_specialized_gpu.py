@@ -564,13 +564,11 @@ def _check_moe_mxfp4(tp, pad, batch, quad: bool = False, compact: bool = False):
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("batch, same", [(9, False), (64, False), (64, True), (33, True)])
 def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="triton", compact=False,
-                                          pair_dtype=torch.float32, replays=0):
+                                          pair_dtype=torch.float32):
     """Experts read once per step for all their pairs; `same`: every token picks the same 16 experts, so each
     segment holds the whole batch (several tiles of 8 pairs, the last one partial at batch 33); on natural rows and
     on `quad_major` codes. `how`: the pairs sorted by the Triton kernel, or counted by the CuTe one ("align"), which
-    also writes the latent as the w13 kernel's fp16 operands ("operands"). `replays`: then run eagerly and in a CUDA
-    graph that many times each, outputs poisoned before every run, with a ticket counter of its own that must be
-    back at 0 after each (`KIMI_DECODE_W13_TICKETS=1`)."""
+    also writes the latent as the w13 kernel's fp16 operands ("operands")."""
     from kimi_decode.kernels import moe_align as cute_align
     from kimi_decode.kernels.moe_mxfp4_grouped import moe_mxfp4_grouped
     from kimi_decode.kernels.triton_kernels import moe_align
@@ -602,25 +600,6 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="trit
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
     assert not act.isnan().any() and not pair_out.isnan().any()
     assert rel_err(out, want) < BF16_TOL
-    if replays:
-        counter = torch.zeros(2, dtype=torch.int32, device="cuda")
-        got = torch.empty_like(out)
-
-        def run():
-            got.copy_(moe_mxfp4_grouped(x, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used,
-                                        align, act=act, pair_out=pair_out, quad_major=quad,
-                                        x_operands=how == "operands", counter=counter))
-
-        def reset():
-            act.fill_(float("nan"))
-            pair_out.fill_(float("nan"))
-            got.fill_(float("nan"))
-
-        def check():
-            assert not act.isnan().any() and rel_err(got, want) < BF16_TOL
-            assert counter.tolist() == [0, 0]
-
-        eager_then_graphed(run, reset, check, replays)
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (8, True)])
@@ -747,31 +726,6 @@ def test_specialized_layer_with_the_grouped_w13_over_several_segments_matches_re
     """Whole layers with every segment slot on its own w13 CTA row (1; "auto" loops from batch 32) and with 4."""
     for div in ("1", "4"):
         _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_SEG_DIV", div, tp, batch, 4400 + batch + int(div))
-
-
-@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
-def test_moe_mxfp4_grouped_w13_by_tickets_matches_float64(monkeypatch, tp, pad):
-    """KIMI_DECODE_W13_TICKETS=1: the grouped w13 kernel as resident CTAs that take (segment, row block) items by
-    tickets, against float64 with act and the pair outputs poisoned: ~300 distinct experts (batch 64, fp16 operands,
-    then two eager runs and two graph replays on one counter, back at 0 after each), every token on the same 16
-    (batch 33: 5 tiles of pairs per item), batch 9 on natural rows."""
-    monkeypatch.setenv("KIMI_DECODE_W13_TICKETS", "1")
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True, "operands", replays=2)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True, replays=1)
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 9, False, False)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 16), (16, 64), (8, 8), (8, 64)])
-def test_specialized_layer_with_the_grouped_w13_by_tickets_matches_reference(monkeypatch, tp, batch):
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_TICKETS", "1", tp, batch, 4500 + batch)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_grouped_w13_by_tickets_replays_in_a_graph_like_eager(monkeypatch, tp):
-    """The ticket form in two layers of a captured step, on the backend's one counter: replays give the eager
-    steps' results (a counter not back at 0 would skip the second layer's items)."""
-    monkeypatch.setenv("KIMI_DECODE_W13_TICKETS", "1")
-    _check_graph_replays_like_eager(tp, 64)
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])

@@ -743,8 +743,7 @@ class LatencySpecializedBackend(AutoBackend):
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
                                      pair_out=self._empty(B * k, L, device=x.device,
                                                           dtype=BF16 if self._pairs_bf16 else torch.float32),
-                                     summed=not self._pairs_to_tail, quad_major=quad, x_operands=how == "1",
-                                     counter=self._counter("w13_tickets", x.device, 2))
+                                     summed=not self._pairs_to_tail, quad_major=quad, x_operands=how == "1")
         if self._mlp_fast:  # the expert kernels are latency-bound at small batch; the tail GEMV comes next
             self._prefetch(w.up)
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)

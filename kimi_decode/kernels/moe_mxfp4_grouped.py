@@ -122,16 +122,6 @@ def w13_seg_div(pairs: int) -> int:
     return int(raw)
 
 
-def w13_tickets() -> bool:
-    """KIMI_DECODE_W13_TICKETS ("0", the default until timed, or "1"): the grouped w13 kernel as `MoEW13Tickets`, a
-    grid of resident CTAs taking (segment, row block) items by tickets, instead of a CTA per item and per empty slot
-    (`w13_seg_div` then does not apply)."""
-    return env_choice("KIMI_DECODE_W13_TICKETS", "0", ("0", "1")) == "1"
-
-
-SMEM_PER_SM = 227 * 1024  # what an H100 / H200 SM gives its CTAs, each also holding 1 KB for the driver
-
-
 W2_AHEAD = ("0", "1")
 
 
@@ -151,7 +141,7 @@ def _tiles(n: int, most: int) -> int:
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
-    from .cute_common import atomic_add_u32, copy_async_16, copy_async_words, last_cta, load4, mma_lanes, situ_glu
+    from .cute_common import copy_async_16, copy_async_words, load4, mma_lanes, situ_glu
     from .moe_mxfp4 import (byte_scales, mma_operands, mx_scale_of, operand_mma, quad_exchange, quad_words, select_i32,
                             word_scales)
 
@@ -410,70 +400,6 @@ if HAVE_CUTE:
                         _group_acc(acc, 4 * r, u1[i], u3[i], bs[i], lambda: mx_scale_of(sw1, i),
                                    lambda: mx_scale_of(sw3, i), self.qm != 0)
             return [acc[i] for i in range(4 * self.tiles)]
-
-    class MoEW13Tickets(MoEW13Grouped):
-        """`MoEW13Grouped` on a grid of `ctas` resident CTAs that take their items (segment, row block), in the order
-        of one CTA per item, by tickets from an atomic counter: no CTA for an empty segment slot, and no CTA launched
-        per item. A CTA asks for its next ticket as it starts an item, so the round trip hides behind the item's
-        work; it stops at the first ticket past the non-empty segments (a prefix of the slots). `counter` is two
-        int32 that are 0 at launch: the tickets, and the CTAs done, whose last one sets both back to 0, so the
-        kernel replays in a CUDA graph as it is."""
-
-        def __init__(self, *args, ctas: int, **kw):
-            super().__init__(*args, **kw)
-            self.ctas = ctas
-            self.row_blocks = self.used // (ROWS13 * self.tiles)
-
-        @cute.jit
-        def __call__(self, x: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
-                     seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor,
-                     counter: cute.Tensor, stream):
-            gX = cute.zipped_divide(x, (1, 4))
-            gW = cute.zipped_divide(w, (1, 1, 4))
-            self.kernel(gX, gW, w_scale, order, seg_start, seg_len, seg_expert, act, counter).launch(
-                grid=[self.ctas, 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
-
-        @cute.kernel
-        def kernel(self, gX: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, order: cute.Tensor,
-                   seg_start: cute.Tensor, seg_len: cute.Tensor, seg_expert: cute.Tensor, act: cute.Tensor,
-                   counter: cute.Tensor):
-            tidx, _, _ = cute.arch.thread_idx()
-            warp, lane, g, t = mma_lanes(tidx)
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout(self.red_shape), 16)
-            wbuf = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), 32, self.slots, self.warps)), 16)
-            sbuf = smem.allocate_tensor(Int32, cute.make_layout((ROWS13, self.slots, self.warps)), 16)
-            slot = smem.allocate_tensor(Int32, cute.make_layout(2), 4)  # this item's ticket and the next one's
-            RB = self.row_blocks
-            end = RB * seg_len.shape[0]  # tickets from here on name no slot
-            if tidx == 0:
-                slot[0] = atomic_add_u32(counter, 1, 0)
-            cute.arch.barrier()
-            ticket = slot[0]
-            par = Int32(0)
-            live = self.live(ticket, end, seg_len)
-            while live != 0:
-                s = ticket // RB
-                rb = ticket - s * RB
-                if tidx == 0:  # the next ticket, while this item is worked on; read after its last barrier
-                    slot[1 - par] = atomic_add_u32(counter, 1, 0)
-                self.segment(gX, gW, w_scale, order, act, red, wbuf, sbuf, seg_len[s], seg_start[s], seg_expert[s],
-                             rb, rb * ROWS13 * self.tiles + g, tidx, warp, lane, g, t)
-                par = 1 - par
-                ticket = slot[par]
-                live = self.live(ticket, end, seg_len)
-            if last_cta(counter, slot, tidx, self.ctas, 1) != 0:
-                if tidx == 0:
-                    counter[0] = Int32(0)
-
-        @cute.jit
-        def live(self, ticket, end, seg_len: cute.Tensor):
-            """1 if `ticket` names an item of a non-empty segment, else 0 (every later ticket then too)."""
-            ok = Int32(0)
-            if ticket < end:
-                if seg_len[ticket // self.row_blocks] > 0:
-                    ok = Int32(1)
-            return ok
 
     class MoEW2Grouped:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
@@ -736,40 +662,26 @@ def _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act,
         raise ValueError(f"grouped MoE MXFP4: the per-pair output must be [{P}, {L}]")
 
 
-def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, counter=None):
+def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out):
     """The two kernels' tensors, as compiled and launched: codes, activations and (where rows allow) scales as int32
-    words; `counter` (the ticket form's two int32) last for w13 where it is given."""
-    a13 = (_words(latent), _words(w13), _words(w13_scale), *align, act) + ((counter,) if counter is not None else ())
+    words."""
+    a13 = (_words(latent), _words(w13), _words(w13_scale), *align, act)
     a2 = (_words(act), weights, _words(w2), w2_scales(w2_scale), *align, pair_out)
     return a13, a2
 
 
-def ticket_ctas(kernel, device) -> int:
-    """The ticket form's grid: as many CTAs as its shared memory lets every SM hold (3 on the H200)."""
-    return SMEM_PER_SM // (kernel.smem_bytes() + 1024) * sm_count(device)
-
-
 def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int,
-                    quad_major: bool = False, x_operands: bool = False, counter=None):
-    """The two kernels, compiled (cached) for these tensors; `counter` (two int32, 0 at launch) where
-    `w13_tickets` is on."""
+                    quad_major: bool = False, x_operands: bool = False):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
     t13, t2 = grouped_tiles("w13"), grouped_tiles("w2")
     qm13, qm2 = layout_groups(w13, w2, quad_major)
-    a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, counter)
+    a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
     unroll, seg_div = w13_unroll(), w13_seg_div(ids.numel())
-    if counter is not None:
-        k13 = MoEW13Tickets(L, I, used, k, t13, qm13, stage13, x_operands, unroll, ctas=1)
-        k13.ctas = ticket_ctas(k13, latent.device)
-        f13 = compile_kernel(("moe_w13_tickets", used, t13, qm13, x_operands, unroll, k13.ctas, *signature(*a13)),
-                             k13, *(fake_like(t, align=16) for t in a13))
-    else:
-        f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, unroll, seg_div,
-                              *signature(*a13)),
-                             MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, unroll, ids.numel(),
-                                           seg_div),
-                             *(fake_like(t, align=16) for t in a13))
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, unroll, seg_div,
+                          *signature(*a13)),
+                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, unroll, ids.numel(), seg_div),
+                         *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
     f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, ahead, *signature(*a2)), k2,
@@ -778,30 +690,22 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
 
 
 def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, align, act=None,
-                      pair_out=None, summed: bool = True, quad_major: bool = False, x_operands: bool = False,
-                      counter=None):
+                      pair_out=None, summed: bool = True, quad_major: bool = False, x_operands: bool = False):
     """Routed experts of one rank, each selected expert read once: latent [B, L] bf16, ids [B, k] int32, weights
     [B, k] fp32, `align` the four int32 [B*k] outputs of `moe_align(ids)` (order, segment start, length, expert)
     -> [B, L] fp32, the weighted sum over each token's k experts, or without `summed` the routing-weighted outputs
     per pair [B, k, L] (for a consumer that adds them itself, `rmsnorm.routed_norm`). `act` [B*k, used] fp16 and
     `pair_out` [B*k, L] fp32, or bf16 (each pair's output rounded once, half the bytes written and read back), may
     be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major` order. `x_operands`: `latent`
-    comes as fp16 mma operands (`latent_operands`), not bf16. With `w13_tickets` on, `counter` is the w13 kernel's
-    two int32 tickets (0 at launch, left at 0; a new pair when not given)."""
+    comes as fp16 mma operands (`latent_operands`), not bf16."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
     pair_out = pair_out if pair_out is not None else torch.empty(B * k, L, dtype=torch.float32, device=latent.device)
     _check(latent, ids, weights, w13, w13_scale, w2, w2_scale, used, align, act, pair_out, x_operands)
-    if not (w13_tickets() and grouped_staged("w13")):
-        counter = None
-    elif counter is None:
-        counter = torch.zeros(2, dtype=torch.int32, device=latent.device)
-    elif counter.shape != (2,) or counter.dtype != torch.int32:
-        raise ValueError("grouped MoE MXFP4: the w13 tickets' counter must be two int32")
     f13, f2 = compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used,
-                              quad_major, x_operands, counter)
-    a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, counter)
+                              quad_major, x_operands)
+    a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     launch(f13, *a13)
     launch(f2, *a2)
     return pair_out.view(B, k, L).sum(1, dtype=torch.float32) if summed else pair_out.view(B, k, L)
