@@ -103,8 +103,9 @@ def w13_unroll() -> int:
 
 
 # segments per CTA row of the grouped w13 kernel, at most: 2 from 512 pair slots (batch 32 at top-16) on, 6 / 12 us
-# faster per layer at batch 64 (TP16 / TP8) than one CTA row per slot, whose empty CTAs (~8,700 of 12,288 at TP16)
-# hold the SMs' slots at the end of the grid; 0.5-2 us slower at 128 and 256 slots (benchmarks/NOTES.md item 60)
+# faster per layer at batch 64 (TP16 / TP8) than one CTA row per slot (where ~8,700 of 12,288 CTAs at TP16 find
+# their segment empty), even / 2.6 us faster at 512; 0.5-2 us slower at 128 and 256 slots (benchmarks/NOTES.md
+# item 60)
 W13_SEG_DIV = "auto"
 W13_LOOP_FROM_PAIRS = 512
 
