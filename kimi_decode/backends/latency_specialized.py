@@ -47,7 +47,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   `KIMI_DECODE_GROUPED_ALIGN=0`: the generic path's Triton sort, the w13 kernel converting the bf16 latent itself)
   and each selected expert is read once for up to 8 of its pairs at a time (`kernels/moe_mxfp4_grouped.py`; the
   w2 kernel's CTAs each loop over a share of the segments, each segment's first pairs loaded during the one
-  before, `KIMI_DECODE_W2_AHEAD`, `KIMI_DECODE_GROUPED_SEG_CTAS`; both copy their weights into shared memory with
+  before, `KIMI_DECODE_W2_AHEAD`, `KIMI_DECODE_GROUPED_SEG_CTAS`, and from 512 pairs on the w13 kernel's CTA rows
+  take up to two segments each, `KIMI_DECODE_W13_SEG_DIV`; both copy their weights into shared memory with
   `cp.async`, w13 its whole tile at once, w2 the next segment's rows during the current one where they are whole
   quads of groups, `KIMI_DECODE_GROUPED_STAGE`); all of them read copies of the expert codes in quad-major
   order (`moe_mxfp4.quad_major`, made once per weight outside any capture, `_expert_codes`), where each lane's
