@@ -1535,6 +1535,11 @@ def test_grouped_w13_over_several_segments_compiles_for_sm90a(sm90a, monkeypatch
         assert f13 is not None and id(f13) not in {id(f) for f in by_div.values()} and f2 is default[1]
         by_div[d] = f13
     assert default[0] is by_div["2" if batch * 16 >= 512 else "1"]
+    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", "0")  # unstaged the rows do not loop: one kernel for every D
+    unstaged = compile_grouped(*args, quad_major=True)[0]
+    monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", "1")
+    assert compile_grouped(*args, quad_major=True)[0] is unstaged
+    monkeypatch.delenv("KIMI_DECODE_GROUPED_STAGE")
     monkeypatch.setenv("KIMI_DECODE_W13_SEG_DIV", "3")
     with pytest.raises(ValueError, match="KIMI_DECODE_W13_SEG_DIV must be one of auto, 1, 2, 4, 8"):
         compile_grouped(*args)

@@ -678,11 +678,10 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     stage13, stage2 = grouped_staged("w13"), grouped_staged("w2", used)
-    unroll, seg_div = w13_unroll(), w13_seg_div(ids.numel())
-    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, unroll, seg_div,
-                          *signature(*a13)),
-                         MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, unroll, ids.numel(), seg_div),
-                         *(fake_like(t, align=16) for t in a13))
+    k13 = MoEW13Grouped(L, I, used, k, t13, qm13, stage13, x_operands, w13_unroll(), ids.numel(),
+                        w13_seg_div(ids.numel()))
+    f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, k13.unroll, k13.seg_rows,
+                          *signature(*a13)), k13, *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
     k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
     f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, ahead, *signature(*a2)), k2,
