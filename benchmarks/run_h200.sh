@@ -257,6 +257,12 @@ for name in "$@"; do
         KIMI_DECODE_W13_FIRST=$v bench "w13first=$v" 45 "bench_w13first_$v.json" --backend latency_specialized \
           --tp 16 8 --batch 1 8
       done ;;
+    cublas-fill)  # the cuBLAS projections above the tensor-core rows: their kernels' CTAs against the SMs, and the
+      # same GEMMs with the weights stored [K, N] or the outputs in chunks on parallel streams (benchmarks/cublas_fill.py)
+      step cublas-fill 200 python3 benchmarks/cublas_fill.py --tp 16 8 --rows ${FILL_ROWS:-32 64} \
+        --json "$OUT/cublas_fill.json"
+      step cublas-fill-lt 200 python3 benchmarks/cublas_fill.py --tp 16 8 --rows ${FILL_ROWS:-32 64} --blas cublaslt \
+        --json "$OUT/cublas_fill_lt.json" ;;
     chain)  # the layer's bytes as pure streaming reads in its kernel structure (benchmarks/stream_chain.py)
       step chain 150 python3 benchmarks/stream_chain.py --tp 16 8 --batch ${CHAIN_BATCHES:-1} --json "$OUT/chain.json" ;;
     capture-ab)  # latency_specialized captures at CAPTURE_TP (default 16) and CAPTURE_BATCH (default 1) once per
