@@ -2216,3 +2216,53 @@ def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     sh = SimpleNamespace(model=SimpleNamespace(rms_eps=1e-5, moe_latent=L))
     backend.moe_tail(torch.zeros(rows, L), torch.zeros(rows, H, dtype=torch.bfloat16), w, res, sh)
     assert calls == want
+
+
+@pytest.mark.parametrize("env, rows, want", [
+    ({}, 64, "default"), ({"KIMI_DECODE_CUBLAS_LIB": "cublas"}, 64, "default"),
+    ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 64, "cublaslt"), ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 17, "cublaslt"),
+    ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 16, None),  # the row-tile kernel: no cuBLAS call at all
+])
+def test_cublas_lib_sets_the_library_of_the_cublas_projections_only(monkeypatch, env, rows, want):
+    """KIMI_DECODE_CUBLAS_LIB=cublaslt sets torch's preferred BLAS library around each projection that goes to cuBLAS
+    (above the tensor-core rows), and puts back the one before afterwards; "cublas" (the default) leaves it alone."""
+    from kimi_decode.backends.latency_specialized import cublas_library
+
+    calls, seen, current = [], [], ["default"]
+
+    def preferred(backend=None):
+        if backend is not None:
+            calls.append(backend)
+            current[0] = backend
+        return current[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    monkeypatch.setattr(torch, "mm", lambda *a, **kw: seen.append(current[0]) or torch.zeros(1))
+    backend, _ = _dispatch_spy(monkeypatch, env)
+    backend._blas_lib = cublas_library()  # as `begin_layer` reads it
+    backend._gemv(torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16),
+                  torch.float32)
+    assert seen == ([] if want is None else [want])
+    assert calls == ([want, "default"] if want == "cublaslt" else [])
+    assert current[0] == "default"
+
+
+def test_cublas_lib_restores_the_library_when_the_gemm_fails(monkeypatch):
+    from kimi_decode.backends.latency_specialized import blas_library
+
+    current = ["default"]
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library",
+                        lambda backend=None: current.__setitem__(0, backend) if backend else current[0])
+    with pytest.raises(RuntimeError, match="boom"):
+        with blas_library("cublaslt"):
+            assert current[0] == "cublaslt"
+            raise RuntimeError("boom")
+    assert current[0] == "default"
+
+
+def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
+    from kimi_decode.backends.latency_specialized import cublas_library
+
+    monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "rocblas")
+    with pytest.raises(ValueError, match="KIMI_DECODE_CUBLAS_LIB"):
+        cublas_library()

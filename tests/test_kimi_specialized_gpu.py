@@ -1435,3 +1435,20 @@ def test_specialized_layer_with_tensor_core_projections_matches_reference(monkey
     s = shard("k3", tp=tp)
     lw, res, state = layer_case(s, 1, batch, seed=7000 + tp + batch, device="cuda")
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (16, 32), (8, 17)])
+def test_specialized_layer_with_cublaslt_projections_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_CUBLAS_LIB=cublaslt: the projections above the tensor-core rows on torch's cuBLASLt path; torch's
+    own setting is what it was before the layer."""
+    import torch
+
+    before = torch.backends.cuda.preferred_blas_library()
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_CUBLAS_LIB", "cublaslt", tp, batch, 4100)
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
+def test_cublaslt_projections_replay_in_a_graph_like_eager(monkeypatch):
+    """The cuBLASLt projections captured in a CUDA graph (TP16 batch 64): replays give the eager steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
+    _check_graph_replays_like_eager(16, 64)

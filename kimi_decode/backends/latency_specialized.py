@@ -215,6 +215,34 @@ SHARED_AFTER_MIN_ROWS = 17
 # gemm_tc_rows.DEFAULT_WARPS): 2.0-2.8 us faster per layer at 2 and 8 rows at TP16 and 2.2 at TP8 batch 2, even at
 # 16 rows (benchmarks/NOTES.md item 51)
 ROUTER_WARPS = 16
+# torch's library for the cuBLAS projections above TC_MAX_ROWS (KIMI_DECODE_CUBLAS_LIB): "cublas" (torch's default)
+# or "cublaslt" (`torch.backends.cuda.preferred_blas_library`, set around each such GEMM and restored after, so the
+# rest of the process keeps its own). Alone at 64 rows on the H200 cuBLASLt picks tiles without a split of K for the
+# TP16 input projection and the latent down-projection (19.2 -> 16.2 us and 21.2 -> 17.1 us; benchmarks/NOTES.md
+# item 62); the rest within 1.2 us.
+CUBLAS_LIBS = ("cublas", "cublaslt")
+
+
+def cublas_library() -> str:
+    """KIMI_DECODE_CUBLAS_LIB: which of CUBLAS_LIBS runs the projections that go to cuBLAS."""
+    return cute_common.env_choice("KIMI_DECODE_CUBLAS_LIB", "cublas", CUBLAS_LIBS)
+
+
+@contextlib.contextmanager
+def blas_library(name: str):
+    """The GEMMs launched inside run on torch's `name` path (`torch.backends.cuda.preferred_blas_library`); the
+    setting before is restored on the way out, error or not."""
+    if name == "cublas":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: any batch the decode path takes
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
@@ -239,6 +267,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._norm_split = False  # `routed_norm_split()` as read when the layer began
         self._pairs_bf16 = False  # this layer's grouped experts write bf16 per-pair outputs for the tail (`pairs_bf16`)
         self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
+        self._blas_lib = "cublas"  # `cublas_library()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
@@ -366,6 +395,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._pairs_to_tail = (self._mlp_fast and self._experts_fast and not reduced and batch >= self._grouped_from
                                and routed_norm_on())
         self._norm_split = routed_norm_split()
+        self._blas_lib = cublas_library()
         self._pairs_bf16 = self._pairs_to_tail and pairs_bf16() and not self._norm_split
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
@@ -501,9 +531,10 @@ class LatencySpecializedBackend(AutoBackend):
         tensor-core projection up to TC_MAX_ROWS (`_project`, `warps`), else cuBLAS (see TC_MIN_ROWS)."""
         if self._plain_on_cublas(x.shape[0]):
             # cuBLAS, fp32 accumulation (and output, for the router's logits)
-            if out is not None:
-                return torch.mm(x, w.T, out=out)
-            return torch.mm(x, w.T, out_dtype=dtype) if dtype != BF16 else self.linear(x, w)
+            with blas_library(self._blas_lib):
+                if out is not None:
+                    return torch.mm(x, w.T, out=out)
+                return torch.mm(x, w.T, out_dtype=dtype) if dtype != BF16 else self.linear(x, w)
         return self._project(w, x, out if out is not None else
                              self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device), warps=warps)
 
@@ -790,7 +821,8 @@ class LatencySpecializedBackend(AutoBackend):
             self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
             return
         routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared), split=split)
-        if _ADDMM_FP32_OUT:
-            torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
-        else:  # an older torch: the GEMM's bf16 output added in a kernel of its own
-            res.partial.add_(self.linear(normed, w.up))
+        with blas_library(self._blas_lib):
+            if _ADDMM_FP32_OUT:
+                torch.addmm(res.partial, normed, w.up.t(), out_dtype=torch.float32, out=res.partial)
+            else:  # an older torch: the GEMM's bf16 output added in a kernel of its own
+                res.partial.add_(self.linear(normed, w.up))
