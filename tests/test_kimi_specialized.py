@@ -2020,11 +2020,13 @@ def test_route_topk_refuses_what_it_cannot_route(monkeypatch):
     (1, {}, "fused"), (2, {}, "route"), (8, {}, "route"), (16, {}, "route"), (17, {}, "triton"), (64, {}, "triton"),
     (8, {"KIMI_DECODE_CUTE_TOPK": "0"}, "triton"), (1, {"KIMI_DECODE_FUSED_ROUTER": "0"}, "route"),
     (1, {"KIMI_DECODE_FUSED_ROUTER": "0", "KIMI_DECODE_CUTE_TOPK": "0"}, "triton"),
+    (17, {"KIMI_DECODE_CUTE_TOPK": "all"}, "route"), (64, {"KIMI_DECODE_CUTE_TOPK": "all"}, "route"),
+    (1, {"KIMI_DECODE_CUTE_TOPK": "all"}, "fused"),
 ])
 def test_router_kernel_by_rows(monkeypatch, rows, env, want):
     """One row: the router projection with the top-k in its last CTA; from 2 to 16 rows the projection, then
     `route_topk` on its logits (one CTA per row); above 16 rows, or with KIMI_DECODE_CUTE_TOPK=0, the generic path's
-    Triton top-k."""
+    Triton top-k; with KIMI_DECODE_CUTE_TOPK=all `route_topk` at every batch from 2 rows."""
     from types import SimpleNamespace
 
     from kimi_decode.kernels import router_topk
@@ -2219,13 +2221,13 @@ def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
 
 
 @pytest.mark.parametrize("env, rows, want", [
-    ({}, 64, "default"), ({"KIMI_DECODE_CUBLAS_LIB": "cublas"}, 64, "default"),
+    ({}, 64, "cublaslt"), ({"KIMI_DECODE_CUBLAS_LIB": "cublas"}, 64, "default"),
     ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 64, "cublaslt"), ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 17, "cublaslt"),
     ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 16, None),  # the row-tile kernel: no cuBLAS call at all
 ])
 def test_cublas_lib_sets_the_library_of_the_cublas_projections_only(monkeypatch, env, rows, want):
-    """KIMI_DECODE_CUBLAS_LIB=cublaslt sets torch's preferred BLAS library around each projection that goes to cuBLAS
-    (above the tensor-core rows), and puts back the one before afterwards; "cublas" (the default) leaves it alone."""
+    """KIMI_DECODE_CUBLAS_LIB=cublaslt (the default) sets torch's preferred BLAS library around each projection that
+    goes to cuBLAS (above the tensor-core rows), and puts back the one before afterwards; "cublas" leaves it alone."""
     from kimi_decode.backends.latency_specialized import cublas_library
 
     calls, seen, current = [], [], ["default"]

@@ -215,17 +215,18 @@ SHARED_AFTER_MIN_ROWS = 17
 # gemm_tc_rows.DEFAULT_WARPS): 2.0-2.8 us faster per layer at 2 and 8 rows at TP16 and 2.2 at TP8 batch 2, even at
 # 16 rows (benchmarks/NOTES.md item 51)
 ROUTER_WARPS = 16
-# torch's library for the cuBLAS projections above TC_MAX_ROWS (KIMI_DECODE_CUBLAS_LIB): "cublas" (torch's default)
-# or "cublaslt" (`torch.backends.cuda.preferred_blas_library`, set around each such GEMM and restored after, so the
-# rest of the process keeps its own). Alone at 64 rows on the H200 cuBLASLt picks tiles without a split of K for the
+# torch's library for the cuBLAS projections above TC_MAX_ROWS (KIMI_DECODE_CUBLAS_LIB): "cublaslt", the default
+# (`torch.backends.cuda.preferred_blas_library`, set around each such GEMM and restored after, so the rest of the
+# process, `auto` included, keeps its own), or "cublas" (torch's default library, for A/B). Alone at 64 rows on the H200 cuBLASLt picks tiles without a split of K for the
 # TP16 input projection and the latent down-projection (19.2 -> 16.2 us and 21.2 -> 17.1 us; benchmarks/NOTES.md
-# item 62); the rest within 1.2 us.
-CUBLAS_LIBS = ("cublas", "cublaslt")
+# item 62); the rest within 1.2 us. In the layer at 64 rows: 1-4.5 us faster per KDA layer at both shards, even at 32
+# (item 63).
+CUBLAS_LIBS = ("cublaslt", "cublas")
 
 
 def cublas_library() -> str:
-    """KIMI_DECODE_CUBLAS_LIB: which of CUBLAS_LIBS runs the projections that go to cuBLAS."""
-    return cute_common.env_choice("KIMI_DECODE_CUBLAS_LIB", "cublas", CUBLAS_LIBS)
+    """KIMI_DECODE_CUBLAS_LIB: which of CUBLAS_LIBS runs the projections that go to cuBLAS (default the first)."""
+    return cute_common.env_choice("KIMI_DECODE_CUBLAS_LIB", CUBLAS_LIBS[0], CUBLAS_LIBS)
 
 
 @contextlib.contextmanager
@@ -288,8 +289,10 @@ class LatencySpecializedBackend(AutoBackend):
         self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "1", ("0", "1")) == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
-        # 0: the generic path's Triton top-k above batch 1 instead of `route_topk` (A/B)
-        self._cute_topk = cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", ("0", "1")) == "1"
+        # the most rows `route_topk` routes (KIMI_DECODE_CUTE_TOPK: "1" up to ROUTE_TOPK_MAX_ROWS, the generic path's
+        # Triton top-k above; "0" the Triton kernel above batch 1; "all" `route_topk` at every batch; A/B)
+        self._topk_rows = {"0": 0, "1": ROUTE_TOPK_MAX_ROWS, "all": FAST_MAX_ROWS}[
+            cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", ("0", "1", "all"))]
         # "latent": where the MoE block forks, the shared experts start only once the latent down-projection is
         # done, so that their weights (TP16 16.5 MB, TP8 33 MB) stream beside the expert kernels instead of beside
         # the router and the latent, which the experts wait for; "0": at the fork; "auto" (default): "latent" from
@@ -650,7 +653,7 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- MoE ---------------------------------------------------------------------------------------------------------
     def router(self, x: torch.Tensor, w: MoEWeights, shard: ShardConfig, layer: int):
         fused = self._fused_router and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
-        if not (self._mlp_fast and (fused or (self._cute_topk and x.shape[0] <= ROUTE_TOPK_MAX_ROWS))):
+        if not (self._mlp_fast and (fused or x.shape[0] <= self._topk_rows)):
             return super().router(x, w, shard, layer)
         from ..kernels.router_topk import route_topk, router_topk
 
