@@ -2017,16 +2017,16 @@ def test_route_topk_refuses_what_it_cannot_route(monkeypatch):
 
 
 @pytest.mark.parametrize("rows, env, want", [
-    (1, {}, "fused"), (2, {}, "route"), (8, {}, "route"), (16, {}, "route"), (17, {}, "triton"), (64, {}, "triton"),
+    (1, {}, "fused"), (2, {}, "route"), (8, {}, "route"), (16, {}, "route"), (17, {}, "route"), (64, {}, "route"),
     (8, {"KIMI_DECODE_CUTE_TOPK": "0"}, "triton"), (1, {"KIMI_DECODE_FUSED_ROUTER": "0"}, "route"),
     (1, {"KIMI_DECODE_FUSED_ROUTER": "0", "KIMI_DECODE_CUTE_TOPK": "0"}, "triton"),
-    (17, {"KIMI_DECODE_CUTE_TOPK": "all"}, "route"), (64, {"KIMI_DECODE_CUTE_TOPK": "all"}, "route"),
-    (1, {"KIMI_DECODE_CUTE_TOPK": "all"}, "fused"),
+    (16, {"KIMI_DECODE_CUTE_TOPK": "16"}, "route"), (17, {"KIMI_DECODE_CUTE_TOPK": "16"}, "triton"),
+    (64, {"KIMI_DECODE_CUTE_TOPK": "16"}, "triton"), (1, {"KIMI_DECODE_CUTE_TOPK": "16"}, "fused"),
 ])
 def test_router_kernel_by_rows(monkeypatch, rows, env, want):
-    """One row: the router projection with the top-k in its last CTA; from 2 to 16 rows the projection, then
-    `route_topk` on its logits (one CTA per row); above 16 rows, or with KIMI_DECODE_CUTE_TOPK=0, the generic path's
-    Triton top-k; with KIMI_DECODE_CUTE_TOPK=all `route_topk` at every batch from 2 rows."""
+    """One row: the router projection with the top-k in its last CTA; from 2 rows the projection, then `route_topk`
+    on its logits (one CTA per row); with KIMI_DECODE_CUTE_TOPK=16 the generic path's Triton top-k above 16 rows, with
+    0 above one row."""
     from types import SimpleNamespace
 
     from kimi_decode.kernels import router_topk

@@ -31,9 +31,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   kernel launches under the `routed_experts` stage, where the down-projection belongs, so the `router` stage has no
   kernel of its own there; `KIMI_DECODE_MOE_ENTRY=0`: the two side by side on two streams); from 2 to 16 rows
   (ROUTE_TOPK_MAX_ROWS) the router projection, then the same routing in a kernel of one CTA per row
-  (`router_topk.route_topk`; on the H200 1-2 us faster per layer than the generic path's Triton top-k, whose end the
-  expert kernels wait for; `KIMI_DECODE_CUTE_TOPK=0`: the Triton kernel, for A/B), above them the Triton kernel
-  (at 64 rows the CuTe one measured 6 us slower at TP16);
+  (`router_topk.route_topk`; on the H200 1-5 us faster per layer than the generic path's Triton top-k, whose end the
+  expert kernels wait for, up to 32 rows, even at 64; `KIMI_DECODE_CUTE_TOPK=0` / `16`: the Triton kernel above 1 /
+  16 rows, for A/B);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; per (token, expert) pair below `grouped_from` (batch 9 at TP16, 8 at TP8 and wider slices), the
   second one doing the weighted sum over experts in registers and reading its weights in chunks of 2 or 4 MX
@@ -199,10 +199,13 @@ PREFETCH_MB = 0
 GLU_MAX_ROWS = 1
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~4 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
-# above it, the routing in a kernel of its own with one CTA per row (`route_topk`) up to here, the generic Triton
-# top-k above: at 64 rows the CuTe kernel made the TP16 layer 6 us slower in two runs (TP8 3 us faster; the
-# routing is off the critical path there), at 2-16 rows 1-2 us faster (benchmarks/NOTES.md item 49)
-ROUTE_TOPK_MAX_ROWS = 16
+# above it, the routing in a kernel of its own with one CTA per row (`route_topk`) at every batch the path takes:
+# at 2-16 rows 1-2 us per layer faster than the generic path's Triton top-k (benchmarks/NOTES.md item 49); above 16,
+# since the latent down-projection runs on cuBLASLt without a split of K (item 63), 2.5-5.6 us faster at 32 rows and
+# even at 64 (item 64; beside the split-K form, v31, it was 6 us slower at TP16 batch 64). KIMI_DECODE_CUTE_TOPK=16
+# keeps the Triton kernel above 16 rows, "0" above batch 1 (A/B).
+ROUTE_TOPK_MAX_ROWS = 64
+ROUTE_TOPK_ROWS = {"1": ROUTE_TOPK_MAX_ROWS, "16": 16, "0": 0}  # KIMI_DECODE_CUTE_TOPK -> the most rows it routes
 # programmatic dependent launch (cute_common, KIMI_DECODE_PDL=auto) up to here: at batch 1 on the H200 the TP16
 # layer 94.0 -> 91.7 us, and the TP8 one on one stream in 8 kernels at 119.0 us (120.4 forked without it); at batch 8
 # it measured slower (TP8 274.1 against 238.4 us; NOTES, v14)
@@ -217,10 +220,10 @@ SHARED_AFTER_MIN_ROWS = 17
 ROUTER_WARPS = 16
 # torch's library for the cuBLAS projections above TC_MAX_ROWS (KIMI_DECODE_CUBLAS_LIB): "cublaslt", the default
 # (`torch.backends.cuda.preferred_blas_library`, set around each such GEMM and restored after, so the rest of the
-# process, `auto` included, keeps its own), or "cublas" (torch's default library, for A/B). Alone at 64 rows on the H200 cuBLASLt picks tiles without a split of K for the
-# TP16 input projection and the latent down-projection (19.2 -> 16.2 us and 21.2 -> 17.1 us; benchmarks/NOTES.md
-# item 62); the rest within 1.2 us. In the layer at 64 rows: 1-4.5 us faster per KDA layer at both shards, even at 32
-# (item 63).
+# process, `auto` included, keeps its own), or "cublas" (torch's default library, for A/B). Alone at 64 rows on the
+# H200 cuBLASLt picks tiles without a split of K for the TP16 input projection and the latent down-projection (19.2
+# -> 16.2 us and 21.2 -> 17.1 us; benchmarks/NOTES.md item 62), the rest within 1.2 us; in the layer at 64 rows
+# 1-4.5 us faster per KDA layer at both shards, even at 32 (items 63, 64).
 CUBLAS_LIBS = ("cublaslt", "cublas")
 
 
@@ -289,10 +292,8 @@ class LatencySpecializedBackend(AutoBackend):
         self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "1", ("0", "1")) == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
-        # the most rows `route_topk` routes (KIMI_DECODE_CUTE_TOPK: "1" up to ROUTE_TOPK_MAX_ROWS, the generic path's
-        # Triton top-k above; "0" the Triton kernel above batch 1; "all" `route_topk` at every batch; A/B)
-        self._topk_rows = {"0": 0, "1": ROUTE_TOPK_MAX_ROWS, "all": FAST_MAX_ROWS}[
-            cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", ("0", "1", "all"))]
+        # the most rows `route_topk` routes, the generic path's Triton top-k above (`ROUTE_TOPK_ROWS`)
+        self._topk_rows = ROUTE_TOPK_ROWS[cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", tuple(ROUTE_TOPK_ROWS))]
         # "latent": where the MoE block forks, the shared experts start only once the latent down-projection is
         # done, so that their weights (TP16 16.5 MB, TP8 33 MB) stream beside the expert kernels instead of beside
         # the router and the latent, which the experts wait for; "0": at the fork; "auto" (default): "latent" from
