@@ -1461,3 +1461,15 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 32), (16, 17)])
+def test_specialized_layer_with_the_shared_experts_after_the_alignment_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_SHARED_AFTER=align: from 17 rows the forked shared experts start once the grouped experts'
+    alignment is launched."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_AFTER", "align", tp, batch, 4300)
+
+
+def test_shared_experts_after_the_alignment_replay_in_a_graph_like_eager(monkeypatch):
+    monkeypatch.setenv("KIMI_DECODE_SHARED_AFTER", "align")
+    _check_graph_replays_like_eager(8, 64)
