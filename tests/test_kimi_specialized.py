@@ -278,6 +278,21 @@ def test_kda_split_that_does_not_fit_the_head_is_refused_by_name(monkeypatch, ra
         kda_split(128, 128)
     monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", "8")
     assert kda_split(128, 128) == 8
+    assert kda_split(128, 128, rows=64) == 8  # a count holds at every batch
+
+
+@pytest.mark.parametrize("raw", [None, "auto"])
+def test_kda_split_by_default_follows_the_sequences(monkeypatch, raw):
+    """"auto" (the default): SPLIT thread groups per head below SPLIT_WIDE_FROM sequences, SPLIT_WIDE from there."""
+    from kimi_decode.kernels.kda_decode import SPLIT, SPLIT_WIDE, SPLIT_WIDE_FROM, kda_split
+
+    if raw is None:
+        monkeypatch.delenv("KIMI_DECODE_KDA_SPLIT", raising=False)
+    else:
+        monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", raw)
+    assert [kda_split(128, 128, rows) for rows in (1, 8, SPLIT_WIDE_FROM - 1, SPLIT_WIDE_FROM, 64)] == [
+        SPLIT, SPLIT, SPLIT, SPLIT_WIDE, SPLIT_WIDE]
+    assert kda_split(128, 128) == SPLIT
 
 
 def test_pdl_follows_the_layer_under_auto_and_the_setting_otherwise(monkeypatch):
@@ -2268,24 +2283,3 @@ def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "rocblas")
     with pytest.raises(ValueError, match="KIMI_DECODE_CUBLAS_LIB"):
         cublas_library()
-
-
-@pytest.mark.parametrize("rows, grouped_from, want", [(64, 9, "align"), (17, 9, "align"), (64, 65, "latent"),
-                                                     (16, 9, "now")])
-def test_shared_after_align_waits_for_the_grouped_experts_alignment(monkeypatch, rows, grouped_from, want):
-    """KIMI_DECODE_SHARED_AFTER=align: from SHARED_AFTER_MIN_ROWS (17) rows, where the experts run grouped, the
-    deferred shared experts are not launched after the latent down-projection (the grouped path launches them after
-    its alignment, and their branch's join in any case); not grouped, after the latent; below 17 rows at once."""
-    backend, calls, spy = _shared_branch_spy(monkeypatch, "align", forked=True)
-    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append("cublas") or out)
-    backend._experts_fast, backend._grouped_from = True, grouped_from
-    kernel = "rows" if rows <= 16 else "cublas"
-    x = torch.zeros(rows, 64, dtype=torch.bfloat16)
-    backend.shared_experts(x, spy.w)
-    assert calls == ([kernel, "glu", kernel] if want == "now" else [])
-    calls.clear()
-    backend.latent_down(x, spy.w)
-    assert calls == ([kernel, "event", kernel, "glu", kernel] if want == "latent" else [kernel])
-    calls.clear()
-    backend.join("shared")
-    assert calls == (["event", kernel, "glu", kernel] if want == "align" else [])

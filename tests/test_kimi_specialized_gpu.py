@@ -77,10 +77,12 @@ def test_kda_decode_with_the_state_loaded_after_the_conv_matches_float64(monkeyp
     _check_kda_decode(tp, batch, "cols")
 
 
-@pytest.mark.parametrize("split", [1, 2, 8])
-@pytest.mark.parametrize("tp, batch, fused_gate", [(16, 1, "cols"), (8, 8, "rows"), (1, 3, False)])
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+@pytest.mark.parametrize("tp, batch, fused_gate", [(16, 1, "cols"), (8, 8, "rows"), (1, 3, False), (8, 64, "cols"),
+                                                   (16, 32, False)])
 def test_kda_decode_at_each_thread_split_matches_float64(monkeypatch, split, tp, batch, fused_gate):
-    """The KDA kernel's other thread splits per head (KIMI_DECODE_KDA_SPLIT; the default, 4, is tested above)."""
+    """The KDA kernel at each thread split per head (KIMI_DECODE_KDA_SPLIT; the defaults, 4 below 17 sequences and 2
+    from there, are also tested above)."""
     monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", str(split))
     _check_kda_decode(tp, batch, fused_gate)
 
@@ -1461,15 +1463,3 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 32), (16, 17)])
-def test_specialized_layer_with_the_shared_experts_after_the_alignment_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_SHARED_AFTER=align: from 17 rows the forked shared experts start once the grouped experts'
-    alignment is launched."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_AFTER", "align", tp, batch, 4300)
-
-
-def test_shared_experts_after_the_alignment_replay_in_a_graph_like_eager(monkeypatch):
-    monkeypatch.setenv("KIMI_DECODE_SHARED_AFTER", "align")
-    _check_graph_replays_like_eager(8, 64)

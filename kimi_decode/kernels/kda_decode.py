@@ -1,7 +1,7 @@
 """Fused KDA decode step: one kernel for what the generic path does in three.
 
-For each (head, sequence), one CTA of head_dim * split threads (`KIMI_DECODE_KDA_SPLIT`, default 4 groups of
-head_dim threads) does:
+For each (head, sequence), one CTA of head_dim * split threads (`KIMI_DECODE_KDA_SPLIT`, by default 4 groups of
+head_dim threads, 2 from 17 sequences on: `kda_split`) does:
   1. the causal depthwise conv (width 4) on the q, k, v channels, with the conv-state shift, then SiLU (group p does
      parts p, p + split, ...: q, k and v at once at the default);
   2. q and k L2 normalisation (q scaled by head_dim**-0.5), the bounded decay gate
@@ -212,12 +212,20 @@ if HAVE_CUTE:
 
 
 SPLIT = 4  # thread groups per head by default (KIMI_DECODE_KDA_SPLIT)
+# from this many sequences on, SPLIT_WIDE groups instead: at 32 and 64 rows on the H200 2 groups streamed the state
+# faster than 4 (benchmarks/NOTES.md items 65, 66), where 4 had been the faster at 1 and 8 (v15)
+SPLIT_WIDE, SPLIT_WIDE_FROM = 2, 17
 
 
-def kda_split(head_dim: int, rank: int = 0) -> int:
-    """Thread groups per head (`KIMI_DECODE_KDA_SPLIT`, default SPLIT; 1 is one thread per state column): each owns
-    head_dim / split rows of every column and rank / split of the gate's f_b columns."""
-    split = env_int("KIMI_DECODE_KDA_SPLIT", SPLIT, 1, 1024, "a number of thread groups")
+def kda_split(head_dim: int, rank: int = 0, rows: int = 1) -> int:
+    """Thread groups per head (`KIMI_DECODE_KDA_SPLIT`: "auto", the default, SPLIT below SPLIT_WIDE_FROM sequences
+    (`rows`) and SPLIT_WIDE from there, or a count; 1 is one thread per state column): each owns head_dim / split
+    rows of every column and rank / split of the gate's f_b columns."""
+    raw = os.environ.get("KIMI_DECODE_KDA_SPLIT", "auto")
+    if raw == "auto":
+        split = SPLIT_WIDE if rows >= SPLIT_WIDE_FROM else SPLIT
+    else:
+        split = env_int("KIMI_DECODE_KDA_SPLIT", SPLIT, 1, 1024, "a number of thread groups")
     if head_dim % split or rank % split or head_dim * split > 1024:
         raise ValueError(f"KIMI_DECODE_KDA_SPLIT={split}: the thread groups per head must divide head_dim "
                          f"({head_dim}) and the gate rank ({rank}), with head_dim * groups <= 1024 threads")
@@ -229,7 +237,7 @@ def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out,
     B, H, D, _ = S.shape
     state_first = os.environ.get("KIMI_DECODE_KDA_STATE_FIRST", "1") == "1"
     rank = f.shape[1] if f_col >= 0 else 0
-    split = kda_split(D, rank)
+    split = kda_split(D, rank, y.shape[0])
     late = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late")) == "late"
     key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
