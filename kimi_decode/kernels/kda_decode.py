@@ -239,7 +239,8 @@ def kda_min_ctas() -> int:
     """KIMI_DECODE_KDA_MIN_CTAS: CTAs of the KDA kernel that its registers must let share an SM (ptxas
     `.minnctapersm`), for A/B timing; 0, the default, leaves it to the compiler. At 64 sequences (ptxas 13.0 on the
     cutlass-dsl 4.3.5 PTX) 4 thread groups take 95 registers, one 512-thread CTA per SM, and 2 groups 127, two
-    256-thread CTAs (benchmarks/NOTES.md item 66): 2 at 4 groups caps them at 64, 3 at 2 groups at 85."""
+    256-thread CTAs (benchmarks/NOTES.md item 66); 2 at 4 groups takes them to 64 and 3 at 2 groups to 80, each with
+    under 100 bytes spilled (item 67)."""
     return env_int("KIMI_DECODE_KDA_MIN_CTAS", 0, 0, 8, "CTAs per SM")
 
 
