@@ -205,7 +205,7 @@ ROUTER_FUSED_MAX_ROWS = 1
 # since the latent down-projection runs on cuBLASLt without a split of K (item 63), 2.5-5.6 us faster at 32 rows and
 # even at 64 (item 64; beside the split-K form, v31, it was 6 us slower at TP16 batch 64). KIMI_DECODE_CUTE_TOPK=16
 # keeps the Triton kernel above 16 rows, "0" above batch 1 (A/B).
-ROUTE_TOPK_MAX_ROWS = 64
+ROUTE_TOPK_MAX_ROWS = FAST_MAX_ROWS
 ROUTE_TOPK_ROWS = {"1": ROUTE_TOPK_MAX_ROWS, "16": 16, "0": 0}  # KIMI_DECODE_CUTE_TOPK -> the most rows it routes
 # programmatic dependent launch (cute_common, KIMI_DECODE_PDL=auto) up to here: at batch 1 on the H200 the TP16
 # layer 94.0 -> 91.7 us, and the TP8 one on one stream in 8 kernels at 119.0 us (120.4 forked without it); at batch 8
