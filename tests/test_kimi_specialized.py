@@ -126,36 +126,6 @@ def test_kda_decode_compiles_for_sm90a(sm90a, tp, batch):
 
 
 @needs_cute
-@pytest.mark.parametrize("split, ctas", [("4", "2"), ("auto", "3")])
-def test_kda_decode_compiles_for_sm90a_at_a_register_cap(sm90a, monkeypatch, split, ctas):
-    """KIMI_DECODE_KDA_MIN_CTAS: the KDA kernel compiled for 2 or 3 CTAs per SM (ptxas `.minnctapersm`), at 64
-    sequences, a kernel of its own beside the uncapped one (the setting is in the compile key)."""
-    from kimi_decode.kernels.kda_decode import compile_kda_decode
-
-    monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", split)
-    s = shard("k3", tp=8)
-    kw = dict(b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0, f_col=s.kda_in_proj_layout["f_a"][0])
-    plain = compile_kda_decode(*_kda_cols_args(s, 64), **kw)
-    monkeypatch.setenv("KIMI_DECODE_KDA_MIN_CTAS", ctas)
-    capped = compile_kda_decode(*_kda_cols_args(s, 64), **kw)
-    assert plain is not None and capped is not None and capped is not plain
-
-
-@pytest.mark.parametrize("raw", ["9", "-1", "two"])
-def test_kda_min_ctas_setting_refused_by_name(monkeypatch, raw):
-    from kimi_decode.kernels.cute_common import min_ctas_launch
-    from kimi_decode.kernels.kda_decode import kda_min_ctas
-
-    monkeypatch.delenv("KIMI_DECODE_KDA_MIN_CTAS", raising=False)
-    assert kda_min_ctas() == 0 and min_ctas_launch(0) == {}
-    monkeypatch.setenv("KIMI_DECODE_KDA_MIN_CTAS", "2")
-    assert kda_min_ctas() == 2
-    monkeypatch.setenv("KIMI_DECODE_KDA_MIN_CTAS", raw)
-    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_MIN_CTAS"):
-        kda_min_ctas()
-
-
-@needs_cute
 @pytest.mark.parametrize("split", [1, 2, 8])
 def test_kda_decode_compiles_for_sm90a_at_each_thread_split(sm90a, monkeypatch, split):
     """The KDA kernel's other thread splits (KIMI_DECODE_KDA_SPLIT; 4 is compiled above): every gate form."""

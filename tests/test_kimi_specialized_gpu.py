@@ -87,16 +87,6 @@ def test_kda_decode_at_each_thread_split_matches_float64(monkeypatch, split, tp,
     _check_kda_decode(tp, batch, fused_gate)
 
 
-@pytest.mark.parametrize("split, ctas", [("4", "2"), ("2", "3")])
-@pytest.mark.parametrize("tp, batch, fused_gate", [(8, 64, "cols"), (16, 32, False)])
-def test_kda_decode_at_a_register_cap_matches_float64(monkeypatch, split, ctas, tp, batch, fused_gate):
-    """KIMI_DECODE_KDA_MIN_CTAS: the KDA kernel compiled for 2 / 3 CTAs per SM (registers capped, a few bytes
-    spilled) against float64."""
-    monkeypatch.setenv("KIMI_DECODE_KDA_SPLIT", split)
-    monkeypatch.setenv("KIMI_DECODE_KDA_MIN_CTAS", ctas)
-    _check_kda_decode(tp, batch, fused_gate)
-
-
 def _check_kda_decode(tp, batch, fused_gate):
     from kimi_decode.kernels.kda_decode import kda_decode
 

@@ -32,8 +32,7 @@ import os
 
 import torch
 
-from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch,
-                          min_ctas_launch, signature)
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait, sigmoid
@@ -52,7 +51,7 @@ if HAVE_CUTE:
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
                      f_col: int = -1, f_rank: int = 0, state_first: bool = True, split: int = 1,
-                     trigger_late: bool = False, min_ctas: int = 0):
+                     trigger_late: bool = False):
             self.H, self.D, self.W = heads, head_dim, width
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
@@ -60,7 +59,6 @@ if HAVE_CUTE:
             self.state_first = state_first  # the state column's loads first (before the PDL wait), not after the conv
             self.P = split  # thread groups per head: group p owns rows p*D/P .. of every state column
             self.trigger_late = trigger_late  # KIMI_DECODE_KDA_TRIGGER=late
-            self.min_ctas = min_ctas  # CTAs per SM its registers must allow (`kda_min_ctas`), 0: the compiler's
 
         @cute.jit
         def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -68,8 +66,7 @@ if HAVE_CUTE:
                      out: cute.Tensor, stream):
             B = y.shape[0]
             self.kernel(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out).launch(
-                grid=[self.H, B, 1], block=[self.D * self.P, 1, 1], stream=stream, use_pdl=self.pdl_launch,
-                **min_ctas_launch(self.min_ctas))
+                grid=[self.H, B, 1], block=[self.D * self.P, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         def _sum_groups(self, v, part: cute.Tensor, p, t):
             """v summed over the thread groups of column t, through `part` (split * head_dim floats of shared
@@ -235,15 +232,6 @@ def kda_split(head_dim: int, rank: int = 0, rows: int = 1) -> int:
     return split
 
 
-def kda_min_ctas() -> int:
-    """KIMI_DECODE_KDA_MIN_CTAS: CTAs of the KDA kernel that its registers must let share an SM (ptxas
-    `.minnctapersm`), for A/B timing; 0, the default, leaves it to the compiler. At 64 sequences (ptxas 13.0 on the
-    cutlass-dsl 4.3.5 PTX) 4 thread groups take 95 registers, one 512-thread CTA per SM, and 2 groups 127, two
-    256-thread CTAs (benchmarks/NOTES.md item 66); 2 at 4 groups takes them to 64 and 3 at 2 groups to 80, each with
-    under 100 bytes spilled (item 67)."""
-    return env_int("KIMI_DECODE_KDA_MIN_CTAS", 0, 0, 8, "CTAs per SM")
-
-
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
                        f_col: int = -1):
     B, H, D, _ = S.shape
@@ -251,10 +239,9 @@ def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out,
     rank = f.shape[1] if f_col >= 0 else 0
     split = kda_split(D, rank, y.shape[0])
     late = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late")) == "late"
-    min_ctas = kda_min_ctas()
-    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late, min_ctas,
+    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
-    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, late, min_ctas)
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, late)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
                                                                       o_norm, out)))
 
