@@ -1463,3 +1463,19 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
+
+
+@pytest.mark.parametrize("first", ["latent", "even"])
+@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (8, 8), (16, 2)])
+def test_specialized_layer_with_the_entry_order_matches_reference(monkeypatch, first, tp, batch):
+    """KIMI_DECODE_ENTRY_FIRST: the latent down-projection on a high-priority stream of its own ("latent"), or
+    neither side of the MoE entry at high priority ("even"); the experts still wait for both."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ENTRY_FIRST", first, tp, batch, 4300)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 8)])
+def test_latent_first_entry_replays_in_a_graph_like_eager(monkeypatch, tp, batch):
+    """KIMI_DECODE_ENTRY_FIRST=latent captured in a CUDA graph (the latent stream a fork and join in it): replays
+    give the eager steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_ENTRY_FIRST", "latent")
+    _check_graph_replays_like_eager(tp, batch)
