@@ -2285,7 +2285,7 @@ def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
         cublas_library()
 
 
-@pytest.mark.parametrize("raw, router_priority", [(None, -1), ("router", -1), ("latent", 0), ("even", 0)])
+@pytest.mark.parametrize("raw, router_priority", [(None, -1), ("router", -1), ("latent", 0)])
 def test_entry_first_sets_the_router_branch_priority(monkeypatch, raw, router_priority):
     """KIMI_DECODE_ENTRY_FIRST: the router branch's stream is high priority (-1) only while the router goes first;
     the other branches are never raised."""

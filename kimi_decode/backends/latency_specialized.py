@@ -227,10 +227,12 @@ ROUTER_WARPS = 16
 # 1-4.5 us faster per KDA layer at both shards, even at 32 (items 63, 64).
 CUBLAS_LIBS = ("cublaslt", "cublas")
 # which side of the MoE entry goes first where the router runs on a branch of its own beside the latent
-# down-projection (2 to 64 rows; KIMI_DECODE_ENTRY_FIRST): "router", the default (the router branch's stream at high
-# priority: it gates the experts), "latent" (the latent down-projection on a high-priority stream of its own, the
-# router branch at normal priority: its CTAs take what the projection leaves), or "even" (both at normal priority).
-ENTRY_FIRST = ("router", "latent", "even")
+# down-projection (2 to 64 rows; KIMI_DECODE_ENTRY_FIRST): "router", the default (the router branch launched first,
+# its stream at high priority: it gates the experts), or "latent" (the latent down-projection launched before the
+# router branch forks, on a high-priority stream of its own, the router branch at normal priority: the projection's
+# CTAs are placed first and the router's take the SMs it leaves). The priorities alone, launch order unchanged, moved
+# nothing at 2 to 64 rows (benchmarks/NOTES.md item 68).
+ENTRY_FIRST = ("router", "latent")
 
 
 def entry_first() -> str:
@@ -313,6 +315,7 @@ class LatencySpecializedBackend(AutoBackend):
         # SHARED_AFTER_MIN_ROWS rows
         self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "auto", ("auto", "0", "latent"))
         self._deferred_shared = None  # (x, weights, out) of those, until the latent down-projection
+        self._early_latent = None  # (x, latent, its stream, its end event): launched before the router branch
         # the most warps per CTA of the router projection on the row tiles (2..16 rows; 0: the row tiles' own plan,
         # KIMI_DECODE_TC_ROWS_WARPS): its 56 CTAs stream beside the latent down-projection's 224, and with a larger
         # share of the bytes in flight they end sooner (TP16 batch 8: 8 warps 18 us for 12.8 MB, 7 us alone), so the
@@ -436,6 +439,7 @@ class LatencySpecializedBackend(AutoBackend):
     def end_layer(self) -> None:
         cute_common.set_layer_pdl(False)
         self._deferred_shared = None  # a layer that raised before its latent down-projection
+        self._early_latent = None
 
     def _riders_wanted(self, w: MoEWeights) -> bool:
         """Whether the shared experts run inside the expert kernels at batch 1: where their rows are few, and under PDL
@@ -536,6 +540,8 @@ class LatencySpecializedBackend(AutoBackend):
                 or (name == "shared" and self._shared_riders)):  # the shared experts: in the expert kernels
             yield
             return
+        if name == "router" and self._entry_first == "latent" and self._mlp_fast and self._experts_fast:
+            self._launch_latent_early(inputs[0])
         main = torch.cuda.current_stream(inputs[0].device)
         side = self._stream(name, inputs[0].device, self._branch_priority(name, self._entry_first))
         side.wait_stream(main)
@@ -739,15 +745,18 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _launch_deferred_shared(self) -> None:
         """The deferred shared experts on their branch's stream (still open: `join` launches them before it closes
-        it), after what the current stream has launched (the latent down-projection): a dependency edge in a captured
-        graph."""
+        it), after the latent down-projection: what the current stream has launched, or the early one's end event (a
+        dependency edge in a captured graph)."""
         deferred, self._deferred_shared = self._deferred_shared, None
         if deferred is None:
             return
         x, w, out = deferred
         side = self._open["shared"]
-        latent_done = torch.cuda.Event()
-        latent_done.record()
+        if self._early_latent is not None:
+            latent_done = self._early_latent[3]
+        else:
+            latent_done = torch.cuda.Event()
+            latent_done.record()
         side.wait_event(latent_done)
         with torch.cuda.stream(side):
             self._plain_shared(x, w, out)
@@ -757,18 +766,33 @@ class LatencySpecializedBackend(AutoBackend):
         self._launch_deferred_shared()
         return latent
 
-    def _entry_latent(self, x, w: MoEWeights):
-        """The latent down-projection beside the router branch: on the current stream, or with `entry_first()` =
-        "latent" on a high-priority stream of its own (forked from the current one, which waits for it before the
-        expert kernels; the deferred shared experts then wait for it there)."""
-        if self._entry_first != "latent" or "router" not in self._open:
-            return self.latent_down(x, w)
+    def _launch_latent_early(self, x) -> None:
+        """`entry_first()` = "latent": the latent down-projection of x launched now, before the router branch forks,
+        on a high-priority stream of its own forked from the current one (`_entry_latent` joins it)."""
         main = torch.cuda.current_stream(x.device)
         side = self._stream("latent", x.device, HIGH)
         side.wait_stream(main)
         x.record_stream(side)
         with torch.cuda.stream(side):
-            latent = self.latent_down(x, w)
+            latent = self._gemv(x, self._lw.mlp.down)
+            done = torch.cuda.Event()
+            done.record()
+        self._early_latent = (x, latent, side, done)
+
+    def _entry_latent(self, x, w: MoEWeights):
+        """The latent down-projection beside the router branch: launched here on the current stream, or the one
+        `_launch_latent_early` launched (the current stream then waits for its stream; the deferred shared experts
+        wait for its end event)."""
+        early = self._early_latent
+        if early is None:
+            return self.latent_down(x, w)
+        if early[0] is not x:
+            raise RuntimeError("latency_specialized: the early latent down-projection must take the routed experts' "
+                               "input")
+        self._launch_deferred_shared()
+        self._early_latent = None
+        _, latent, side, _ = early
+        main = torch.cuda.current_stream(x.device)
         main.wait_stream(side)
         latent.record_stream(main)  # allocated on the latent stream, read on the current one
         return latent
