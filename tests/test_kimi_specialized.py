@@ -2283,27 +2283,3 @@ def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "rocblas")
     with pytest.raises(ValueError, match="KIMI_DECODE_CUBLAS_LIB"):
         cublas_library()
-
-
-@pytest.mark.parametrize("raw, router_priority", [(None, -1), ("router", -1), ("latent", 0)])
-def test_entry_first_sets_the_router_branch_priority(monkeypatch, raw, router_priority):
-    """KIMI_DECODE_ENTRY_FIRST: the router branch's stream is high priority (-1) only while the router goes first;
-    the other branches are never raised."""
-    from kimi_decode.backends.latency_specialized import LatencySpecializedBackend, entry_first
-
-    if raw is None:
-        monkeypatch.delenv("KIMI_DECODE_ENTRY_FIRST", raising=False)
-    else:
-        monkeypatch.setenv("KIMI_DECODE_ENTRY_FIRST", raw)
-    first = entry_first()
-    assert first == (raw or "router")
-    assert LatencySpecializedBackend._branch_priority("router", first) == router_priority
-    assert LatencySpecializedBackend._branch_priority("shared", first) == 0
-
-
-def test_entry_first_refuses_an_unknown_order(monkeypatch):
-    from kimi_decode.backends.latency_specialized import entry_first
-
-    monkeypatch.setenv("KIMI_DECODE_ENTRY_FIRST", "shared")
-    with pytest.raises(ValueError, match="KIMI_DECODE_ENTRY_FIRST"):
-        entry_first()

@@ -1463,18 +1463,3 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (8, 8), (16, 2)])
-def test_specialized_layer_with_the_latent_first_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_ENTRY_FIRST=latent: the latent down-projection launched before the router branch forks, on a
-    high-priority stream of its own; the experts wait for both, the shared experts for the projection."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_ENTRY_FIRST", "latent", tp, batch, 4300)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 8)])
-def test_latent_first_entry_replays_in_a_graph_like_eager(monkeypatch, tp, batch):
-    """KIMI_DECODE_ENTRY_FIRST=latent captured in a CUDA graph (the latent stream a fork and join in it): replays
-    give the eager steps' results."""
-    monkeypatch.setenv("KIMI_DECODE_ENTRY_FIRST", "latent")
-    _check_graph_replays_like_eager(tp, batch)

@@ -226,18 +226,6 @@ ROUTER_WARPS = 16
 # -> 16.2 us and 21.2 -> 17.1 us; benchmarks/NOTES.md item 62), the rest within 1.2 us; in the layer at 64 rows
 # 1-4.5 us faster per KDA layer at both shards, even at 32 (items 63, 64).
 CUBLAS_LIBS = ("cublaslt", "cublas")
-# which side of the MoE entry goes first where the router runs on a branch of its own beside the latent
-# down-projection (2 to 64 rows; KIMI_DECODE_ENTRY_FIRST): "router", the default (the router branch launched first,
-# its stream at high priority: it gates the experts), or "latent" (the latent down-projection launched before the
-# router branch forks, on a high-priority stream of its own, the router branch at normal priority: the projection's
-# CTAs are placed first and the router's take the SMs it leaves). The priorities alone, launch order unchanged, moved
-# nothing at 2 to 64 rows (benchmarks/NOTES.md item 68).
-ENTRY_FIRST = ("router", "latent")
-
-
-def entry_first() -> str:
-    """KIMI_DECODE_ENTRY_FIRST: one of ENTRY_FIRST (default the first)."""
-    return cute_common.env_choice("KIMI_DECODE_ENTRY_FIRST", ENTRY_FIRST[0], ENTRY_FIRST)
 
 
 def cublas_library() -> str:
@@ -264,7 +252,6 @@ EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: 
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
-HIGH, NORMAL = -1, 0  # stream priorities (torch's range on the H200: -1 the highest)
 COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
 # the tensor-core projection's counters (one per row group), one set per stream it may run on at the same time
 TC_COUNTERS = 1024
@@ -286,7 +273,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._pairs_bf16 = False  # this layer's grouped experts write bf16 per-pair outputs for the tail (`pairs_bf16`)
         self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
         self._blas_lib = "cublas"  # `cublas_library()` as read when the layer began
-        self._entry_first = ENTRY_FIRST[0]  # `entry_first()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
@@ -315,7 +301,6 @@ class LatencySpecializedBackend(AutoBackend):
         # SHARED_AFTER_MIN_ROWS rows
         self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "auto", ("auto", "0", "latent"))
         self._deferred_shared = None  # (x, weights, out) of those, until the latent down-projection
-        self._early_latent = None  # (x, latent, its stream, its end event): launched before the router branch
         # the most warps per CTA of the router projection on the row tiles (2..16 rows; 0: the row tiles' own plan,
         # KIMI_DECODE_TC_ROWS_WARPS): its 56 CTAs stream beside the latent down-projection's 224, and with a larger
         # share of the bytes in flight they end sooner (TP16 batch 8: 8 warps 18 us for 12.8 MB, 7 us alone), so the
@@ -361,9 +346,6 @@ class LatencySpecializedBackend(AutoBackend):
             device = torch.device("cuda", torch.cuda.current_device())  # step may be a CUDA-graph capture)
             for name in BRANCHES:
                 self._stream(name, device)
-            for first in ENTRY_FIRST:  # every stream the MoE entry may take, whatever the setting
-                self._stream("router", device, self._branch_priority("router", first))
-            self._stream("latent", device, HIGH)
             for name in COUNTERS:
                 self._counter(name, device)
             self._o_proj_parts(device)
@@ -419,7 +401,6 @@ class LatencySpecializedBackend(AutoBackend):
                                and routed_norm_on())
         self._norm_split = routed_norm_split()
         self._blas_lib = cublas_library()
-        self._entry_first = entry_first()
         self._pairs_bf16 = self._pairs_to_tail and pairs_bf16() and not self._norm_split
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
@@ -439,7 +420,6 @@ class LatencySpecializedBackend(AutoBackend):
     def end_layer(self) -> None:
         cute_common.set_layer_pdl(False)
         self._deferred_shared = None  # a layer that raised before its latent down-projection
-        self._early_latent = None
 
     def _riders_wanted(self, w: MoEWeights) -> bool:
         """Whether the shared experts run inside the expert kernels at batch 1: where their rows are few, and under PDL
@@ -451,20 +431,10 @@ class LatencySpecializedBackend(AutoBackend):
         return few_shared_rows(w.shared_down.shape[1]) or cute_common.pdl_enabled()
 
     # ---- streams -----------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _branch_priority(name: str, first: str) -> int:
-        """The priority of branch `name`'s stream under `entry_first()` = `first`: the router branch is on the
-        critical path (it gates the experts), high unless the latent down-projection goes first or neither does."""
-        return HIGH if name == "router" and first == "router" else NORMAL
-
-    def _stream(self, name: str, device: torch.device, priority: int | None = None) -> torch.cuda.Stream:
-        """The stream of branch `name` at `priority` (default `_branch_priority` under ENTRY_FIRST's default), made
-        once per device (torch's CUDA graphs keep a kernel's stream priority as its node's)."""
-        if priority is None:
-            priority = self._branch_priority(name, ENTRY_FIRST[0])
-        key = (device, name, priority)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device, priority=priority)
+    def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
+        key = (device, name)
+        if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
+            self._streams[key] = torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
         return self._streams[key]
 
     def _counter(self, name: str, device: torch.device, n: int = 1) -> torch.Tensor:
@@ -500,8 +470,8 @@ class LatencySpecializedBackend(AutoBackend):
         """The tensor-core projection's counters for the stream in use: kernels on one stream run one after another
         and share a set; the branches' streams, which run beside the main one, have their own."""
         current = torch.cuda.current_stream(device)
-        for (dev, name, _), stream in self._streams.items():
-            if dev == device and stream == current:
+        for name in BRANCHES:
+            if self._streams.get((device, name)) == current:
                 return self._counter(f"tc.{name}", device, TC_COUNTERS)
         return self._counter("tc.main", device, TC_COUNTERS)
 
@@ -540,10 +510,8 @@ class LatencySpecializedBackend(AutoBackend):
                 or (name == "shared" and self._shared_riders)):  # the shared experts: in the expert kernels
             yield
             return
-        if name == "router" and self._entry_first == "latent" and self._mlp_fast and self._experts_fast:
-            self._launch_latent_early(inputs[0])
         main = torch.cuda.current_stream(inputs[0].device)
-        side = self._stream(name, inputs[0].device, self._branch_priority(name, self._entry_first))
+        side = self._stream(name, inputs[0].device)
         side.wait_stream(main)
         for t in inputs:
             t.record_stream(side)
@@ -745,18 +713,15 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _launch_deferred_shared(self) -> None:
         """The deferred shared experts on their branch's stream (still open: `join` launches them before it closes
-        it), after the latent down-projection: what the current stream has launched, or the early one's end event (a
-        dependency edge in a captured graph)."""
+        it), after what the current stream has launched (the latent down-projection): a dependency edge in a captured
+        graph."""
         deferred, self._deferred_shared = self._deferred_shared, None
         if deferred is None:
             return
         x, w, out = deferred
         side = self._open["shared"]
-        if self._early_latent is not None:
-            latent_done = self._early_latent[3]
-        else:
-            latent_done = torch.cuda.Event()
-            latent_done.record()
+        latent_done = torch.cuda.Event()
+        latent_done.record()
         side.wait_event(latent_done)
         with torch.cuda.stream(side):
             self._plain_shared(x, w, out)
@@ -764,37 +729,6 @@ class LatencySpecializedBackend(AutoBackend):
     def latent_down(self, x, w: MoEWeights):
         latent = self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)
         self._launch_deferred_shared()
-        return latent
-
-    def _launch_latent_early(self, x) -> None:
-        """`entry_first()` = "latent": the latent down-projection of x launched now, before the router branch forks,
-        on a high-priority stream of its own forked from the current one (`_entry_latent` joins it)."""
-        main = torch.cuda.current_stream(x.device)
-        side = self._stream("latent", x.device, HIGH)
-        side.wait_stream(main)
-        x.record_stream(side)
-        with torch.cuda.stream(side):
-            latent = self._gemv(x, self._lw.mlp.down)
-            done = torch.cuda.Event()
-            done.record()
-        self._early_latent = (x, latent, side, done)
-
-    def _entry_latent(self, x, w: MoEWeights):
-        """The latent down-projection beside the router branch: launched here on the current stream, or the one
-        `_launch_latent_early` launched (the current stream then waits for its stream; the deferred shared experts
-        wait for its end event)."""
-        early = self._early_latent
-        if early is None:
-            return self.latent_down(x, w)
-        if early[0] is not x:
-            raise RuntimeError("latency_specialized: the early latent down-projection must take the routed experts' "
-                               "input")
-        self._launch_deferred_shared()
-        self._early_latent = None
-        _, latent, side, _ = early
-        main = torch.cuda.current_stream(x.device)
-        main.wait_stream(side)
-        latent.record_stream(main)  # allocated on the latent stream, read on the current one
         return latent
 
     def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig):
@@ -825,7 +759,7 @@ class LatencySpecializedBackend(AutoBackend):
                                scaling=shard.model.routed_scaling,
                                glu=(shared[0], shared[2]) if glu_in_entry else None, prefetch=prefetch)
         else:
-            latent = self._entry_latent(x, w)  # launched before the wait: it runs beside the router branch
+            latent = self.latent_down(x, w)  # launched before the wait: it runs beside the router branch
         self.join("router", ids, weights)
         B, k = ids.shape
         L = w.w2.shape[1]
