@@ -2283,28 +2283,3 @@ def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "rocblas")
     with pytest.raises(ValueError, match="KIMI_DECODE_CUBLAS_LIB"):
         cublas_library()
-
-
-@pytest.mark.parametrize("after, rows, want", [("auto", 64, True), ("auto", 17, True), ("auto", 16, False),
-                                               ("latent", 2, True), ("0", 64, False)])
-def test_shared_experts_start_after_the_latent_by_rows(after, rows, want):
-    """KIMI_DECODE_SHARED_AFTER: "auto" defers the shared experts behind the latent down-projection from
-    SHARED_AFTER_MIN_ROWS rows (where KIMI_DECODE_SHARED_PRIORITY may raise their stream), "latent" always, "0"
-    never."""
-    from kimi_decode.backends.latency_specialized import LatencySpecializedBackend
-
-    backend = LatencySpecializedBackend.__new__(LatencySpecializedBackend)
-    backend._shared_after = after
-    assert backend._shared_after_latent(rows) is want
-
-
-def test_shared_priority_setting(monkeypatch):
-    from kimi_decode.backends.latency_specialized import shared_priority
-
-    monkeypatch.delenv("KIMI_DECODE_SHARED_PRIORITY", raising=False)
-    assert shared_priority() == "normal"
-    monkeypatch.setenv("KIMI_DECODE_SHARED_PRIORITY", "high")
-    assert shared_priority() == "high"
-    monkeypatch.setenv("KIMI_DECODE_SHARED_PRIORITY", "urgent")
-    with pytest.raises(ValueError, match="KIMI_DECODE_SHARED_PRIORITY"):
-        shared_priority()

@@ -1463,17 +1463,3 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (8, 32), (16, 17)])
-def test_specialized_layer_with_high_priority_shared_experts_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_SHARED_PRIORITY=high: the shared experts (after the latent down-projection) on a high-priority
-    stream, beside the expert kernels; the MoE tail still waits for them."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_PRIORITY", "high", tp, batch, 4400)
-
-
-def test_high_priority_shared_experts_replay_in_a_graph_like_eager(monkeypatch):
-    """KIMI_DECODE_SHARED_PRIORITY=high captured in a CUDA graph (TP16 batch 64): replays give the eager steps'
-    results."""
-    monkeypatch.setenv("KIMI_DECODE_SHARED_PRIORITY", "high")
-    _check_graph_replays_like_eager(16, 64)

@@ -226,16 +226,6 @@ ROUTER_WARPS = 16
 # -> 16.2 us and 21.2 -> 17.1 us; benchmarks/NOTES.md item 62), the rest within 1.2 us; in the layer at 64 rows
 # 1-4.5 us faster per KDA layer at both shards, even at 32 (items 63, 64).
 CUBLAS_LIBS = ("cublaslt", "cublas")
-# the priority of the shared experts' stream where they start after the latent down-projection (from
-# SHARED_AFTER_MIN_ROWS rows; KIMI_DECODE_SHARED_PRIORITY): "normal", the default, or "high", so that their kernels'
-# CTAs (gate/up, its split-K reduce, SiTU-GLU, down) are placed before the expert kernels' pending ones instead of
-# after them
-SHARED_PRIORITIES = ("normal", "high")
-
-
-def shared_priority() -> str:
-    """KIMI_DECODE_SHARED_PRIORITY: one of SHARED_PRIORITIES (default the first)."""
-    return cute_common.env_choice("KIMI_DECODE_SHARED_PRIORITY", SHARED_PRIORITIES[0], SHARED_PRIORITIES)
 
 
 def cublas_library() -> str:
@@ -262,7 +252,6 @@ EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: 
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
-HIGH, NORMAL = -1, 0  # stream priorities (torch's range on the H200: -1 the highest)
 COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
 # the tensor-core projection's counters (one per row group), one set per stream it may run on at the same time
 TC_COUNTERS = 1024
@@ -284,7 +273,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._pairs_bf16 = False  # this layer's grouped experts write bf16 per-pair outputs for the tail (`pairs_bf16`)
         self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
         self._blas_lib = "cublas"  # `cublas_library()` as read when the layer began
-        self._shared_high = False  # `shared_priority()` = "high", as read when the layer began
         self._res_fast = False
         self._experts_fast = False
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
@@ -358,7 +346,6 @@ class LatencySpecializedBackend(AutoBackend):
             device = torch.device("cuda", torch.cuda.current_device())  # step may be a CUDA-graph capture)
             for name in BRANCHES:
                 self._stream(name, device)
-            self._stream("shared", device, HIGH)  # `shared_priority()` = "high"
             for name in COUNTERS:
                 self._counter(name, device)
             self._o_proj_parts(device)
@@ -414,7 +401,6 @@ class LatencySpecializedBackend(AutoBackend):
                                and routed_norm_on())
         self._norm_split = routed_norm_split()
         self._blas_lib = cublas_library()
-        self._shared_high = shared_priority() == "high"
         self._pairs_bf16 = self._pairs_to_tail and pairs_bf16() and not self._norm_split
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
@@ -445,15 +431,10 @@ class LatencySpecializedBackend(AutoBackend):
         return few_shared_rows(w.shared_down.shape[1]) or cute_common.pdl_enabled()
 
     # ---- streams -----------------------------------------------------------------------------------------------------
-    def _stream(self, name: str, device: torch.device, priority: int | None = None) -> torch.cuda.Stream:
-        """Branch `name`'s stream at `priority`, made once per device (torch's CUDA graphs keep a kernel's stream
-        priority as its node's). By default the router branch's is high (it is on the critical path: it gates the
-        experts) and the others normal."""
-        if priority is None:
-            priority = HIGH if name == "router" else NORMAL
-        key = (device, name, priority)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device, priority=priority)
+    def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
+        key = (device, name)
+        if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
+            self._streams[key] = torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
         return self._streams[key]
 
     def _counter(self, name: str, device: torch.device, n: int = 1) -> torch.Tensor:
@@ -489,8 +470,8 @@ class LatencySpecializedBackend(AutoBackend):
         """The tensor-core projection's counters for the stream in use: kernels on one stream run one after another
         and share a set; the branches' streams, which run beside the main one, have their own."""
         current = torch.cuda.current_stream(device)
-        for (dev, name, _), stream in self._streams.items():
-            if dev == device and stream == current:
+        for name in BRANCHES:
+            if self._streams.get((device, name)) == current:
                 return self._counter(f"tc.{name}", device, TC_COUNTERS)
         return self._counter("tc.main", device, TC_COUNTERS)
 
@@ -530,8 +511,7 @@ class LatencySpecializedBackend(AutoBackend):
             yield
             return
         main = torch.cuda.current_stream(inputs[0].device)
-        high = name == "shared" and self._shared_high and self._shared_after_latent(inputs[0].shape[0])
-        side = self._stream(name, inputs[0].device, HIGH if high else None)
+        side = self._stream(name, inputs[0].device)
         side.wait_stream(main)
         for t in inputs:
             t.record_stream(side)
@@ -704,7 +684,9 @@ class LatencySpecializedBackend(AutoBackend):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
         if not (self._shared_glu and x.shape[0] <= GLU_MAX_ROWS):
-            if self._shared_after_latent(x.shape[0]) and "shared" in self._open:  # launched after the latent down-projection (`_launch_...`)
+            after = self._shared_after == "latent" or (self._shared_after == "auto"
+                                                       and x.shape[0] >= SHARED_AFTER_MIN_ROWS)
+            if after and "shared" in self._open:  # launched after the latent down-projection (`_launch_...`)
                 out = self._empty(x.shape[0], w.shared_down.shape[0], device=x.device)
                 self._deferred_shared = (x, w, out)
                 return out
@@ -724,11 +706,6 @@ class LatencySpecializedBackend(AutoBackend):
                               self._counter("shared", x.device, SHARED_COUNTERS))
         gemv(w.shared_gate_up, x, act, glu=True)  # gate/up GEMV with SiTU-GLU in its epilogue
         return self._gemv(act, w.shared_down)
-
-    def _shared_after_latent(self, rows: int) -> bool:
-        """Whether the shared experts of `rows` tokens start once the latent down-projection is done (where the block
-        forks and they run as their own kernels)."""
-        return self._shared_after == "latent" or (self._shared_after == "auto" and rows >= SHARED_AFTER_MIN_ROWS)
 
     def _plain_shared(self, x, w: MoEWeights, out=None):
         """The shared experts as three kernels: gate/up projection, SiTU-GLU, down-projection (into `out`)."""
