@@ -2283,3 +2283,71 @@ def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "rocblas")
     with pytest.raises(ValueError, match="KIMI_DECODE_CUBLAS_LIB"):
         cublas_library()
+
+
+@pytest.mark.parametrize("env, rows, want", [
+    ({}, 64, "cublas"), ({"KIMI_DECODE_ROUTER_TILES": "2"}, 64, (2, 28)), ({"KIMI_DECODE_ROUTER_TILES": "4"}, 17, (4, 14)),
+    ({"KIMI_DECODE_ROUTER_TILES": "1"}, 32, (1, 56)), ({"KIMI_DECODE_ROUTER_TILES": "2"}, 16, "rows"),
+])
+def test_router_tiles_put_the_router_above_16_rows_on_the_row_tile_kernel(monkeypatch, env, rows, want):
+    """KIMI_DECODE_ROUTER_TILES: above TC_MAX_ROWS the router's logits come from the row-tile kernel with that many
+    row tiles per warp (fp32, N / (16 tiles) CTAs of ROUTER_TILE_WARPS warps); "0" (the default) leaves them on
+    cuBLAS; at 16 rows and below the router's own row-tile plan runs whatever the setting."""
+    from types import SimpleNamespace
+
+    from kimi_decode.backends import latency_specialized as ls
+    from kimi_decode.kernels import gemm_tc_rows
+
+    backend, _ = _dispatch_spy(monkeypatch, env)
+    seen = []
+    monkeypatch.setattr(gemm_tc_rows, "project_rows",
+                        lambda w, x, y, plan=None, **kw: seen.append(("rows", plan)) or y)
+    monkeypatch.setattr(torch, "mm", lambda *a, **kw: seen.append(("cublas", None)) or torch.zeros(1))
+    backend._router_tiles = ls.router_tiles()  # as `begin_layer` reads it
+    backend._mlp_fast = True
+    w = SimpleNamespace(router=torch.zeros(896, 7168, dtype=torch.bfloat16))
+    backend.router_logits(torch.zeros(rows, 7168, dtype=torch.bfloat16), w)
+    assert len(seen) == 1
+    kind, plan = seen[0]
+    if isinstance(want, tuple):
+        assert kind == "rows" and (plan.row_tiles, plan.ctas, plan.warps) == (*want, ls.ROUTER_TILE_WARPS)
+        assert plan.M == rows
+    elif want == "rows":
+        assert kind == "rows" and plan.row_tiles == 1
+    else:
+        assert kind == "cublas"
+
+
+def test_router_tiles_refuses_an_unknown_count(monkeypatch):
+    from kimi_decode.backends.latency_specialized import router_tiles
+
+    monkeypatch.setenv("KIMI_DECODE_ROUTER_TILES", "3")
+    with pytest.raises(ValueError, match="KIMI_DECODE_ROUTER_TILES"):
+        router_tiles()
+
+
+@needs_cute
+def test_row_tile_projection_with_several_row_tiles_compiles_for_sm90a(sm90a):
+    """`tiles_plan_for`'s plans (2 and 4 row tiles per warp, 17 to 64 tokens) compile for sm_90a: the router's fp32
+    logits and the MoE tail's accumulating form."""
+    from kimi_decode.kernels.gemm_tc_rows import compile_rows_projection, tiles_plan_for
+
+    for rows in (17, 64):
+        for tiles in (2, 4):
+            w = torch.empty(896, 7168, dtype=torch.bfloat16)
+            x = torch.empty(rows, 7168, dtype=torch.bfloat16)
+            plan = tiles_plan_for(rows, 896, 7168, tiles, 8)
+            assert plan.ctas == 896 // (16 * tiles) and plan.pipe * (2 * tiles + plan.tiles) <= 24
+            assert compile_rows_projection(w, x, torch.empty(rows, 896), plan=plan)[0] is not None
+    w = torch.empty(7168, 3584, dtype=torch.bfloat16)
+    plan = tiles_plan_for(32, 7168, 3584, 2, 8)
+    assert compile_rows_projection(w, torch.empty(32, 3584, dtype=torch.bfloat16), torch.empty(32, 7168),
+                                   accumulate=True, addend=torch.empty(32, 7168, dtype=torch.bfloat16),
+                                   row_scale=(torch.empty(32, 224), 1e-5), plan=plan)[0] is not None
+
+
+def test_row_tile_plan_refuses_rows_its_tiles_do_not_split():
+    from kimi_decode.kernels.gemm_tc_rows import RowsPlan
+
+    with pytest.raises(ValueError, match="row tiles"):
+        RowsPlan(32, 896, 7168, 8, 2, 3)

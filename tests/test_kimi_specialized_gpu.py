@@ -1463,3 +1463,46 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
+
+
+@pytest.mark.parametrize("rows", [17, 32, 64, 2])
+@pytest.mark.parametrize("row_tiles", [1, 2, 4])
+def test_row_tile_projection_with_several_row_tiles_matches_float64(rows, row_tiles):
+    """`gemm_tc_rows.tiles_plan_for`: `row_tiles` tiles of 16 weight rows per warp sharing each chunk's activations,
+    up to 64 tokens: the router's fp32 logits (896 x 7168) against float64, outputs poisoned; then the MoE tail's
+    accumulating form (1/rms per row, addend) at the TP16 shapes replayed twice in a CUDA graph."""
+    from kimi_decode.kernels import gemm_tc_rows
+
+    g = torch.Generator(device="cuda").manual_seed(960 + 10 * rows + row_tiles)
+    w = torch.randn(896, 7168, device="cuda", generator=g).bfloat16()
+    x = torch.randn(rows, 7168, device="cuda", generator=g).bfloat16()
+    y = torch.full((rows, 896), float("nan"), device="cuda")
+    plan = gemm_tc_rows.tiles_plan_for(rows, 896, 7168, row_tiles, 8)
+    assert plan.ctas == 896 // (16 * row_tiles)
+    gemm_tc_rows.project_rows(w, x, y, plan=plan)
+    assert rel_err(y, x.double() @ w.double().T) < 1e-3
+    w, xs, ssq, add, y0, want = _moe_tail_case(rows, g)
+    plan = gemm_tc_rows.tiles_plan_for(rows, w.shape[0], w.shape[1], row_tiles, 8)
+    y = y0.clone()
+    kw = dict(accumulate=True, addend=add, row_scale=(ssq, 1e-5), plan=plan)
+    gemm_tc_rows.project_rows(w, xs, y, **kw)  # compile outside the capture
+    assert rel_err(y - y0, want) < BF16_TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm_tc_rows.project_rows(w, xs, y, **kw)
+    y.copy_(y0)
+    graph.replay()
+    graph.replay()
+    assert rel_err(y - y0, 2 * want) < BF16_TOL
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (8, 32), (16, 17)])
+def test_specialized_layer_with_the_router_on_row_tiles_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_ROUTER_TILES=2: above the row tiles' 16 rows the router's logits from the row-tile kernel with 2
+    row tiles per warp (28 CTAs), routed by `route_topk`."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ROUTER_TILES", "2", tp, batch, 4500)
+
+
+def test_router_on_row_tiles_replays_in_a_graph_like_eager(monkeypatch):
+    monkeypatch.setenv("KIMI_DECODE_ROUTER_TILES", "2")
+    _check_graph_replays_like_eager(8, 64)
