@@ -226,18 +226,6 @@ ROUTER_WARPS = 16
 # -> 16.2 us and 21.2 -> 17.1 us; benchmarks/NOTES.md item 62), the rest within 1.2 us; in the layer at 64 rows
 # 1-4.5 us faster per KDA layer at both shards, even at 32 (items 63, 64).
 CUBLAS_LIBS = ("cublaslt", "cublas")
-# the router projection above TC_MAX_ROWS rows (KIMI_DECODE_ROUTER_TILES): "0", the default, on cuBLAS like the other
-# projections there, or on the row-tile kernel with 1, 2 or 4 tiles of 16 weight rows per warp
-# (`gemm_tc_rows.tiles_plan_for`, ROUTER_TILE_WARPS warps per CTA: 56, 28 or 14 CTAs), so that beside the latent
-# down-projection, whose cuBLAS kernel holds whole SMs until its CTAs end, it takes few SMs (cuBLAS's split-K router
-# holds 96 for ~10 us, and the projection's CTAs start only as they free: benchmarks/NOTES.md item 68)
-ROUTER_TILES = ("0", "1", "2", "4")
-ROUTER_TILE_WARPS = 8
-
-
-def router_tiles() -> int:
-    """KIMI_DECODE_ROUTER_TILES: one of ROUTER_TILES (default the first), as row tiles per warp (0: cuBLAS)."""
-    return int(cute_common.env_choice("KIMI_DECODE_ROUTER_TILES", ROUTER_TILES[0], ROUTER_TILES))
 
 
 def cublas_library() -> str:
@@ -285,7 +273,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._pairs_bf16 = False  # this layer's grouped experts write bf16 per-pair outputs for the tail (`pairs_bf16`)
         self._grouped_from = GEMV_MAX_ROWS + 1  # `grouped_from()` as read when the layer began
         self._blas_lib = "cublas"  # `cublas_library()` as read when the layer began
-        self._router_tiles = 0  # `router_tiles()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
@@ -414,7 +401,6 @@ class LatencySpecializedBackend(AutoBackend):
                                and routed_norm_on())
         self._norm_split = routed_norm_split()
         self._blas_lib = cublas_library()
-        self._router_tiles = router_tiles()
         self._pairs_bf16 = self._pairs_to_tail and pairs_bf16() and not self._norm_split
         # one sequence, nothing between the projection and the AttnRes (no all-reduce): one kernel for both
         self._fuse_o_res = (self._attn_fast and self._res_fast and self._fused_o_res_on and batch == 1
@@ -692,12 +678,6 @@ class LatencySpecializedBackend(AutoBackend):
     def router_logits(self, x, w: MoEWeights):
         if not self._mlp_fast:
             return super().router_logits(x, w)
-        rows = x.shape[0]
-        if self._router_tiles and self._tc_rows[1] < rows <= gemm_tc_rows.MAX_TILE_ROWS:
-            plan = gemm_tc_rows.tiles_plan_for(rows, w.router.shape[0], w.router.shape[1], self._router_tiles,
-                                               ROUTER_TILE_WARPS)
-            return gemm_tc_rows.project_rows(w.router, x, self._empty(rows, w.router.shape[0], dtype=torch.float32,
-                                                                      device=x.device), plan=plan)
         return self._gemv(x, w.router, torch.float32, warps=self._router_warps)
 
     def shared_experts(self, x, w: MoEWeights):

@@ -23,8 +23,7 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_int, fake
 from .gemm_tc import CHUNK, check_projection
 
 MIN_ROWS, MAX_ROWS = 2, 16
-MAX_TILE_ROWS = 64  # tokens a plan with more than one row tile per warp takes (`RowsPlan.row_tiles`)
-ROWS = 16  # weight rows per mma row tile (the mma's M)
+ROWS = 16  # weight rows per CTA (the mma's M)
 MAX_WARPS = 16  # warps per CTA splitting K
 DEFAULT_WARPS = 8  # the most a plan takes by default (benchmarks/NOTES.md, item 47)
 MAX_PIPE_LOADS = 24  # 16-byte loads in flight per lane (4 registers each)
@@ -61,9 +60,9 @@ if HAVE_CUTE:
             bx, _, _ = cute.arch.block_idx()
             warp, lane, g, t = mma_lanes(tidx)
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS * p.row_tiles, p.cols, p.warps)), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout((ROWS, p.cols, p.warps)), 16)  # rows fastest
             rs = smem.allocate_tensor(Float32, cute.make_layout(p.cols), 16)
-            n0 = bx * ROWS * p.row_tiles
+            n0 = bx * ROWS
             # before the weights: this thread's outputs' y and addend, and its warp's rows' sums of squares
             outs = self.outputs(tidx)
             pre = cute.make_rmem_tensor((2 * len(outs),), Float32)
@@ -89,13 +88,13 @@ if HAVE_CUTE:
                 if tok >= p.M:  # a column past M: any token, the column is not stored
                     tok = Int32(p.M - 1)
                 toks.append(tok)
-            rows = [n0 + r * ROWS + h for r in range(p.row_tiles) for h in (g, g + 8)]  # rows g, g + 8 of each
-            acc = cute.make_rmem_tensor((4 * p.tiles * p.row_tiles,), Float32)
+            rows = (n0 + g, n0 + g + 8)
+            acc = cute.make_rmem_tensor((4 * p.tiles,), Float32)
             acc.fill(0.0)
             c0 = warp * p.per_warp
             # `pipe` K chunks of loads in flight per lane, in register slots used round-robin: the loop steps `pipe`
             # chunks at a time, so every slot index is a constant, and each refill sits behind a condition on `per`
-            wb = [[cute.make_rmem_tensor((4,), Int32) for q in range(2 * p.row_tiles)] for d in range(p.pipe)]
+            wb = [[cute.make_rmem_tensor((4,), Int32) for q in range(2)] for d in range(p.pipe)]
             xb = [[cute.make_rmem_tensor((4,), Int32) for nt in range(p.tiles)] for d in range(p.pipe)]
             for d in cutlass.range_constexpr(p.pipe):
                 fetch_chunk(gW, gX, rows, toks, (c0 + d) * 4 + t, wb[d], xb[d])
@@ -104,13 +103,11 @@ if HAVE_CUTE:
                     self.multiply(acc, wb[d], xb[d])
                     if c + d + p.pipe < per:
                         fetch_chunk(gW, gX, rows, toks, (c0 + c + d + p.pipe) * 4 + t, wb[d], xb[d])
-            # this lane's accumulators: rows g and g + 8 of each row tile, tokens 2t and 2t + 1 of each column tile
-            for r in cutlass.range_constexpr(p.row_tiles):
-                for nt in cutlass.range_constexpr(p.tiles):
-                    a = 4 * (r * p.tiles + nt)
-                    for h in cutlass.range_constexpr(2):
-                        red[r * ROWS + g, nt * 8 + 2 * t + h, warp] = acc[a + h]
-                        red[r * ROWS + g + 8, nt * 8 + 2 * t + h, warp] = acc[a + 2 + h]
+            # this lane's accumulators: rows g and g + 8, tokens 2t and 2t + 1 of each column tile
+            for nt in cutlass.range_constexpr(p.tiles):
+                for h in cutlass.range_constexpr(2):
+                    red[g, nt * 8 + 2 * t + h, warp] = acc[4 * nt + h]
+                    red[g + 8, nt * 8 + 2 * t + h, warp] = acc[4 * nt + 2 + h]
             if cutlass.const_expr(self.scaled):
                 for j in cutlass.range_constexpr(per_warp_rows):
                     m = warp + j * p.warps
@@ -136,32 +133,24 @@ if HAVE_CUTE:
                         store_output(mY, mAdd, m, n0 + r, val, False, False)
 
         def outputs(self, tidx):
-            """The (token, row of the CTA's rows) outputs thread `tidx` stores: one per CTA-wide step, consecutive
-            threads on consecutive rows of one token (m >= M for a thread with none at that step)."""
+            """The (token, row of the tile) outputs thread `tidx` stores: one per CTA-wide step, consecutive threads
+            on consecutive rows of one token (m >= M for a thread with none at that step)."""
             p = self.p
-            n = ROWS * p.row_tiles
-            steps = -(-n * p.cols // (32 * p.warps))
-            return [((s * 32 * p.warps + tidx) // n, (s * 32 * p.warps + tidx) % n) for s in range(steps)]
+            steps = -(-ROWS * p.cols // (32 * p.warps))
+            return [((s * 32 * p.warps + tidx) // ROWS, (s * 32 * p.warps + tidx) % ROWS) for s in range(steps)]
 
         def multiply(self, acc, wv, xv):
-            """One K chunk: for each row tile and column tile two mma (`gemm_tc.mma_chunk`) on the tile's rows g and
-            g + 8; each column tile's activations serve every row tile."""
-            p = self.p
-            for r in range(p.row_tiles):
-                for nt in range(p.tiles):
-                    mma_chunk(acc, 4 * (r * p.tiles + nt), wv[2 * r], wv[2 * r + 1], xv[nt])
+            """One K chunk: for each column tile two mma (`gemm_tc.mma_chunk`) on the tile's rows g and g + 8."""
+            for nt in range(self.p.tiles):
+                mma_chunk(acc, 4 * nt, wv[0], wv[1], xv[nt])
 
 
 class RowsPlan:
-    """Tiling of one projection shape: N / (16 `row_tiles`) CTAs of `warps` warps, each warp `per_warp` K chunks
-    with `pipe` of them in flight, each chunk against `row_tiles` tiles of 16 weight rows (the CTA's), which share its
-    activations: more row tiles, fewer CTAs and fewer activation loads per weight byte."""
+    """Tiling of one projection shape: N / 16 CTAs of `warps` warps, each warp `per_warp` K chunks with `pipe` of
+    them in flight."""
 
-    def __init__(self, M: int, N: int, K: int, warps: int, pipe: int, row_tiles: int = 1):
+    def __init__(self, M: int, N: int, K: int, warps: int, pipe: int):
         self.M, self.N, self.K = M, N, K
-        if N % (ROWS * row_tiles):
-            raise ValueError(f"{row_tiles} row tiles of {ROWS} do not split {N} rows evenly")
-        self.row_tiles = row_tiles
         self.tiles = -(-M // 8)  # mma column tiles of 8 tokens
         self.cols = 8 * self.tiles
         self.chunks = K // CHUNK
@@ -172,10 +161,10 @@ class RowsPlan:
         if self.per_warp % pipe:
             raise ValueError(f"{pipe} chunks in flight do not divide a warp's {self.per_warp}")
         self.pipe = pipe
-        self.ctas = N // (ROWS * row_tiles)
+        self.ctas = N // ROWS
 
     def key(self) -> tuple:
-        return (self.M, self.N, self.K, self.warps, self.pipe, self.row_tiles)
+        return (self.M, self.N, self.K, self.warps, self.pipe)
 
 
 def _divisors(n: int, most: int) -> list[int]:
@@ -213,18 +202,6 @@ def _rows_plan(M: int, N: int, K: int, most_warps: int) -> RowsPlan:
     return next((p for p in plans if p.pipe >= 2), plans[0])
 
 
-def tiles_plan_for(M: int, N: int, K: int, row_tiles: int, warps: int) -> RowsPlan:
-    """A plan of `row_tiles` row tiles per warp (N / (16 row_tiles) CTAs) and `warps` warps per CTA, for up to
-    MAX_TILE_ROWS tokens: the most chunks in flight (up to MAX_PIPE, within MAX_PIPE_LOADS loads per lane: two per
-    row tile and one per column tile) that divide a warp's chunks. For a projection that should hold few SMs, such as
-    the router beside the latent down-projection above 16 rows."""
-    chunks = K // CHUNK
-    if chunks % warps:
-        raise ValueError(f"{warps} warps do not split {chunks} K chunks evenly")
-    most = max(1, min(MAX_PIPE, MAX_PIPE_LOADS // (2 * row_tiles + -(-M // 8))))
-    return RowsPlan(M, N, K, warps, _divisors(chunks // warps, most)[0], row_tiles)
-
-
 def compile_rows_projection(w, x, y, accumulate: bool = False, addend=None, row_scale=None,
                             plan: RowsPlan | None = None):
     plan = plan or rows_plan_for(x.shape[0], w.shape[0], w.shape[1])
@@ -242,11 +219,9 @@ def project_rows(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: 
                  addend: torch.Tensor | None = None, row_scale: tuple | None = None, plan: RowsPlan | None = None
                  ) -> torch.Tensor:
     """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, on the current stream; the arguments are those of
-    `gemv.gemv` (`plan`: another tiling than `rows_plan_for`'s, e.g. `tiles_plan_for`'s, which may take up to
-    MAX_TILE_ROWS tokens)."""
-    most = MAX_ROWS if plan is None else MAX_TILE_ROWS
-    check_projection(w, x, y, accumulate, addend, row_scale, "row-tile tensor-core projection", (MIN_ROWS, most),
-                     ROWS * (plan.row_tiles if plan is not None else 1))
+    `gemv.gemv` (`plan`: another tiling than `rows_plan_for`'s, for benchmarks)."""
+    check_projection(w, x, y, accumulate, addend, row_scale, "row-tile tensor-core projection", (MIN_ROWS, MAX_ROWS),
+                     ROWS)
     plan = plan or rows_plan_for(x.shape[0], w.shape[0], w.shape[1])
     if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
         raise ValueError(f"plan {plan.key()} is not for this shape")
