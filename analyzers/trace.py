@@ -6,7 +6,8 @@ clock per trace; integer columns use ``-1`` for "unknown"; names are categorical
 ``kernels``      one row per GPU activity: ``kind`` (``kernel``, ``memcpy`` or ``memset``), ``device``, ``stream``,
                  ``pid`` (launching process, -1 if the source does not say), ``start_ns``, ``end_ns``, ``name``,
                  ``correlation_id`` (joins the launch call), ``graph_id`` and ``graph_node_id`` (-1 outside CUDA
-                 graphs).
+                 graphs), ``ctas`` (the kernel's grid size in CTAs, -1 where the source does not give it: Kineto
+                 JSON and nsys exports give it, the CUPTI recorder does not record it yet).
 ``launches``     one row per CUDA runtime or driver API call: ``pid``, ``tid``, ``start_ns``, ``end_ns``, ``name``,
                  ``correlation_id``.
 ``ranges``       one row per annotation range (NVTX push/pop or start/end, torch ``record_function``): ``pid``,
@@ -45,7 +46,7 @@ KINDS = ("kernel", "memcpy", "memset")
 INT, CAT = "int64", "category"
 KERNEL_COLUMNS = {
     "kind": CAT, "device": INT, "stream": INT, "pid": INT, "start_ns": INT, "end_ns": INT, "name": CAT,
-    "correlation_id": INT, "graph_id": INT, "graph_node_id": INT,
+    "correlation_id": INT, "graph_id": INT, "graph_node_id": INT, "ctas": INT,
 }
 LAUNCH_COLUMNS = {"pid": INT, "tid": INT, "start_ns": INT, "end_ns": INT, "name": CAT, "correlation_id": INT}
 RANGE_COLUMNS = {
@@ -59,7 +60,7 @@ TABLES = {
     "kernels": KERNEL_COLUMNS, "launches": LAUNCH_COLUMNS, "ranges": RANGE_COLUMNS, "graph_nodes": GRAPH_NODE_COLUMNS,
 }
 # Columns a producer may leave out; they are filled with -1 (or "" for names).
-_OPTIONAL = {"pid", "device", "stream", "correlation_id", "graph_id", "graph_node_id", "domain", "depth"}
+_OPTIONAL = {"pid", "device", "stream", "correlation_id", "graph_id", "graph_node_id", "ctas", "domain", "depth"}
 
 
 class TraceError(ValueError):

@@ -30,8 +30,10 @@ HBM = 4.3e12
 
 
 def kernels_of(fn) -> list[tuple[str, int]]:
-    """(name, CTAs) of each kernel one call of fn launches, from a torch.profiler trace."""
+    """(name, CTAs) of each kernel one call of fn launches, from a torch.profiler trace (kprof's Kineto reader)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from profiler.readers.kineto_json import read_kineto_json
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -40,14 +42,9 @@ def kernels_of(fn) -> list[tuple[str, int]]:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "t.json")
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-    out = []
-    for e in events:
-        if e.get("cat") == "kernel":
-            grid = e.get("args", {}).get("grid", [0, 0, 0])
-            out.append((e["name"][:60], grid[0] * grid[1] * grid[2]))
-    return out
+        k = read_kineto_json(path).kernels
+    k = k[k["kind"] == "kernel"].sort_values("start_ns")
+    return [(str(name)[:60], int(ctas)) for name, ctas in zip(k["name"], k["ctas"])]
 
 
 def chunked(x, ws, y, streams, bounds):

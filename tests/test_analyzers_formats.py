@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import sqlite3
 from dataclasses import dataclass, field
 
@@ -119,6 +120,11 @@ GRAPH_EXPECTED = {
 
 # --- writers ---------------------------------------------------------------------------------------------------
 
+def _grid(corr: int) -> tuple[int, int, int]:
+    """The grid the fixtures give the kernel of launch `corr`."""
+    return (corr % 5 + 1, 2, 1)
+
+
 def write_kineto(s: Scenario, path, gz: bool = False) -> None:
     events = [{"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "ts": 0, "args": {"name": "python"}}]
     for name, start, end in s.ranges:
@@ -134,7 +140,9 @@ def write_kineto(s: Scenario, path, gz: bool = False) -> None:
         events.append({"ph": "s", "id": corr, "pid": PID, "tid": TID, "ts": start + 0.25, "cat": "ac2g",
                        "name": "ac2g"})
     for corr, stream, start, end, name, kind, node in s.kernels:
-        args = {"External id": 7, "device": 0, "stream": stream, "correlation": corr, "grid": [1, 1, 1]}
+        args = {"External id": 7, "device": 0, "stream": stream, "correlation": corr}
+        if kind == "kernel":
+            args["grid"] = list(_grid(corr))
         if node >= 0:
             args.update({"graph id": 1, "graph node id": node})
         cat = {"kernel": "kernel", "memcpy": "gpu_memcpy", "memset": "gpu_memset"}[kind]
@@ -159,7 +167,7 @@ def write_nsys(s: Scenario, path) -> None:
         CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT);
         CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INT, end INT, deviceId INT, contextId INT, streamId INT,
             correlationId INT, globalPid INT, demangledName INT, shortName INT, mangledName INT, graphId INT,
-            graphNodeId INT);
+            graphNodeId INT, gridX INT, gridY INT, gridZ INT);
         CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INT, end INT, deviceId INT, streamId INT, correlationId INT,
             globalPid INT, copyKind INT, bytes INT);
         CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INT, end INT, eventClass INT, globalTid INT,
@@ -200,9 +208,9 @@ def write_nsys(s: Scenario, path) -> None:
             db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (?, ?, 0, ?, ?, ?, 8, 64)",
                        (ns(start), ns(end), stream, corr, PID << 24))
             continue
-        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 0, 1, ?, ?, ?, ?, ?, ?, ?, ?)",
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 0, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (ns(start), ns(end), stream, corr, PID << 24, sid(name), sid(name[:4]), sid("_Z" + name),
-                    1 if node >= 0 else None, node if node >= 0 else None))
+                    1 if node >= 0 else None, node if node >= 0 else None, *_grid(corr)))
     launch_at = {corr: start for corr, start, _, _ in s.launches}
     for replayed, captured, corr in s.capture:
         at = ns(launch_at[corr] + 0.4)
@@ -280,6 +288,26 @@ def test_kineto_reader_keeps_kernels_launches_and_cpu_ranges_only(tmp_path):
     first = trace.kernels.iloc[0]
     assert (first["start_ns"], first["end_ns"], first["stream"], first["correlation_id"]) == (20_000, 25_000, 7, 1)
     assert trace.meta["gpu"] == "NVIDIA H200" and trace.meta["source"] == "kineto_json"
+
+
+@pytest.mark.parametrize("filename", ["kineto.json", "nsys.sqlite"])
+def test_readers_keep_each_kernels_ctas(tmp_path, filename):
+    """A kernel's grid (Kineto's ``args.grid``, nsys's gridX / gridY / gridZ) becomes its CTAs; copies have none."""
+    path = tmp_path / filename
+    WRITERS[filename](eager(), path)
+    k = read_trace(path).kernels
+    kernels = k[k["kind"] == "kernel"]
+    assert len(kernels) and (kernels["ctas"] == [math.prod(_grid(c)) for c in kernels["correlation_id"]]).all()
+    assert (k.loc[k["kind"] != "kernel", "ctas"] == -1).all()
+
+
+def test_kineto_reader_leaves_ctas_unknown_without_a_usable_grid(tmp_path):
+    events = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "pid": 0, "tid": 7, "ts": 10 * i, "dur": 5,
+               "args": {"stream": 7, "correlation": i, **({"grid": grid} if grid is not None else {})}}
+              for i, grid in enumerate([[4, 3, 2], None, [0, 1, 1], [2, 2]])]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert read_trace(path).kernels.sort_values("correlation_id")["ctas"].tolist() == [24, -1, -1, -1]
 
 
 def test_nsys_reader_decodes_names_threads_and_domains(tmp_path):

@@ -5,7 +5,8 @@ into small typed structs that keep only the fields kprof uses, so memory grows w
 document. Kept events (``ph: "X"``), by category:
 
 ``kernel``, ``gpu_memcpy``, ``gpu_memset``   -> ``Trace.kernels`` (``args.device``, ``args.stream``,
-                                                ``args.correlation``, ``args["graph id"]``, ``args["graph node id"]``);
+                                                ``args.correlation``, ``args["graph id"]``, ``args["graph node id"]``,
+                                                ``args.grid``, whose product is the kernel's CTAs);
 ``cuda_runtime``, ``cuda_driver``            -> ``Trace.launches`` (``args.correlation``);
 ``user_annotation`` (``record_function``)    -> ``Trace.ranges``, domain ``user_annotation``.
 
@@ -46,6 +47,7 @@ class _Args(msgspec.Struct):
     stream: Union[int, None] = None
     graph_id: Union[int, None] = msgspec.field(default=None, name="graph id")
     graph_node_id: Union[int, None] = msgspec.field(default=None, name="graph node id")
+    grid: Union[list[int], None] = None
 
 
 class _Event(msgspec.Struct):
@@ -101,6 +103,13 @@ class _Names:
 
 def _int(value, default: int = -1) -> int:
     return value if type(value) is int else default
+
+
+def _ctas(grid) -> int:
+    """The CTAs of a kernel's grid (x, y, z), or -1 where the event has no such grid."""
+    if not isinstance(grid, list) or len(grid) != 3 or any(type(g) is not int or g < 1 for g in grid):
+        return -1
+    return grid[0] * grid[1] * grid[2]
 
 
 class _Columns:
@@ -297,6 +306,7 @@ class _KinetoReader:
                 correlation_id=np.array([_int(a.correlation) for a in args], dtype=np.int64),
                 graph_id=np.array([_int(a.graph_id) for a in args], dtype=np.int64),
                 graph_node_id=np.array([_int(a.graph_node_id) for a in args], dtype=np.int64),
+                ctas=np.array([_ctas(a.grid) for a in args], dtype=np.int64),
             )
         launches = [e for e in complete if e.cat in _LAUNCH_CATS]
         if launches:

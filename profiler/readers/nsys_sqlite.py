@@ -3,7 +3,8 @@
 Tables used (missing optional tables or columns are tolerated):
 
 ``CUPTI_ACTIVITY_KIND_KERNEL``/``_MEMCPY``/``_MEMSET``  -> ``Trace.kernels`` (names through ``StringIds``:
-                                                           ``demangledName``, else ``shortName``);
+                                                           ``demangledName``, else ``shortName``; a kernel's CTAs
+                                                           from ``gridX`` x ``gridY`` x ``gridZ``);
 ``CUPTI_ACTIVITY_KIND_RUNTIME``/``_DRIVER``             -> ``Trace.launches``;
 ``NVTX_EVENTS``                                         -> ``Trace.ranges``: push/pop and start/end ranges
                                                            (eventType 59, 60, 70, 71) that end on the thread that
@@ -83,7 +84,8 @@ class _Export:
                 name = f"COALESCE({', '.join(f's{i}.value' for i in range(len(candidates)))}, '')" if candidates else "''"
             else:
                 joins, name = "", "''"
-            kernels = self.select("CUPTI_ACTIVITY_KIND_KERNEL", {**common, "name": name}, joins)
+            kernels = self.select("CUPTI_ACTIVITY_KIND_KERNEL",
+                                  {**common, "name": name, "ctas": "t.gridX * t.gridY * t.gridZ"}, joins)
             frames.append(kernels.assign(kind="kernel"))
         if "CUPTI_ACTIVITY_KIND_MEMCPY" in self.tables:
             copies = self.select("CUPTI_ACTIVITY_KIND_MEMCPY", {**common, "copy_kind": "t.copyKind"})
@@ -96,7 +98,10 @@ class _Export:
         if not frames:
             return pd.DataFrame(columns=["kind", "name", "start_ns", "end_ns"])
         activities = pd.concat(frames, ignore_index=True)
-        for column in ("start_ns", "end_ns", "device", "stream", "correlation_id", "graph_id", "graph_node_id"):
+        if "ctas" not in activities:
+            activities["ctas"] = None
+        for column in ("start_ns", "end_ns", "device", "stream", "correlation_id", "graph_id", "graph_node_id",
+                       "ctas"):
             activities[column] = _ints(activities, column)
         activities["pid"] = _pid(activities["global_pid"])
         return activities.drop(columns="global_pid")
