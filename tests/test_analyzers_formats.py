@@ -295,10 +295,13 @@ def test_readers_keep_each_kernels_ctas(tmp_path, filename):
     """A kernel's grid (Kineto's ``args.grid``, nsys's gridX / gridY / gridZ) becomes its CTAs; copies have none."""
     path = tmp_path / filename
     WRITERS[filename](eager(), path)
-    k = read_trace(path).kernels
+    trace = read_trace(path)
+    k = trace.kernels
     kernels = k[k["kind"] == "kernel"]
     assert len(kernels) and (kernels["ctas"] == [math.prod(_grid(c)) for c in kernels["correlation_id"]]).all()
     assert (k.loc[k["kind"] != "kernel", "ctas"] == -1).all()
+    trace.save(tmp_path / "run.kprof")  # and the .kprof file keeps them
+    assert Trace.load(tmp_path / "run.kprof").kernels["ctas"].tolist() == k["ctas"].tolist()
 
 
 def test_kineto_reader_leaves_ctas_unknown_without_a_usable_grid(tmp_path):
