@@ -585,49 +585,6 @@ def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_
 
 
 @needs_cute
-@pytest.mark.parametrize("tp", [16, 8])
-def test_moe_w2_with_the_tail_prefetch_compiles_for_sm90a(sm90a_pdl, tp):
-    """`moe_mxfp4(..., tail=)`: the w2 kernel with the shared down-projection, its first expert CTAs asking L2 for the
-    next kernel's weights, is a variant of its own per size (the w13 kernel is the same), compiled with and without
-    PDL; its CTAs share the chunks out one per thread."""
-    from kimi_decode.kernels.moe_mxfp4 import MoEW2SumShared, compile_moe, tail_prefetch_ctas
-    from kimi_decode.kernels.prefetch import CHUNK, prefetch_view
-
-    s = shard("k3", tp=tp, pad_experts=True)
-    L, H, S, bf = s.model.moe_latent, s.model.hidden, s_inter(tp), torch.bfloat16
-    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
-    up = torch.empty(H, L, dtype=bf)
-    f13, f2 = compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)
-    seen = {f2}
-    for mb in (8, 24):
-        tail = prefetch_view(up, mb << 20)
-        assert tail.shape == ((mb << 20) // CHUNK, CHUNK)
-        g13, g2 = compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True, tail=tail)
-        assert g13 is f13 and g2 is not None and g2 not in seen
-        seen.add(g2)
-    assert tail_prefetch_ctas(L) == min(L // 16, cute_common.sm_count())
-    op = MoEW2SumShared(s.expert_inter_used, s.model.top_k, True, L, H, S, tail_ctas=tail_prefetch_ctas(L))
-    assert op.tail_ctas <= op.tiles
-
-
-def test_tail_prefetch_setting(monkeypatch):
-    """KIMI_DECODE_TAIL_PREFETCH_MB: off unless set; a number of MB up to 64; anything else refused by name."""
-    from kimi_decode.backends.latency_specialized import tail_prefetch_bytes
-
-    monkeypatch.delenv("KIMI_DECODE_TAIL_PREFETCH_MB", raising=False)
-    assert tail_prefetch_bytes() == 0
-    monkeypatch.setenv("KIMI_DECODE_TAIL_PREFETCH_MB", "24")
-    assert tail_prefetch_bytes() == 24 << 20
-    monkeypatch.setenv("KIMI_DECODE_TAIL_PREFETCH_MB", "0.5")
-    assert tail_prefetch_bytes() == 1 << 19
-    for bad in ("-1", "65", "lots", ""):
-        monkeypatch.setenv("KIMI_DECODE_TAIL_PREFETCH_MB", bad)
-        with pytest.raises(ValueError, match="KIMI_DECODE_TAIL_PREFETCH_MB must be a number of MB"):
-            tail_prefetch_bytes()
-
-
-@needs_cute
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
 def test_moe_w13_with_its_first_quads_loaded_early_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
     """KIMI_DECODE_W13_FIRST: a variant of the w13 kernel per count ("all" is the count of a warp's quads, the same

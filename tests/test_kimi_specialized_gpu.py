@@ -377,14 +377,11 @@ def test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch, quad: 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 @pytest.mark.parametrize("act_ready", [False, True])
-def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_ready, quad: bool = False,
-                                                                  tail_mb: int = 0):
+def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_ready, quad: bool = False):
     """Batch 1: the two expert kernels with the shared experts' gate/up (SiTU-GLU) and down GEMVs in CTAs of their
     own, both outputs against float64, poisoned first; `act_ready`: the gate/up was done before (by the entry
-    kernel, here torch) and only the down-projection rides along. `tail_mb`: the w2 kernel also asks L2 for the
-    first MB of the up-projection (`tail=`), which it must not change."""
+    kernel, here torch) and only the down-projection rides along."""
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
-    from kimi_decode.kernels.prefetch import prefetch_view
 
     s = shard("k3", tp=tp, pad_experts=pad)
     m = s.model
@@ -402,36 +399,12 @@ def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_r
     if act_ready:
         s_act.copy_(a)
     w13, w2 = _codes(w, quad)
-    tail = prefetch_view(w.up, tail_mb << 20) if tail_mb else None
     moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, out=out,
-              shared=(w.shared_gate_up, x, s_act, w.shared_down, s_out), shared_act_ready=act_ready, quad_major=quad,
-              tail=tail)
+              shared=(w.shared_gate_up, x, s_act, w.shared_down, s_out), shared_act_ready=act_ready, quad_major=quad)
     torch.cuda.synchronize()
     assert rel_err(out, R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)) < BF16_TOL
     assert rel_err(s_act, a) < 1e-2
     assert rel_err(s_out, a @ w.shared_down.double().T) < BF16_TOL
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("mb", [8, 40])
-def test_moe_mxfp4_with_the_tail_prefetch_matches_float64(monkeypatch, tp, mb):
-    """Under PDL, the w2 kernel's first expert CTAs asking L2 for the up-projection's first MB before their wait
-    (`tail=`): both expert outputs and the shared experts' against float64 as without it."""
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, True, True, True, tail_mb=mb)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_the_tail_prefetch_matches_reference(monkeypatch, tp):
-    """KIMI_DECODE_TAIL_PREFETCH_MB=24: at batch 1 the w2 kernel asks L2 for the MoE tail's first 24 MB, in a whole
-    layer (under the layer's PDL)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_TAIL_PREFETCH_MB", "24", tp, 1, 3900)
-
-
-def test_tail_prefetch_replays_in_a_graph_like_eager(monkeypatch):
-    """KIMI_DECODE_TAIL_PREFETCH_MB=24 in a captured graph (TP8 batch 1): replays give the eager steps' results."""
-    monkeypatch.setenv("KIMI_DECODE_TAIL_PREFETCH_MB", "24")
-    _check_graph_replays_like_eager(8)
 
 
 @pytest.mark.parametrize("lanes", ["32", "16", "4"])

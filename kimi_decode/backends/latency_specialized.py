@@ -78,9 +78,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
   `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
-  the fork). `KIMI_DECODE_TAIL_PREFETCH_MB=N` (off by default until measured): at batch 1 the first N MB of the
-  up-projection asked of L2 from inside the w2 expert kernel instead, by its first expert CTAs before they wait for
-  the w13 kernel (no kernel, stream or SM slot of its own; `moe_mxfp4(..., tail=)`).
+  the fork).
 - the KDA output projection at batch 1 inside the AttnRes kernel after it (`kernels/oproj_attn_res.py`: the
   projection's CTAs, each also doing the AttnRes step's per-element part for its rows, then the last one the
   softmax and the mix (`KIMI_DECODE_OPROJ_RES=last`: all of the step in the last CTA); the kernel launches under the
@@ -172,20 +170,6 @@ def pairs_bf16() -> bool:
     which takes fp32. Off by default: on the H200 it took 1.3-1.6 us off the norm kernel at batch 64 and 1-2 us off a
     layer at batches 16 and 64 (benchmarks/NOTES.md, item 46), not worth the extra rounding."""
     return cute_common.env_choice("KIMI_DECODE_PAIRS_BF16", "0", ("0", "1")) == "1"
-
-
-def tail_prefetch_bytes() -> int:
-    """KIMI_DECODE_TAIL_PREFETCH_MB (MB, default 0: off): at batch 1, where the shared experts ride in the expert
-    kernels, how much of the MoE tail's up-projection (from its first rows, which the tail's first CTAs read) the w2
-    kernel's first expert CTAs ask L2 for before they wait for the w13 kernel (`moe_mxfp4(..., tail=)`)."""
-    raw = os.environ.get("KIMI_DECODE_TAIL_PREFETCH_MB", "0")
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not 0 <= mb <= 64:
-        raise ValueError(f"KIMI_DECODE_TAIL_PREFETCH_MB must be a number of MB in 0..64, not {raw!r}")
-    return int(mb * 2**20)
 
 
 def routed_norm_split() -> bool:
@@ -294,7 +278,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
         self._overlap_on = os.environ.get("KIMI_DECODE_OVERLAP", "1") != "0"
         self._prefetch_bytes = int(float(os.environ.get("KIMI_DECODE_PREFETCH_MB", PREFETCH_MB)) * 2**20)
-        self._tail_prefetch_bytes = tail_prefetch_bytes()
         self._lw = None
         self._shared_glu = os.environ.get("KIMI_DECODE_SHARED_GLU", "1") != "0"  # 0: GLU as its own kernel (A/B)
         # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
@@ -806,14 +789,9 @@ class LatencySpecializedBackend(AutoBackend):
         # with the norm fused into the tail: the expert kernel also writes bf16(routed * norm weight) for it
         self._scaled = self._empty(B, L, device=x.device) if self._fused_norm else None
         counters = self._counter("experts", x.device, EXPERT_COUNTERS) if self._experts_one_on else None
-        tail = None  # the MoE tail's first up-projection rows, asked of L2 by the w2 kernel while w13 runs
-        if shared is not None and self._tail_prefetch_bytes > 0 and self._fused_norm:
-            from ..kernels.prefetch import prefetch_view
-
-            tail = prefetch_view(w.up, self._tail_prefetch_bytes)
         return moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, act=act, out=out,
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
-                         counters=counters, shared=shared, shared_act_ready=glu_in_entry, quad_major=quad, tail=tail)
+                         counters=counters, shared=shared, shared_act_ready=glu_in_entry, quad_major=quad)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)

@@ -32,11 +32,10 @@ import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
                           signature, sm_count)
-from .prefetch import CHUNK as PF_CHUNK
 
 if HAVE_CUTE:
-    from .cute_common import (bulk_prefetch_l2, count_done, last_cta, load4, mma_lanes, pdl_launch_dependents,
-                              pdl_reads_ahead, pdl_wait, prefetch_l2, situ_glu, take_ticket, wait_count)
+    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
+                              pdl_wait, prefetch_l2, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -548,18 +547,13 @@ if HAVE_CUTE:
         @cute.jit
         def tile(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
                  w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
-                 scaled: cute.Tensor, red: cute.Tensor, bx, b, tidx, counter: cute.Tensor, target: cutlass.Constexpr,
-                 pf=None):
+                 scaled: cute.Tensor, red: cute.Tensor, bx, b, tidx, counter: cute.Tensor, target: cutlass.Constexpr):
             """Latent rows bx * ROWS2 .. of token b (`red`: [ROWS2, warps] fp32 of shared memory). With `target` >=
             0 the CTA waits, after its weight loads, until counter[2 + b] reaches it (the token's act is written);
             with -1 it waits for the previous kernel (PDL): after the weight loads where what kernels two back wrote
-            (the ids) may be read before the wait and `early` is set (`w2_early`), else first. `pf` (with -1): the
-            next kernel's weights as [chunks, CHUNK] bytes, this CTA's share asked of L2 just before the wait
-            (`prefetch_tail`)."""
+            (the ids) may be read before the wait and `early` is set (`w2_early`), else first."""
             late = target < 0 and self.pdl and pdl_reads_ahead() and self.early
             if cutlass.const_expr(target < 0 and not late):
-                if cutlass.const_expr(pf is not None):
-                    self.prefetch_tail(pf, bx, tidx)
                 pdl_wait(self.pdl)
             warp, lane, g, t = mma_lanes(tidx)
             ra = bx * ROWS2 + g
@@ -582,8 +576,6 @@ if HAVE_CUTE:
             if cutlass.const_expr(target >= 0):
                 wait_count(counter, 2 + b, target, tidx)
             if cutlass.const_expr(late):
-                if cutlass.const_expr(pf is not None):
-                    self.prefetch_tail(pf, bx, tidx)
                 pdl_wait(True)
             acc_a = Float32(0.0)
             acc_b = Float32(0.0)
@@ -671,12 +663,9 @@ if HAVE_CUTE:
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
                      early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
-                     quad_major: int = 0, tail_ctas: int = 0):
-            """`tail_ctas` > 0: the first that many expert CTAs ask L2 for the `tail` bytes `__call__` is given
-            (`prefetch_tail`); 0: `tail` is a stand-in, never read."""
+                     quad_major: int = 0):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
                              quad_major=quad_major)
-            self.tail_ctas = tail_ctas
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
                                          row_lanes=row_lanes)
             self.tiles = latent // ROWS2
@@ -684,36 +673,21 @@ if HAVE_CUTE:
             self.n_shared = -(-hidden // self.shared.rows)
 
         @cute.jit
-        def prefetch_tail(self, pf: cute.Tensor, bx, tidx):
-            """Chunks bx * per .. of `pf` ([chunks, CHUNK] bytes, the weights the kernel after this one streams), one
-            bulk L2 prefetch per thread, from the first `tail_ctas` CTAs: those the grid places while the kernel before
-            runs."""
-            per = -(-pf.shape[0] // self.tail_ctas)
-            if bx < self.tail_ctas:
-                for i in cutlass.range_constexpr(-(-per // (32 * self.warps))):
-                    j = tidx + i * 32 * self.warps
-                    c = bx * per + j
-                    if j < per:
-                        if c < pf.shape[0]:
-                            bulk_prefetch_l2(pf[c, None], PF_CHUNK)
-
-        @cute.jit
         def __call__(self, act: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
                      w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
-                     scaled: cute.Tensor, down: cute.Tensor, s_act: cute.Tensor, s_out: cute.Tensor,
-                     tail: cute.Tensor, stream):
+                     scaled: cute.Tensor, down: cute.Tensor, s_act: cute.Tensor, s_out: cute.Tensor, stream):
             self.shared.pdl = self.pdl
             gA = cute.zipped_divide(act, (1, 4))
             gD = cute.zipped_divide(down, (1, 8))
             gS = cute.zipped_divide(s_act, (1, 8))
-            self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, gD, gS, s_out, tail).launch(
+            self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, gD, gS, s_out).launch(
                 grid=[self.tiles + self.n_shared, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
                 use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
                    w_scale: cute.Tensor, out: cute.Tensor, ssq: cute.Tensor, norm_w: cute.Tensor,
-                   scaled: cute.Tensor, gD: cute.Tensor, gS: cute.Tensor, s_out: cute.Tensor, tail: cute.Tensor):
+                   scaled: cute.Tensor, gD: cute.Tensor, gS: cute.Tensor, s_out: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             smem = cutlass.utils.SmemAllocator()
@@ -721,8 +695,7 @@ if HAVE_CUTE:
             pre = self.shared.allocate_preload(smem)
             if bidx < self.tiles:
                 pdl_launch_dependents(self.pdl)
-                self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx, 0, tidx, ssq, -1,
-                          tail if self.tail_ctas > 0 and self.pdl else None)
+                self.tile(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, red, bidx, 0, tidx, ssq, -1)
             else:
                 self.shared.project(gD, gS, s_out, s_out, s_out, Int32(self.H), red, tidx, bidx - self.tiles, pre)
 
@@ -940,14 +913,8 @@ def layout_groups(w13: torch.Tensor, w2: torch.Tensor, quad_major: bool) -> tupl
     return w13.shape[-1] // 16, w2.shape[-1] // 16
 
 
-def tail_prefetch_ctas(latent: int) -> int:
-    """The w2 kernel's expert CTAs that ask L2 for the next kernel's weights (`MoEW2SumShared.prefetch_tail`): one per
-    SM at most, the CTAs the grid can place beside the w13 kernel's (one per SM, NOTES item 52)."""
-    return min(latent // ROWS2, sm_count())
-
-
 def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used: int, scaled=None,
-                counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False, tail=None):
+                counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False):
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch()
     qm13, qm2 = layout_groups(w13, w2, quad_major)
@@ -972,13 +939,12 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
             f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, pf, qm13, *signature(*a13)),
                                  MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13),
                                  *(fake_like(t, align=16) for t in a13))
-        a2 = (*w2_args, down, s_act, s_out, s_out if tail is None else tail)
+        a2 = (*w2_args, down, s_act, s_out)
         lanes = shared_down_lanes()
-        pf_ctas = 0 if tail is None else tail_prefetch_ctas(L)
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, pf_ctas,
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2,
                              *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
-                                           qm2, pf_ctas),
+                                           qm2),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
@@ -1021,8 +987,7 @@ def _check_shared(shared, B: int) -> None:
 
 
 def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
-              scaled=None, counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False,
-              tail=None):
+              scaled=None, counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
@@ -1034,9 +999,7 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     [1, H]): the shared experts as well, out = down @ SiTU-GLU(x @ gate_up.T), their GEMVs in CTAs of their own in
     the two expert kernels (not with `counters`); with `shared_act_ready` their act is already computed (by
     `moe_entry`) and only the down-projection rides along, in the w2 kernel. `quad_major`: w13 and w2 come in
-    `quad_major` order (the kernels then load each lane's words without exchanging them). `tail` (with `shared`):
-    the weights of the kernel after these two as a [chunks, CHUNK] byte view (`prefetch.prefetch_view`), asked of
-    L2 by the w2 kernel's first expert CTAs before they wait for the w13 kernel (under PDL; a hint only)."""
+    `quad_major` order (the kernels then load each lane's words without exchanging them)."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -1054,16 +1017,11 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
         if counters is not None:
             raise ValueError("MoE MXFP4: the shared experts ride along in the two-kernel form only")
         _check_shared(shared, B)
-        if tail is not None and (tail.dtype != torch.uint8 or tail.dim() != 2 or tail.shape[1] != PF_CHUNK
-                                 or not tail.is_contiguous() or tail.data_ptr() % 16):
-            raise ValueError(f"MoE MXFP4: the tail prefetch takes a contiguous, 16-byte aligned uint8 [chunks, "
-                             f"{PF_CHUNK}] view")
         f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
-                              shared=shared, shared_act_ready=shared_act_ready, quad_major=quad_major, tail=tail)
+                              shared=shared, shared_act_ready=shared_act_ready, quad_major=quad_major)
         gate_up, hx, s_act, down, s_out = shared
         launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(() if shared_act_ready else (gate_up, hx, s_act)))
-        launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out,
-               s_out if tail is None else tail)
+        launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
         return out
     if counters is not None:
         if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < 2 + B:
