@@ -588,13 +588,15 @@ def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
 def test_moe_w13_with_its_first_quads_loaded_early_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
     """KIMI_DECODE_W13_FIRST: a variant of the w13 kernel per count ("all" is the count of a warp's quads, the same
-    kernel); "0" (the default) is the kernel without it; other values are refused by name."""
+    kernel); "0" is the kernel without it; the default, auto, is "all" where a warp has more than 4 quads at one
+    token (TP8: the 4-warp split, 7 quads) and "0" elsewhere; other values are refused by name."""
     from kimi_decode.kernels.moe_mxfp4 import compile_moe, quad_split, w13_first, w13_warps
 
     s = shard("k3", tp=tp, pad_experts=True)
     args = _moe_args(s, batch)
-    monkeypatch.delenv("KIMI_DECODE_W13_FIRST", raising=False)
-    assert w13_first() == 0
+    quads = quad_split(s.model.moe_latent, w13_warps(s.expert_inter_used, batch, s.model.top_k))[1]
+    assert quads == (7 if (tp, batch) == (8, 1) else 4)
+    monkeypatch.setenv("KIMI_DECODE_W13_FIRST", "0")
     f13, _ = compile_moe(*args)
     kernels = {}
     for first in ("1", "2", "all"):
@@ -602,9 +604,16 @@ def test_moe_w13_with_its_first_quads_loaded_early_compiles_for_sm90a(sm90a_pdl,
         kernels[first], _ = compile_moe(*args)
         assert kernels[first] is not None and kernels[first] is not f13
     assert len({id(k) for k in kernels.values()}) == 3
-    quads = quad_split(s.model.moe_latent, w13_warps(s.expert_inter_used, batch, s.model.top_k))[1]
     monkeypatch.setenv("KIMI_DECODE_W13_FIRST", "4")  # every quad where a warp has 4 (TP8 at one token: 7)
     assert (compile_moe(*args)[0] is kernels["all"]) == (quads == 4)
+    for default in (None, "auto"):
+        if default is None:
+            monkeypatch.delenv("KIMI_DECODE_W13_FIRST", raising=False)
+        else:
+            monkeypatch.setenv("KIMI_DECODE_W13_FIRST", default)
+        assert w13_first(batch, quads) == (64 if quads > 4 else 0)
+        assert compile_moe(*args)[0] is (kernels["all"] if quads > 4 else f13)
+    assert w13_first(8, 7) == 0 and w13_first(1, 4) == 0  # above one token, or 4 quads a warp: none
     for bad in ("5", "two", ""):
         monkeypatch.setenv("KIMI_DECODE_W13_FIRST", bad)
         with pytest.raises(ValueError, match="KIMI_DECODE_W13_FIRST must be one of"):

@@ -92,9 +92,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   expert kernel its weight words (`KIMI_DECODE_W2_EARLY`, at one token: above, the registers this takes cost more)
   and the output projection its first rows (`KIMI_DECODE_OPROJ_EARLY`) before the wait, and the GEMVs copy their
   first weight slices into shared memory before it (`KIMI_DECODE_GEMV_PRELOAD`). At one token on a grid past one
-  wave (TP8) the w13 kernel splits K over 4 warps instead of 7 (`KIMI_DECODE_W13_WARPS`; `KIMI_DECODE_W13_FIRST`
-  loads a warp's first weight quads before its activations' staging, not yet timed); `KIMI_DECODE_GROUPED_FROM`
-  sets the batch from which the experts run grouped (A/B).
+  wave (TP8) the w13 kernel splits K over 4 warps instead of 7 (`KIMI_DECODE_W13_WARPS`), and each warp loads all
+  of its 7 weight quads before its activations' staging (`KIMI_DECODE_W13_FIRST`: auto; "0" none, "1".."4" the
+  first quads, "all"); `KIMI_DECODE_GROUPED_FROM` sets the batch from which the experts run grouped (A/B).
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), everything but AttnRes at
 batches over 64, no CUDA device or no cutlass-dsl.
 """

@@ -873,13 +873,18 @@ def w13_prefetch() -> bool:
     return env_choice("KIMI_DECODE_W13_PREFETCH", "0", ("0", "1")) == "1"
 
 
-def w13_first() -> int:
+def w13_first(tokens: int, quads: int) -> int:
     """How many of its quads of MX groups a per-pair w13 warp loads before the activations' staging
-    (`KIMI_DECODE_W13_FIRST`: "0", the default, 1..4, or "all"; capped at the warp's quads). In the SASS of "0" the
-    first weight loads issue only once the activations are in shared memory (their round trip, then the conversion,
-    then the weights'); with "2" two quads issue beside the activations at the same registers; "all" every quad (87
-    registers at TP16, 126 at TP8 under cutlass-dsl 4.8.1). Not yet timed (benchmarks/NOTES.md, item 36)."""
-    raw = env_choice("KIMI_DECODE_W13_FIRST", "0", ("0", "1", "2", "3", "4", "all"))
+    (`KIMI_DECODE_W13_FIRST`: "auto", the default, "0" .. "4", or "all"; capped at the warp's `quads`). In the SASS of
+    "0" the first weight loads issue only once the activations are in shared memory (their round trip, then the
+    conversion, then the weights'); with "2" two quads issue beside the activations at the same registers; "all"
+    every quad (87 registers at TP16, 126 at TP8 under cutlass-dsl 4.8.1). auto: all at one token where a warp has
+    more than QUAD quads (the 4-warp split, `w13_warps`: TP8), else none. On the H200 "all" was 0.8-1.4 us faster
+    per layer there, in two sessions; with 4 quads per warp (TP16 at one token, every shard above it) it was even or
+    up to 2 us slower at one token and 3-8 us slower at batch 8 (benchmarks/NOTES.md, items 36 and 71)."""
+    raw = env_choice("KIMI_DECODE_W13_FIRST", "auto", ("auto", "0", "1", "2", "3", "4", "all"))
+    if raw == "auto":
+        return 64 if tokens == 1 and quads > QUAD else 0
     return 64 if raw == "all" else int(raw)
 
 
@@ -924,7 +929,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first())  # its `first`: "all" as a count
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]))  # "all": a count
         return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
                               *(fake_like(t, align=16) for t in a13))
 
