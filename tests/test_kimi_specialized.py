@@ -585,48 +585,6 @@ def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_
 
 
 @needs_cute
-@pytest.mark.parametrize("tp", [16, 8])
-def test_moe_w2_with_more_items_loaded_early_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
-    """KIMI_DECODE_W2_EARLY_ITEMS: the batch-1 w2 kernel with a warp's first 4 or all items loaded before its wait, a
-    variant per count; "all" at TP16 is the default's kernel (all 6 of a warp's items early already), at TP8 (3 of
-    6 by default) its own; the w13 kernel is the same object throughout."""
-    from kimi_decode.kernels.moe_mxfp4 import MoEW2SumShared, compile_moe, w2_chunk
-
-    s = shard("k3", tp=tp, pad_experts=True)
-    L, H, S, bf = s.model.moe_latent, s.model.hidden, s_inter(tp), torch.bfloat16
-    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
-    monkeypatch.delenv("KIMI_DECODE_W2_EARLY_ITEMS", raising=False)
-    f13, f2 = compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)
-    op = MoEW2SumShared(s.expert_inter_used, s.model.top_k, True, L, H, S, chunk=w2_chunk(s.expert_inter_used))
-    assert (op.per_warp, op.early_items) == (6, 6 if tp == 16 else 3)
-    kernels = {}
-    for items in ("4", "all"):
-        monkeypatch.setenv("KIMI_DECODE_W2_EARLY_ITEMS", items)
-        g13, kernels[items] = compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)
-        assert g13 is f13 and kernels[items] is not None
-    assert kernels["4"] is not f2 and kernels["4"] is not kernels["all"]
-    assert (kernels["all"] is f2) == (tp == 16)  # TP16's warps load all 6 of their items early already
-
-
-def test_w2_early_items_setting(monkeypatch):
-    """KIMI_DECODE_W2_EARLY_ITEMS: W2_EARLY_ITEMS words' worth of items under auto (the default), every item with
-    "all", else the count given; anything else is refused by name."""
-    from kimi_decode.kernels.moe_mxfp4 import W2_EARLY_ITEMS, w2_early_items
-
-    monkeypatch.delenv("KIMI_DECODE_W2_EARLY_ITEMS", raising=False)
-    assert [w2_early_items(c) for c in (1, 2, 4)] == [W2_EARLY_ITEMS, W2_EARLY_ITEMS // 2, W2_EARLY_ITEMS // 4]
-    monkeypatch.setenv("KIMI_DECODE_W2_EARLY_ITEMS", "all")
-    assert w2_early_items(4) >= 64
-    monkeypatch.setenv("KIMI_DECODE_W2_EARLY_ITEMS", "5")
-    assert w2_early_items(4) == 5
-    for bad in ("0", "65", "many", ""):
-        monkeypatch.setenv("KIMI_DECODE_W2_EARLY_ITEMS", bad)
-        with pytest.raises(ValueError, match="KIMI_DECODE_W2_EARLY_ITEMS must be auto, all or a count"):
-            w2_early_items(4)
-
-
-@needs_cute
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
 def test_moe_w13_with_its_first_quads_loaded_early_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
     """KIMI_DECODE_W13_FIRST: a variant of the w13 kernel per count ("all" is the count of a warp's quads, the same

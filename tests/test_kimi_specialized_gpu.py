@@ -407,23 +407,6 @@ def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_r
     assert rel_err(s_out, a @ w.shared_down.double().T) < BF16_TOL
 
 
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("items", ["1", "4", "all"])
-def test_moe_mxfp4_with_more_w2_items_loaded_early_matches_float64(monkeypatch, tp, items):
-    """KIMI_DECODE_W2_EARLY_ITEMS under PDL: the w2 kernel with a warp's first 1, 4 or all items loaded before its
-    wait, with the shared experts' down-projection CTAs beside them, against float64."""
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    monkeypatch.setenv("KIMI_DECODE_W2_EARLY_ITEMS", items)
-    test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, True, True, True)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("items", ["4", "all"])
-def test_specialized_layer_with_more_w2_items_loaded_early_matches_reference(monkeypatch, tp, items):
-    """KIMI_DECODE_W2_EARLY_ITEMS in a whole layer at batch 1 (under the layer's PDL)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_EARLY_ITEMS", items, tp, 1, 4000)
-
-
 @pytest.mark.parametrize("lanes", ["32", "16", "4"])
 @pytest.mark.parametrize("tp", [16, 8])
 def test_moe_mxfp4_with_the_shared_down_rows_side_by_side_matches_float64(monkeypatch, lanes, tp):

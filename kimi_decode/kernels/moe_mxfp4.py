@@ -496,11 +496,10 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, early_items: int | None = None):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
-            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s. `early_items`: how many of a
-            warp's items are loaded before the wait where `early` (`w2_early_items`; None: W2_EARLY_ITEMS words)."""
+            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s."""
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
@@ -515,7 +514,7 @@ if HAVE_CUTE:
             self.chunks = self.groups // chunk
             self.items = topk * self.chunks
             self.per_warp = -(-self.items // warps)
-            self.early_items = min(W2_EARLY_ITEMS // chunk if early_items is None else early_items, self.per_warp)
+            self.early_items = W2_EARLY_ITEMS // chunk
 
         def scales(self, w_scale: cute.Tensor, e, row, G0):
             """The fp32 scales of one row's chunk from group G0, as functions to call where each is used
@@ -664,9 +663,9 @@ if HAVE_CUTE:
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
                      early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
-                     quad_major: int = 0, early_items: int | None = None):
+                     quad_major: int = 0):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
-                             quad_major=quad_major, early_items=early_items)
+                             quad_major=quad_major)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
                                          row_lanes=row_lanes)
             self.tiles = latent // ROWS2
@@ -902,20 +901,6 @@ def shared_down_lanes() -> int:
     return 8 if raw == "auto" else int(raw)
 
 
-def w2_early_items(chunk: int) -> int:
-    """How many of a w2 warp's items (one `chunk`-group load per row pair each) it loads before its wait where it
-    loads early (`w2_early`): `KIMI_DECODE_W2_EARLY_ITEMS`, "auto" (the default: W2_EARLY_ITEMS words, i.e.
-    W2_EARLY_ITEMS // chunk items: all 6 of a TP16 warp's at one token, 3 of a TP8 warp's 6), "all", or 1 to 64."""
-    raw = os.environ.get("KIMI_DECODE_W2_EARLY_ITEMS", "auto")
-    if raw == "auto":
-        return W2_EARLY_ITEMS // chunk
-    if raw == "all":
-        return 64
-    if not raw.isdigit() or not 1 <= int(raw) <= 64:
-        raise ValueError(f"KIMI_DECODE_W2_EARLY_ITEMS must be auto, all or a count in 1..64, not {raw!r}")
-    return int(raw)
-
-
 def w2_early(tokens: int) -> bool:
     """Whether the w2 kernel, under PDL, loads its first weight words before the wait (`KIMI_DECODE_W2_EARLY`:
     "auto", the default, at one token; "1" / "0": always / never)."""
@@ -940,7 +925,6 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
-    ahead = w2_early_items(chunk)
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
@@ -962,9 +946,11 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         lanes = shared_down_lanes()
-        op = MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes, qm2, ahead)
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, op.early_items,
-                             *signature(*a2)), op, *(fake_like(t, align=16) for t in a2))
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2,
+                             *signature(*a2)),
+                            MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
+                                           qm2),
+                            *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
@@ -972,10 +958,10 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    op = MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words, quad_major=qm2,
-                  early_items=ahead)
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, op.early_items,
-                         *signature(*w2_args)), op, *(fake_like(t, align=16) for t in w2_args))
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *signature(*w2_args)),
+                        MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
+                                 quad_major=qm2),
+                        *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
 
