@@ -880,8 +880,8 @@ def w13_first(tokens: int, quads: int) -> int:
     conversion, then the weights'); with "2" two quads issue beside the activations at the same registers; "all"
     every quad (87 registers at TP16, 126 at TP8 under cutlass-dsl 4.8.1). auto: all at one token where a warp has
     more than QUAD quads (the 4-warp split, `w13_warps`: TP8), else none. On the H200 "all" was 0.8-1.4 us faster
-    per layer there, in two sessions; with 4 quads per warp (TP16 at one token, every shard above it) it was even or
-    up to 2 us slower at one token and 3-8 us slower at batch 8 (benchmarks/NOTES.md, items 36 and 71)."""
+    per layer there, in three runs; with 4 quads per warp (TP16 at one token, every shard above it) it was even or
+    up to 2 us slower at one token and 3-8 us slower at batch 8 (benchmarks/NOTES.md, items 36, 71 and 72)."""
     raw = env_choice("KIMI_DECODE_W13_FIRST", "auto", ("auto", "0", "1", "2", "3", "4", "all"))
     if raw == "auto":
         return 64 if tokens == 1 and quads > QUAD else 0
