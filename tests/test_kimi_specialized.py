@@ -3,7 +3,6 @@ sm_90a with the cutlass-dsl version installed here (no GPU needed)."""
 import contextlib
 import importlib
 import logging
-import os
 
 import pytest
 import torch
@@ -1752,30 +1751,6 @@ def test_moe_entry_compiles_for_sm90a(sm90a_pdl, monkeypatch, form):
         plain = compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu)
         assert compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu,
                                  prefetch=prefetch) not in (None, plain)
-
-
-@needs_cute
-def test_moe_entry_trigger_at_exit_compiles_for_sm90a(sm90a_pdl, monkeypatch):
-    """KIMI_DECODE_ENTRY_TRIGGER=exit: under PDL the entry kernel's own variant (its CTAs let the next kernel launch
-    only as they exit; under "wait", the default, the process's trigger as before), with and without the gate/up
-    part; without PDL the same kernel; other values are refused by name."""
-    from kimi_decode.kernels.moe_entry import compile_moe_entry, entry_trigger
-
-    bf = torch.bfloat16
-    latent = (torch.empty(3584, 7168, dtype=bf), torch.empty(1, 3584, dtype=bf))
-    for glu in (None, (torch.empty(2 * 384, 7168, dtype=bf), torch.empty(1, 384, dtype=bf))):
-        monkeypatch.delenv("KIMI_DECODE_ENTRY_TRIGGER", raising=False)
-        assert entry_trigger() is None
-        plain = compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu)
-        monkeypatch.setenv("KIMI_DECODE_ENTRY_TRIGGER", "wait")
-        assert compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu) is plain
-        monkeypatch.setenv("KIMI_DECODE_ENTRY_TRIGGER", "exit")
-        assert entry_trigger() == "exit"
-        f = compile_moe_entry(*_router_args(1, 896, 7168, 16), *latent, 2.5, glu=glu)
-        assert f is not None and (f is plain) == (os.environ["KIMI_DECODE_PDL"] == "0")  # no trigger without PDL
-    monkeypatch.setenv("KIMI_DECODE_ENTRY_TRIGGER", "end")
-    with pytest.raises(ValueError, match="KIMI_DECODE_ENTRY_TRIGGER must be one of wait, exit"):
-        entry_trigger()
 
 
 def test_moe_entry_prefetch_layout_and_checks():

@@ -207,24 +207,8 @@ def test_specialized_layer_with_the_experts_asked_of_l2_by_the_entry_kernel_matc
 
 
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("w13_pdl", [False, True])
-def test_specialized_layer_with_the_entry_triggering_at_exit_matches_reference(monkeypatch, tp, w13_pdl):
-    """KIMI_DECODE_ENTRY_TRIGGER=exit at batch 1: the entry kernel's CTAs let the next kernel launch as they exit,
-    with the w13 kernel launched under PDL (KIMI_DECODE_PDL_SKIP without it) or not, in a whole layer."""
-    if w13_pdl:
-        monkeypatch.setenv("KIMI_DECODE_PDL_SKIP", "moe_w13_act_shared")
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_ENTRY_TRIGGER", "exit", tp, 1, 4100 + w13_pdl)
-
-
-def test_entry_triggering_at_exit_replays_in_a_graph_like_eager(monkeypatch):
-    """The same with the w13 kernel under PDL, in a captured graph (TP8 batch 1): replays give the eager steps'
-    results."""
-    monkeypatch.setenv("KIMI_DECODE_PDL_SKIP", "moe_w13_act_shared")
-    monkeypatch.setenv("KIMI_DECODE_ENTRY_TRIGGER", "exit")
-    _check_graph_replays_like_eager(8)
-
-
-monkeypatch, tp, batch):
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_specialized_layer_with_the_expert_integer_work_off_the_alu_pipe_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_MX_ALU=1 in whole layers: the per-pair expert kernels (batches 1, 8) and the grouped ones (64)."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_MX_ALU", "1", tp, batch, 3700)
 

@@ -13,9 +13,7 @@ kernel's very start instead (`pdl_launch_dependents`), the first form measured: 
 launch many kernels ahead, each holding SM slots and asking L2 for its weights. After a kernel that does not take part
 (Triton, cuBLAS, NCCL) the wait returns at once. For A/B runs, `KIMI_DECODE_PDL_SKIP` names kernels launched without
 PDL (default: the w13 expert kernel) and `KIMI_DECODE_PDL_PREFETCH_ITERS` how much of its rows a GEMV asks of L2
-before the wait (default none). A kernel may also take a trigger of its own (`op.trigger`): "exit" lets the next
-kernel launch only as each CTA exits (no `griddepcontrol.launch_dependents` at all), so that the next grid is placed
-while this one's last CTAs finish, without CTAs waiting beside it for its whole run.
+before the wait (default none).
 
 """
 from __future__ import annotations
@@ -188,8 +186,7 @@ def compile_kernel(key: tuple, op, *fake_args):
     key carries `mx_alu()` and `mx_packed()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
-    trigger = getattr(op, "trigger", None) or pdl_trigger()  # the op's own ("exit"), else the process's
-    mode = (trigger, pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
+    mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
     key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed())
     fn = _cache.get(key)
     if fn is None:

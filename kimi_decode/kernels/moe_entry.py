@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature
 from .gemv import VEC, WARPS, preload_setting
 from .prefetch import CHUNK
 from .router_topk import THREADS, topk_form, _check as _check_router
@@ -137,14 +137,6 @@ if HAVE_CUTE:
                     mPf[0] = Int32(0)
 
 
-def entry_trigger() -> str | None:
-    """`KIMI_DECODE_ENTRY_TRIGGER`: where the entry kernel's CTAs let the next kernel launch under PDL: "wait" (the
-    default: after their wait, as every kernel) or "exit" (as they exit: the w13 kernel, when it is launched under
-    PDL, is then placed while the entry kernel's last CTAs finish instead of beside its whole run). None for "wait"
-    (the process's trigger, `cute_common.pdl_trigger`)."""
-    return "exit" if env_choice("KIMI_DECODE_ENTRY_TRIGGER", "wait", ("wait", "exit")) == "exit" else None
-
-
 def prefetch_layout(w13: torch.Tensor, used: int) -> tuple[int, int, int] | None:
     """(chunks of one half's used rows, chunks from an expert's w1 rows to its w3 rows, chunks per expert) of expert
     codes w13 [E, 2I, L/2] (uint8) as CHUNK-byte rows, or None where they do not come in whole chunks (each half's
@@ -203,12 +195,9 @@ def compile_moe_entry(w_router, x, logits, bias, ids, weights, counter, w_down, 
     S = glu[1].shape[1] if glu is not None else 0
     preload = preload_setting()
     layout = prefetch_layout(prefetch[0], prefetch[2]) if prefetch is not None else None
-    trigger = entry_trigger()
     key = ("moe_entry", float(scaling), S, preload, layout, topk_form(), *signature(*args))
     op = MoEEntry(x.shape[0], w_router.shape[0], x.shape[1], ids.shape[1], scaling, w_down.shape[0], S, preload,
                   layout)
-    if trigger is not None:
-        op.trigger = trigger  # `compile_kernel` puts it in the key
     align = _align(args)
     return compile_kernel(key, op, *(fake_like(t, align=align(t)) for t in args))
 
