@@ -364,6 +364,17 @@ def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):
         compile_kda_decode(*kda[0], **kda[1])
 
 
+def test_pdl_skip_setting(monkeypatch):
+    """KIMI_DECODE_PDL_SKIP: by default only the w13 kernel with the shared experts' gate/up CTAs launches without PDL
+    (the plain w13 kernel does launch under it, measured faster in v38); a comma-separated list names others, "" none."""
+    monkeypatch.delenv("KIMI_DECODE_PDL_SKIP", raising=False)
+    assert cute_common.pdl_skipped() == {"moe_w13_act_shared"}
+    monkeypatch.setenv("KIMI_DECODE_PDL_SKIP", "moe_w13_act,moe_w13_act_shared")
+    assert cute_common.pdl_skipped() == {"moe_w13_act", "moe_w13_act_shared"}
+    monkeypatch.setenv("KIMI_DECODE_PDL_SKIP", "")
+    assert cute_common.pdl_skipped() == frozenset()
+
+
 @pytest.mark.parametrize("raw", ["1", "66", "eight", ""])
 def test_grouped_from_outside_two_to_65_is_refused_by_name(monkeypatch, raw):
     from kimi_decode.backends.latency_specialized import grouped_from

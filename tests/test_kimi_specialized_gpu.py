@@ -1328,7 +1328,8 @@ def test_moe_entry_matches_float64(monkeypatch, E, K, L, k, S, pf, pdl, form):
                                  {"KIMI_DECODE_KDA_TRIGGER": "late", "KIMI_DECODE_OPROJ_EARLY": "smem"},
                                  {"KIMI_DECODE_W2_CHUNK": "1"}, {"KIMI_DECODE_W13_X_ONCE": "0"},
                                  {"KIMI_DECODE_OPROJ_RES": "last"}, {"KIMI_DECODE_SHARED_DOWN_LANES": "32"},
-                                 {"KIMI_DECODE_W13_PREFETCH": "1"}])
+                                 {"KIMI_DECODE_W13_PREFETCH": "1"},
+                                 {"KIMI_DECODE_PDL_SKIP": "moe_w13_act,moe_w13_act_shared"}])
 def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_reference(monkeypatch, tp, env):
     """Batch 1 with the router beside the latent down-projection instead of inside it, or with the f_b GEMV as its
     own kernel, or with the expert and shared-expert GEMVs as two-stage kernels, or with the shared experts as
@@ -1339,8 +1340,8 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
     or the output projection's rows all in shared memory instead of its first rows in registers, also with the KDA
     kernel letting it launch only after reading its inputs, or the w2 kernel's weights one word per load, or the w13
     kernel's activations converted by every lane, or the AttnRes step after the output projection all in its last
-    CTA, or the shared down-projection's rows one to a warp, or the w13 weights asked of L2 first: the A/B
-    switches."""
+    CTA, or the shared down-projection's rows one to a warp, or the w13 weights asked of L2 first, or the w13 kernel
+    without PDL (the default before v38): the A/B switches."""
     for key, v in env.items():
         monkeypatch.setenv(key, v)
     s = shard("k3", tp=tp)

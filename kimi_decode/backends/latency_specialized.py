@@ -87,8 +87,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
 - programmatic dependent launch at batch 1 (`PDL_MAX_ROWS`; `kernels/cute_common.py`, `KIMI_DECODE_PDL=0` / `1`:
-  never / at every batch): each CuTe kernel but the w13 expert kernel launches while the one before it finishes,
-  waits for that one's results and then lets the next launch; the KDA kernel loads its state and weights, the w2
+  never / at every batch): each CuTe kernel launches while the one before it finishes (`KIMI_DECODE_PDL_SKIP`
+  names those that do not), waits for that one's results and then lets the next launch; the KDA kernel loads its state and weights, the w2
   expert kernel its weight words (`KIMI_DECODE_W2_EARLY`, at one token: above, the registers this takes cost more)
   and the output projection its first rows (`KIMI_DECODE_OPROJ_EARLY`) before the wait, and the GEMVs copy their
   first weight slices into shared memory before it (`KIMI_DECODE_GEMV_PRELOAD`). At one token on a grid past one

@@ -12,7 +12,8 @@ read before the wait (`pdl_reads_ahead()`). `KIMI_DECODE_PDL_TRIGGER=start` lets
 kernel's very start instead (`pdl_launch_dependents`), the first form measured: a chain of small kernels can then
 launch many kernels ahead, each holding SM slots and asking L2 for its weights. After a kernel that does not take part
 (Triton, cuBLAS, NCCL) the wait returns at once. For A/B runs, `KIMI_DECODE_PDL_SKIP` names kernels launched without
-PDL (default: the w13 expert kernel) and `KIMI_DECODE_PDL_PREFETCH_ITERS` how much of its rows a GEMV asks of L2
+PDL (default: the w13 expert kernel with the shared experts' gate/up CTAs; "moe_w13_act,moe_w13_act_shared" is the
+form before v38, the plain w13 kernel without PDL too) and `KIMI_DECODE_PDL_PREFETCH_ITERS` how much of its rows a GEMV asks of L2
 before the wait (default none).
 
 """
@@ -68,9 +69,11 @@ PDL_TRIGGERS = ("wait", "start")
 # GEMV loop iterations of weights asked of L2 before the wait (`SmallBatchGemv.project`): none by default, since on the
 # H200 at TP16 batch 1 4 / 8 iterations made the layer 1.4 / 5.5 us slower (TP8: within 0.7 us; NOTES, v14)
 PDL_PREFETCH_ITERS = 0
-# kernels launched without PDL by default: the w13 expert kernel, whose CTAs, launched early, took 2.6 us longer after
-# the entry kernel at TP16 batch 1 (NOTES, v14)
-PDL_SKIP = "moe_w13_act,moe_w13_act_shared"
+# kernels launched without PDL by default: the w13 expert kernel with the shared experts' gate/up CTAs (the
+# `KIMI_DECODE_SHARED_GLU_IN=w13` placement). The plain w13 kernel was on this list from v14 (its CTAs, launched early,
+# took 2.6 us longer after the entry kernel at TP16 batch 1 then) to v38, when under PDL it measured 0.1-0.9 us faster
+# per KDA layer at batch 1 on both shards in three paired runs (NOTES, items 74 and 75)
+PDL_SKIP = "moe_w13_act_shared"
 # the PDL choices of the kernel being compiled (read while its code is traced), and the layer's wish (`set_layer_pdl`)
 _pdl_mode = {"trigger": "wait", "prefetch": PDL_PREFETCH_ITERS, "layer": False}
 
