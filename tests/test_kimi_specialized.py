@@ -366,7 +366,8 @@ def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):
 
 def test_pdl_skip_setting(monkeypatch):
     """KIMI_DECODE_PDL_SKIP: by default only the w13 kernel with the shared experts' gate/up CTAs launches without PDL
-    (the plain w13 kernel does launch under it, measured faster in v38); a comma-separated list names others, "" none."""
+    (the plain w13 kernel does launch under it, measured faster in v38); a comma-separated list names others, ""
+    none."""
     monkeypatch.delenv("KIMI_DECODE_PDL_SKIP", raising=False)
     assert cute_common.pdl_skipped() == {"moe_w13_act_shared"}
     monkeypatch.setenv("KIMI_DECODE_PDL_SKIP", "moe_w13_act,moe_w13_act_shared")

@@ -13,8 +13,8 @@ kernel's very start instead (`pdl_launch_dependents`), the first form measured: 
 launch many kernels ahead, each holding SM slots and asking L2 for its weights. After a kernel that does not take part
 (Triton, cuBLAS, NCCL) the wait returns at once. For A/B runs, `KIMI_DECODE_PDL_SKIP` names kernels launched without
 PDL (default: the w13 expert kernel with the shared experts' gate/up CTAs; "moe_w13_act,moe_w13_act_shared" is the
-form before v38, the plain w13 kernel without PDL too) and `KIMI_DECODE_PDL_PREFETCH_ITERS` how much of its rows a GEMV asks of L2
-before the wait (default none).
+form before v38, the plain w13 kernel without PDL too) and `KIMI_DECODE_PDL_PREFETCH_ITERS` how much of its rows a
+GEMV asks of L2 before the wait (default none).
 
 """
 from __future__ import annotations
