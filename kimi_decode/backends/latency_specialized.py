@@ -91,10 +91,11 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   names those that do not), waits for that one's results and then lets the next launch; the KDA kernel loads its
   state and weights, the w2 expert kernel its weight words (`KIMI_DECODE_W2_EARLY`, at one token: above, the
   registers this takes cost more) and the output projection its first rows (`KIMI_DECODE_OPROJ_EARLY`) before the
-  wait, and the GEMVs copy their first weight slices into shared memory before it (`KIMI_DECODE_GEMV_PRELOAD`). At one token on a grid past one
-  wave (TP8) the w13 kernel splits K over 4 warps instead of 7 (`KIMI_DECODE_W13_WARPS`), and each warp loads all
-  of its 7 weight quads before its activations' staging (`KIMI_DECODE_W13_FIRST`: auto; "0" none, "1".."4" the
-  first quads, "all"); `KIMI_DECODE_GROUPED_FROM` sets the batch from which the experts run grouped (A/B).
+  wait, and the GEMVs copy their first weight slices into shared memory before it (`KIMI_DECODE_GEMV_PRELOAD`). At
+  one token on a grid past one wave (TP8) the w13 kernel splits K over 4 warps instead of 7
+  (`KIMI_DECODE_W13_WARPS`), and each warp loads all of its 7 weight quads before its activations' staging
+  (`KIMI_DECODE_W13_FIRST`: auto; "0" none, "1".."4" the first quads, "all"); `KIMI_DECODE_GROUPED_FROM` sets the
+  batch from which the experts run grouped (A/B).
 It falls back to `auto`, logging the reason once per reason: MLA layers (attention), everything but AttnRes at
 batches over 64, no CUDA device or no cutlass-dsl.
 """
