@@ -286,6 +286,23 @@ def test_specialized_layer_with_pdl_matches_reference(monkeypatch, tp, batch, tr
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 
+@pytest.mark.parametrize("pre", ["ids", "scales", "all"])
+@pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_layer_with_the_w2_ids_and_scales_before_its_wait_matches_reference(monkeypatch, pre, tp):
+    """KIMI_DECODE_W2_PRE_WAIT at one token under PDL: the w2 kernel keeps the expert ids it loads before its wait, and
+    asks L2 for its scale rows ("scales") and its later items' weights ("all") there."""
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_PRE_WAIT", pre, tp, 1, 5100 + len(pre))
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_w2_ids_and_scales_before_its_wait_replay_in_a_graph_like_eager(monkeypatch, tp):
+    """KIMI_DECODE_W2_PRE_WAIT=all under PDL: graph replays give the eager steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    monkeypatch.setenv("KIMI_DECODE_W2_PRE_WAIT", "all")
+    _check_graph_replays_like_eager(tp)
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 def test_pdl_steps_replay_in_a_graph_like_eager(monkeypatch, tp):
     """With PDL the graph's kernels overlap their neighbours: replays still give the eager steps' results."""

@@ -496,10 +496,14 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, pre_wait: str = "weights"):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
-            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s."""
+            chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s. `pre_wait` (`w2_pre_wait`): what
+            else the warp does before the PDL wait where its first weight words come before it (`early`)."""
+            if pre_wait not in W2_PRE_WAIT:
+                raise ValueError(f"MoEW2Sum: pre_wait must be one of {', '.join(W2_PRE_WAIT)}, not {pre_wait!r}")
+            self.pre_wait = pre_wait
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
@@ -560,7 +564,10 @@ if HAVE_CUTE:
             rb = ra + ROWS2 // 2
             C = self.chunk
             gW = chunk_view(w, C)
-            items = []  # per item: (its expert slot k, first group G0, whether it is one, row ra's and rb's loads)
+            g16 = chunk_view(w, QUAD)  # the rows in 16-byte tiles (whole MX groups), for the L2 requests
+            # per item: its expert slot k, first group G0, whether it is one, row ra's and rb's loads, expert id
+            items = []
+            pre = self.pre_wait if late else "weights"
             for it in cutlass.range_constexpr(self.per_warp):
                 item = warp * self.per_warp + it
                 valid = item < self.items  # the last warp's last items may lie past the end: weight 0
@@ -568,19 +575,24 @@ if HAVE_CUTE:
                 k = item // self.chunks
                 G0 = item % self.chunks * C
                 e = ids[b, k]
+                va = vb = None
                 if cutlass.const_expr(it < self.early_items):
-                    items.append((k, G0, valid, chunk_load(gW, e, ra, G0, t, C, self.qm),
-                                  chunk_load(gW, e, rb, G0, t, C, self.qm)))
-                else:
-                    items.append((k, G0, valid, None, None))
+                    va, vb = chunk_load(gW, e, ra, G0, t, C, self.qm), chunk_load(gW, e, rb, G0, t, C, self.qm)
+                elif cutlass.const_expr(pre == "all"):  # the line of the chunk's first group, per row
+                    prefetch_l2(g16[(None, (e, ra, G0))])
+                    prefetch_l2(g16[(None, (e, rb, G0))])
+                if cutlass.const_expr(pre in ("scales", "all")):
+                    prefetch_l2(w_scale[e, ra, None])
+                    prefetch_l2(w_scale[e, rb, None])
+                items.append((k, G0, valid, va, vb, e))
             if cutlass.const_expr(target >= 0):
                 wait_count(counter, 2 + b, target, tidx)
             if cutlass.const_expr(late):
                 pdl_wait(True)
             acc_a = Float32(0.0)
             acc_b = Float32(0.0)
-            for k, G0, valid, va, vb in items:
-                e = ids[b, k]
+            for k, G0, valid, va, vb, e_early in items:
+                e = ids[b, k] if pre == "weights" else e_early
                 if cutlass.const_expr(va is None):
                     va, vb = chunk_load(gW, e, ra, G0, t, C, self.qm), chunk_load(gW, e, rb, G0, t, C, self.qm)
                 wa, wb = chunk_words(va, t, lane, C, self.qm), chunk_words(vb, t, lane, C, self.qm)
@@ -663,9 +675,9 @@ if HAVE_CUTE:
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
                      early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
-                     quad_major: int = 0):
+                     quad_major: int = 0, pre_wait: str = "weights"):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
-                             quad_major=quad_major)
+                             quad_major=quad_major, pre_wait=pre_wait)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
                                          row_lanes=row_lanes)
             self.tiles = latent // ROWS2
@@ -908,6 +920,19 @@ def w2_early(tokens: int) -> bool:
     return tokens == 1 if raw == "auto" else raw == "1"
 
 
+W2_PRE_WAIT = ("weights", "ids", "scales", "all")
+
+
+def w2_pre_wait() -> str:
+    """What the batch-1 w2 kernel's warps do before their PDL wait besides loading their first weight words
+    (`w2_early`), by KIMI_DECODE_W2_PRE_WAIT: "weights" (the default) nothing else; "ids" keep the expert ids they
+    load there for the items after the wait (instead of loading them again: the entry kernel, two kernels back, wrote
+    them); "scales" that, and ask L2 for each item's scale rows, so that the scales after the wait come from L2 and
+    their addresses do not wait for an id load; "all" that, and ask L2 for the items whose weight words are loaded
+    after the wait."""
+    return env_choice("KIMI_DECODE_W2_PRE_WAIT", "weights", W2_PRE_WAIT)
+
+
 def layout_groups(w13: torch.Tensor, w2: torch.Tensor, quad_major: bool) -> tuple[int, int]:
     """The kernels' `quad_major` arguments for w13 and w2: their MX groups per row when the codes come in
     `quad_major` order, else 0 (natural rows)."""
@@ -945,11 +970,11 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                                  MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
-        lanes = shared_down_lanes()
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2,
+        lanes, pre = shared_down_lanes(), w2_pre_wait()
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, pre,
                              *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
-                                           qm2),
+                                           qm2, pre),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
@@ -958,9 +983,10 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, *signature(*w2_args)),
+    pre = w2_pre_wait()
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, pre, *signature(*w2_args)),
                         MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
-                                 quad_major=qm2),
+                                 quad_major=qm2, pre_wait=pre),
                         *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
