@@ -636,35 +636,34 @@ def test_moe_w13_with_its_first_quads_loaded_early_compiles_for_sm90a(sm90a_pdl,
 @pytest.mark.parametrize("tp", [16, 8])
 def test_moe_w2_with_its_ids_and_scales_before_its_wait_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
     """KIMI_DECODE_W2_PRE_WAIT: a variant of the batch-1 w2 kernel per setting, plain and with the shared experts'
-    down-projection CTAs; "weights" (the default) is the kernel without it; other values are refused by name."""
-    from kimi_decode.kernels.moe_mxfp4 import MoEW2Sum, compile_moe, w2_pre_wait
+    down-projection CTAs; the default, auto, is "scales" where every item's weight words come before the wait (TP16)
+    and "weights" (the kernel as before) where some come after it (TP8); other values are refused by name."""
+    from kimi_decode.kernels.moe_mxfp4 import MoEW2Sum, compile_moe, w2_chunk, w2_pre_wait
 
     s = shard("k3", tp=tp, pad_experts=True)
     L, H, S, bf = s.model.moe_latent, s.model.hidden, s_inter(tp), torch.bfloat16
     shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
               torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
     monkeypatch.delenv("KIMI_DECODE_W2_PRE_WAIT", raising=False)
-    assert w2_pre_wait() == "weights"
-    base = {"plain": compile_moe(*_moe_args(s, 1))[1],
-            "shared": compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)[1]}
-    seen = set(id(f) for f in base.values())
-    for pre in ("weights", "ids", "scales", "all"):
+    assert w2_pre_wait() == "auto"
+    used, chunk = s.expert_inter_used, w2_chunk(s.expert_inter_used)
+    op = MoEW2Sum(used, s.model.top_k, chunk=chunk, scale_words=chunk == 4)
+    assert (op.per_warp <= op.early_items) == (tp == 16)
+    assert op.pre_wait == ("scales" if tp == 16 else "weights")
+    seen = set()
+    for pre in ("auto", "weights", "ids", "scales", "all"):
         monkeypatch.setenv("KIMI_DECODE_W2_PRE_WAIT", pre)
-        for form, f in (("plain", compile_moe(*_moe_args(s, 1))[1]),
-                        ("shared", compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)[1])):
-            assert f is not None
-            if pre == "weights":
-                assert f is base[form]
-            else:
-                assert id(f) not in seen
-                seen.add(id(f))
-    assert len(seen) == 8
+        for f in (compile_moe(*_moe_args(s, 1))[1],
+                  compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)[1]):
+            assert f is not None and id(f) not in seen
+            seen.add(id(f))
+    assert len(seen) == 10
     for bad in ("0", "scale", ""):
         monkeypatch.setenv("KIMI_DECODE_W2_PRE_WAIT", bad)
         with pytest.raises(ValueError, match="KIMI_DECODE_W2_PRE_WAIT must be one of"):
             compile_moe(*_moe_args(s, 1))
     with pytest.raises(ValueError, match="pre_wait must be one of"):
-        MoEW2Sum(s.expert_inter_used, s.model.top_k, pre_wait="early")
+        MoEW2Sum(used, s.model.top_k, pre_wait="early")
 
 
 @needs_cute

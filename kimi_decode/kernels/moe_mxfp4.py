@@ -496,14 +496,13 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, pre_wait: str = "weights"):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, pre_wait: str = "auto"):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
             chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s. `pre_wait` (`w2_pre_wait`): what
             else the warp does before the PDL wait where its first weight words come before it (`early`)."""
             if pre_wait not in W2_PRE_WAIT:
                 raise ValueError(f"MoEW2Sum: pre_wait must be one of {', '.join(W2_PRE_WAIT)}, not {pre_wait!r}")
-            self.pre_wait = pre_wait
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
@@ -519,6 +518,9 @@ if HAVE_CUTE:
             self.items = topk * self.chunks
             self.per_warp = -(-self.items // warps)
             self.early_items = W2_EARLY_ITEMS // chunk
+            if pre_wait == "auto":  # the scales ahead where no weight word is left for after the wait
+                pre_wait = "scales" if self.per_warp <= self.early_items else "weights"
+            self.pre_wait = pre_wait
 
         def scales(self, w_scale: cute.Tensor, e, row, G0):
             """The fp32 scales of one row's chunk from group G0, as functions to call where each is used
@@ -675,7 +677,7 @@ if HAVE_CUTE:
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
                      early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
-                     quad_major: int = 0, pre_wait: str = "weights"):
+                     quad_major: int = 0, pre_wait: str = "auto"):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
                              quad_major=quad_major, pre_wait=pre_wait)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
@@ -920,17 +922,19 @@ def w2_early(tokens: int) -> bool:
     return tokens == 1 if raw == "auto" else raw == "1"
 
 
-W2_PRE_WAIT = ("weights", "ids", "scales", "all")
+W2_PRE_WAIT = ("auto", "weights", "ids", "scales", "all")
 
 
 def w2_pre_wait() -> str:
     """What the batch-1 w2 kernel's warps do before their PDL wait besides loading their first weight words
-    (`w2_early`), by KIMI_DECODE_W2_PRE_WAIT: "weights" (the default) nothing else; "ids" keep the expert ids they
-    load there for the items after the wait (instead of loading them again: the entry kernel, two kernels back, wrote
-    them); "scales" that, and ask L2 for each item's scale rows, so that the scales after the wait come from L2 and
-    their addresses do not wait for an id load; "all" that, and ask L2 for the items whose weight words are loaded
-    after the wait."""
-    return env_choice("KIMI_DECODE_W2_PRE_WAIT", "weights", W2_PRE_WAIT)
+    (`w2_early`), by KIMI_DECODE_W2_PRE_WAIT: "weights" nothing else; "ids" keep the expert ids they load there for
+    the items after the wait (instead of loading them again: the entry kernel, two kernels back, wrote them);
+    "scales" that, and ask L2 for each item's scale rows, so that the scales after the wait come from L2 and their
+    addresses do not wait for an id load; "all" that, and ask L2 for the items whose weight words are loaded after
+    the wait. "auto" (the default): "scales" where every item's weight words come before the wait (TP16: 6 items per
+    warp), else "weights" (TP8: 3 of 6 after it). On the H200 "scales" was 0.2-0.6 us per KDA layer faster at TP16
+    and even at TP8, where its registers cost the kernel a CTA per SM (benchmarks/NOTES.md item 77)."""
+    return env_choice("KIMI_DECODE_W2_PRE_WAIT", "auto", W2_PRE_WAIT)
 
 
 def layout_groups(w13: torch.Tensor, w2: torch.Tensor, quad_major: bool) -> tuple[int, int]:
