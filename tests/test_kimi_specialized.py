@@ -667,34 +667,6 @@ def test_moe_w2_with_its_ids_and_scales_before_its_wait_compiles_for_sm90a(sm90a
 
 
 @needs_cute
-@pytest.mark.parametrize("tp", [16, 8])
-def test_moe_w2_at_a_register_cap_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
-    """KIMI_DECODE_W2_MIN_CTAS: the per-pair w2 kernel compiled for N CTAs per SM (plain and with the shared experts'
-    CTAs), a variant per N; 0 (the default) leaves the registers to the compiler; other values are refused."""
-    from kimi_decode.kernels.cute_common import min_ctas_launch
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe, w2_min_ctas
-
-    s = shard("k3", tp=tp, pad_experts=True)
-    L, H, S, bf = s.model.moe_latent, s.model.hidden, s_inter(tp), torch.bfloat16
-    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
-    monkeypatch.delenv("KIMI_DECODE_W2_MIN_CTAS", raising=False)
-    assert w2_min_ctas() == 0 and min_ctas_launch(0) == {}
-    assert min_ctas_launch(3)["min_blocks_per_mp"] == 3
-    seen = set()
-    for cap in ("0", "3", "4"):
-        monkeypatch.setenv("KIMI_DECODE_W2_MIN_CTAS", cap)
-        for f in (compile_moe(*_moe_args(s, 1))[1],
-                  compile_moe(*_moe_args(s, 1), shared=shared, shared_act_ready=True)[1]):
-            assert f is not None and id(f) not in seen
-            seen.add(id(f))
-    for bad in ("9", "-1", "two"):
-        monkeypatch.setenv("KIMI_DECODE_W2_MIN_CTAS", bad)
-        with pytest.raises(ValueError, match="KIMI_DECODE_W2_MIN_CTAS"):
-            compile_moe(*_moe_args(s, 1))
-
-
-@needs_cute
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
 def test_moe_w13_with_its_weights_asked_of_l2_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
     """KIMI_DECODE_W13_PREFETCH=1: the w13 kernel's own variant, plain and (at one token) with the shared experts'

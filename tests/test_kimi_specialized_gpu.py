@@ -295,16 +295,6 @@ def test_specialized_layer_with_the_w2_ids_and_scales_before_its_wait_matches_re
     _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_PRE_WAIT", pre, tp, 1, 5100 + len(pre))
 
 
-@pytest.mark.parametrize("pre, cap", [("scales", "3"), ("scales", "4"), ("weights", "4")])
-@pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_the_w2_kernel_at_a_register_cap_matches_reference(monkeypatch, pre, cap, tp):
-    """KIMI_DECODE_W2_MIN_CTAS at one token under PDL: the w2 kernel compiled for 3 or 4 CTAs per SM (registers
-    capped, a few spilled), with and without its scales asked of L2 before the wait."""
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    monkeypatch.setenv("KIMI_DECODE_W2_PRE_WAIT", pre)
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W2_MIN_CTAS", cap, tp, 1, 5200 + int(cap) + len(pre))
-
-
 @pytest.mark.parametrize("tp", [16, 8])
 def test_w2_ids_and_scales_before_its_wait_replay_in_a_graph_like_eager(monkeypatch, tp):
     """KIMI_DECODE_W2_PRE_WAIT=all under PDL: graph replays give the eager steps' results."""

@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch,
-                          min_ctas_launch, mx_alu, mx_packed, signature, sm_count)
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
+                          signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -496,17 +496,14 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, pre_wait: str = "auto",
-                     min_ctas: int = 0):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, pre_wait: str = "auto"):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
             chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s. `pre_wait` (`w2_pre_wait`): what
-            else the warp does before the PDL wait where its first weight words come before it (`early`).
-            `min_ctas` (`w2_min_ctas`): CTAs per SM its registers must allow, 0 for the compiler's choice."""
+            else the warp does before the PDL wait where its first weight words come before it (`early`)."""
             if pre_wait not in W2_PRE_WAIT:
                 raise ValueError(f"MoEW2Sum: pre_wait must be one of {', '.join(W2_PRE_WAIT)}, not {pre_wait!r}")
             self.topk = topk
-            self.min_ctas = min_ctas
             self.qm = quad_major
             self.scaled = scaled
             self.warps = warps
@@ -540,8 +537,7 @@ if HAVE_CUTE:
             B, L = out.shape
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
             self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled).launch(
-                grid=[L // ROWS2, B, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch,
-                **min_ctas_launch(self.min_ctas))
+                grid=[L // ROWS2, B, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -681,9 +677,9 @@ if HAVE_CUTE:
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
                      early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
-                     quad_major: int = 0, pre_wait: str = "auto", min_ctas: int = 0):
+                     quad_major: int = 0, pre_wait: str = "auto"):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
-                             quad_major=quad_major, pre_wait=pre_wait, min_ctas=min_ctas)
+                             quad_major=quad_major, pre_wait=pre_wait)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
                                          row_lanes=row_lanes)
             self.tiles = latent // ROWS2
@@ -700,7 +696,7 @@ if HAVE_CUTE:
             gS = cute.zipped_divide(s_act, (1, 8))
             self.kernel(gA, ids, weights, w, w_scale, out, ssq, norm_w, scaled, gD, gS, s_out).launch(
                 grid=[self.tiles + self.n_shared, 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
-                use_pdl=self.pdl_launch, **min_ctas_launch(self.min_ctas))
+                use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w: cute.Tensor,
@@ -941,13 +937,6 @@ def w2_pre_wait() -> str:
     return env_choice("KIMI_DECODE_W2_PRE_WAIT", "auto", W2_PRE_WAIT)
 
 
-def w2_min_ctas() -> int:
-    """KIMI_DECODE_W2_MIN_CTAS: CTAs per SM that the per-pair w2 kernel's registers must allow (ptxas
-    `.minnctapersm`), for A/B timing; 0, the default, leaves it to the compiler (at one token, 256 threads per CTA:
-    3 CTAs at TP8's 70 registers, 4 at TP16's 62; 2 and 3 with the scales asked before the wait, item 77)."""
-    return env_int("KIMI_DECODE_W2_MIN_CTAS", 0, 0, 8, "CTAs per SM")
-
-
 def layout_groups(w13: torch.Tensor, w2: torch.Tensor, quad_major: bool) -> tuple[int, int]:
     """The kernels' `quad_major` arguments for w13 and w2: their MX groups per row when the codes come in
     `quad_major` order, else 0 (natural rows)."""
@@ -985,11 +974,11 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                                  MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
-        lanes, pre, cap = shared_down_lanes(), w2_pre_wait(), w2_min_ctas()
-        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, pre, cap,
+        lanes, pre = shared_down_lanes(), w2_pre_wait()
+        f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, pre,
                              *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
-                                           qm2, pre, cap),
+                                           qm2, pre),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
@@ -998,10 +987,10 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
-    pre, cap = w2_pre_wait(), w2_min_ctas()
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, pre, cap, *signature(*w2_args)),
+    pre = w2_pre_wait()
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, pre, *signature(*w2_args)),
                         MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
-                                 quad_major=qm2, pre_wait=pre, min_ctas=cap),
+                                 quad_major=qm2, pre_wait=pre),
                         *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 
