@@ -2053,6 +2053,38 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, re
 
 
 @needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_oproj_attn_res_with_its_later_rows_ahead_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
+    """KIMI_DECODE_OPROJ_REST=ahead: a variant of its own where it applies (the first pass's rows in registers, more
+    than one pass), the default ("loop") otherwise; other values are refused by name."""
+    from kimi_decode.kernels.oproj_attn_res import OProjAttnRes, compile_oproj_attn_res, rest_mode
+
+    s = shard("k3", tp=tp)
+    H, K = s.model.hidden, s.kda_dim
+
+    def compiled():
+        args = _attn_res_args(1, delta=True, num_blocks=15)
+        return compile_oproj_attn_res(torch.empty(H, K, dtype=torch.bfloat16), torch.empty(1, K, dtype=torch.bfloat16),
+                                      args[2], args[0], args[1], *args[3:], torch.zeros(1, dtype=torch.int32),
+                                      n_blocks=4, delta_mode=1, eps=1e-5, ctas=132, parts=torch.zeros(132 * 32))[0]
+
+    monkeypatch.delenv("KIMI_DECODE_OPROJ_REST", raising=False)
+    assert rest_mode() == "loop"
+    base = compiled()
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "ahead")
+    ahead = compiled()
+    assert ahead is not None and ahead is not base
+    op = OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="1", split=True, rest="ahead")
+    op.pdl = True
+    assert op.rest_ahead() and op.rows_pre == 4  # 7168 rows over 132 x 14 warps: 4 rows, two passes
+    assert not OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="0", split=True, rest="ahead").rest_ahead()
+    assert not OProjAttnRes(H, K, 1024, 4, 1, 1e-5, early="1", split=True, rest="ahead").rest_ahead()  # one pass
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "early")
+    with pytest.raises(ValueError, match="KIMI_DECODE_OPROJ_REST must be one of"):
+        compiled()
+
+
+@needs_cute
 @pytest.mark.parametrize("form", ["shuffle", "redux"])
 @pytest.mark.parametrize("rows", [2, 8, 64])
 def test_route_topk_compiles_for_sm90a(sm90a, monkeypatch, form, rows):

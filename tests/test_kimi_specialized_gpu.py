@@ -1420,6 +1420,22 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
     eager_then_graphed(run, reset, check)
 
 
+@pytest.mark.parametrize("K", [768, 1536])
+@pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1)])
+def test_oproj_attn_res_with_its_later_rows_ahead_matches_float64(monkeypatch, K, n_blocks, delta_mode):
+    """KIMI_DECODE_OPROJ_REST=ahead under PDL (the rows after the first pass loaded right after the wait, the passes
+    unrolled), in both AttnRes forms: as `test_oproj_attn_res_matches_float64`."""
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "ahead")
+    for res in ("split", "last"):
+        test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, "1", "1", res)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_layer_with_the_o_proj_rows_ahead_matches_reference(monkeypatch, tp):
+    """KIMI_DECODE_OPROJ_REST=ahead in the batch-1 layer (under PDL, its default there)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_OPROJ_REST", "ahead", tp, 1, 5300)
+
+
 @pytest.mark.parametrize("tp", [16, 8])
 def test_specialized_layer_with_two_kernel_o_proj_and_attn_res_matches_reference(monkeypatch, tp):
     monkeypatch.setenv("KIMI_DECODE_FUSED_O_RES", "0")

@@ -51,6 +51,17 @@ def res_mode() -> str:
     return env_choice("KIMI_DECODE_OPROJ_RES", "split", RES_MODES)
 
 
+REST_MODES = ("loop", "ahead")
+
+
+def rest_mode() -> str:
+    """KIMI_DECODE_OPROJ_REST: where the projection's rows after each warp's first pass (two rows) are loaded, with
+    the first pass's in registers before the wait (`KIMI_DECODE_OPROJ_EARLY=1`): "loop" (the default) each pass's
+    after the pass before it, so their HBM round trips follow one another after the wait; "ahead" all of them into
+    registers of their own right after the wait, the passes unrolled."""
+    return env_choice("KIMI_DECODE_OPROJ_REST", "loop", REST_MODES)
+
+
 def parts_width(n_blocks: int) -> int:
     """Score sums per CTA in "split" mode: a dot and a sum of squares per candidate, padded to a power of two."""
     return 2 * _next_pow2(n_blocks + 1)
@@ -59,7 +70,7 @@ def parts_width(n_blocks: int) -> int:
 if HAVE_CUTE:
     class OProjAttnRes:
         def __init__(self, hidden: int, K: int, ctas: int, n_blocks: int, delta_mode: int, eps: float,
-                     early: str = "smem", split: bool = False):
+                     early: str = "smem", split: bool = False, rest: str = "loop"):
             self.res = AttnRes(hidden, n_blocks, False, delta_mode, True, eps)
             self.res.pdl = False  # the fused kernel waits for the previous one itself
             self.H, self.K, self.ctas = hidden, K, ctas
@@ -74,6 +85,13 @@ if HAVE_CUTE:
             self.early = early  # KIMI_DECODE_OPROJ_EARLY, "smem" where it fits
             # "split" needs a lane per output row of a warp (every GPU with 8 SMs or more, at H = 7168)
             self.split = bool(split) and self.per_warp <= 32
+            self.rest = rest  # KIMI_DECODE_OPROJ_REST
+
+        def rest_ahead(self) -> bool:
+            """Whether the rows after the first pass are loaded into registers of their own right after the wait,
+            all passes unrolled ("ahead"), rather than each pass's after the one before it ("loop"); with the first
+            pass's rows in registers only (`in_regs`)."""
+            return self.rest == "ahead" and self.in_regs() and self.rows_pre > ROWS_AT_ONCE
 
         def in_smem(self) -> bool:
             """Whether the weights go through shared memory (only under PDL: without it nothing runs before)."""
@@ -129,6 +147,12 @@ if HAVE_CUTE:
             if cutlass.const_expr(split_early):
                 self.row_candidates(mB, mP, mQ, mK, n_mine, cs, qk)
             pdl_wait(self.pdl)
+            # "ahead": the later passes' rows, issued before anything waits on the attention output
+            wr = cute.make_rmem_tensor((VEC, self.iters, max(self.rows_pre - ROWS_AT_ONCE, 1)), gW.element_type)
+            if cutlass.const_expr(self.rest_ahead()):
+                for j in cutlass.range_constexpr(ROWS_AT_ONCE, self.rows_pre):
+                    for it in cutlass.range_constexpr(self.iters):
+                        cute.autovec_copy(self.row_slice(gW, gw, stride, j, it, lane), wr[None, it, j - ROWS_AT_ONCE])
             if cutlass.const_expr(split_late):
                 self.row_candidates(mB, mP, mQ, mK, n_mine, cs, qk)
 
@@ -145,31 +169,22 @@ if HAVE_CUTE:
             if cutlass.const_expr(self.in_smem()):
                 cute.arch.cp_async_wait_group(0)  # this thread's copies (each lane reads back only its own)
             mine = Float32(0.0)  # "split": the sum of the lane's row
-            for j in cutlass.range(0, per_warp, ROWS_AT_ONCE, unroll=1):
-                if cutlass.const_expr(self.in_smem()):
-                    for r in cutlass.range_constexpr(ROWS_AT_ONCE):
-                        for it in cutlass.range_constexpr(self.iters):
-                            cute.autovec_copy(pre[(None, lane, it, j + r, warp)], wt[None, it, r])
-                elif cutlass.const_expr(self.in_regs()):
-                    if j > 0:
+            if cutlass.const_expr(self.rest_ahead()):
+                for j in cutlass.range_constexpr(0, self.rows_pre, ROWS_AT_ONCE):
+                    mine = self.rows_pass(wt if j == 0 else wr, 0 if j == 0 else j - ROWS_AT_ONCE, xs, mA, gw,
+                                          stride, j, lane, mine)
+            else:
+                for j in cutlass.range(0, per_warp, ROWS_AT_ONCE, unroll=1):
+                    if cutlass.const_expr(self.in_smem()):
+                        for r in cutlass.range_constexpr(ROWS_AT_ONCE):
+                            for it in cutlass.range_constexpr(self.iters):
+                                cute.autovec_copy(pre[(None, lane, it, j + r, warp)], wt[None, it, r])
+                    elif cutlass.const_expr(self.in_regs()):
+                        if j > 0:
+                            self.load_rows(gW, wt, gw, stride, j, lane)
+                    else:
                         self.load_rows(gW, wt, gw, stride, j, lane)
-                else:
-                    self.load_rows(gW, wt, gw, stride, j, lane)
-                acc = cute.make_rmem_tensor((ROWS_AT_ONCE,), Float32)
-                acc.fill(0.0)
-                for r in cutlass.range_constexpr(ROWS_AT_ONCE):
-                    for it in cutlass.range_constexpr(self.iters):
-                        w = wt[None, it, r].load().to(Float32)
-                        for e in cutlass.range_constexpr(VEC):
-                            acc[r] = acc[r] + w[e] * xs[e, it]
-                for r in cutlass.range_constexpr(ROWS_AT_ONCE):
-                    n = gw + stride * (j + r)
-                    tot = cute.arch.warp_reduction(acc[r], lambda a, b: a + b)
-                    if n < self.H and lane == 0:
-                        mA[0, n] = tot.to(mA.element_type)
-                    if cutlass.const_expr(self.split):
-                        if lane == j + r:
-                            mine = tot
+                    mine = self.rows_pass(wt, 0, xs, mA, gw, stride, j, lane, mine)
             if cutlass.const_expr(self.split):
                 self.publish(mine, cs, qk, n_mine, tidx, lane, warp, bidx, mP, mParts, red)
                 if last_cta(mCnt, flag, tidx, self.ctas) != 0:
@@ -177,6 +192,29 @@ if HAVE_CUTE:
             else:
                 if last_cta(mCnt, flag, tidx, self.ctas) != 0:
                     self.res.body(gB, gP, gD, gQ, gK, gN, gO, Int32(0), tidx, red, sW, red2, False)
+
+        @cute.jit
+        def rows_pass(self, wt: cute.Tensor, r0: cutlass.Constexpr, xs: cute.Tensor, mA: cute.Tensor, gw: Int32,
+                      stride: Int32, j: Int32, lane: Int32, mine: Float32):
+            """One pass: the dot products of rows j, j + 1 of the warp (their slices at wt[:, :, r0], r0 + 1) with
+            the activations xs, each stored to a by lane 0; returns `mine` ("split": the sum of the lane's row, if
+            it is one of them)."""
+            acc = cute.make_rmem_tensor((ROWS_AT_ONCE,), Float32)
+            acc.fill(0.0)
+            for r in cutlass.range_constexpr(ROWS_AT_ONCE):
+                for it in cutlass.range_constexpr(self.iters):
+                    w = wt[None, it, r0 + r].load().to(Float32)
+                    for e in cutlass.range_constexpr(VEC):
+                        acc[r] = acc[r] + w[e] * xs[e, it]
+            for r in cutlass.range_constexpr(ROWS_AT_ONCE):
+                n = gw + stride * (j + r)
+                tot = cute.arch.warp_reduction(acc[r], lambda a, b: a + b)
+                if n < self.H and lane == 0:
+                    mA[0, n] = tot.to(mA.element_type)
+                if cutlass.const_expr(self.split):
+                    if lane == j + r:
+                        mine = tot
+            return mine
 
         def row_candidates(self, mB: cute.Tensor, mP: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, n, cs, qk):
             """The committed blocks and (delta_mode 1) the old partial at hidden element n (clamped), into cs, and
@@ -309,11 +347,14 @@ def compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm
         raise ValueError("oproj_attn_res: the projection is the residual update: delta_mode 1 or 2")
     ctas = ctas or sm_count()
     early = env_choice("KIMI_DECODE_OPROJ_EARLY", "1", EARLY_MODES)
-    op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps, early, split=res_mode() == "split")
+    rest = rest_mode()
+    op = OProjAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, delta_mode, eps, early, split=res_mode() == "split",
+                      rest=rest)
     # the score sums' scratch; in the "last" form the partial stands in (never read)
     scratch = _parts_view(parts, ctas, n_blocks) if op.split else partial
     args = (w, x, a, blocks, partial, query, key_norm, input_norm, out, counter, scratch)
-    key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, early, op.split, *signature(*args))
+    key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, early, op.split, rest,
+           *signature(*args))
     return compile_kernel(key, op, *(fake_like(t, align=al) for t, al in zip(args, _aligns(args)))), args
 
 
