@@ -2055,8 +2055,8 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, re
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
 def test_oproj_attn_res_with_its_later_rows_ahead_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
-    """KIMI_DECODE_OPROJ_REST=ahead: a variant of its own where it applies (the first pass's rows in registers, more
-    than one pass), the default ("loop") otherwise; other values are refused by name."""
+    """KIMI_DECODE_OPROJ_REST: "ahead" (the default) and "loop" each a variant of their own; "ahead" applies where
+    the first pass's rows are in registers and there is more than one pass; other values are refused by name."""
     from kimi_decode.kernels.oproj_attn_res import OProjAttnRes, compile_oproj_attn_res, rest_mode
 
     s = shard("k3", tp=tp)
@@ -2069,11 +2069,13 @@ def test_oproj_attn_res_with_its_later_rows_ahead_compiles_for_sm90a(sm90a_pdl, 
                                       n_blocks=4, delta_mode=1, eps=1e-5, ctas=132, parts=torch.zeros(132 * 32))[0]
 
     monkeypatch.delenv("KIMI_DECODE_OPROJ_REST", raising=False)
-    assert rest_mode() == "loop"
+    assert rest_mode() == "ahead"
     base = compiled()
     monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "ahead")
-    ahead = compiled()
-    assert ahead is not None and ahead is not base
+    assert compiled() is base
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "loop")
+    loop = compiled()
+    assert loop is not None and loop is not base
     op = OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="1", split=True, rest="ahead")
     op.pdl = True
     assert op.rest_ahead() and op.rows_pre == 4  # 7168 rows over 132 x 14 warps: 4 rows, two passes

@@ -10,7 +10,8 @@ independent 16-byte weight loads in flight; a row's dot product is one warp redu
 attention output the kernel waits for, so under PDL they are fetched before the wait (`KIMI_DECODE_OPROJ_EARLY`):
 "smem" copies all of the CTA's rows into shared memory with `cp.async` where they fit (SMEM_BUDGET; else as "1"),
 so the whole weight stream can pass while the KDA kernel runs; "1" (the default: "smem" measured slower, NOTES v16)
-loads the first two rows into registers; "0" loads after the wait. The CTA that finishes last
+loads the first two rows into registers, and the rest right after the wait (`KIMI_DECODE_OPROJ_REST`); "0" loads
+after the wait. The CTA that finishes last
 (`cute_common.last_cta`) runs the AttnRes step, reading a as the other CTAs wrote it. Compared with the projection
 kernel followed by the AttnRes kernel, what goes is the gap between the two kernels (the AttnRes kernel cannot start
 until the last projection CTA is done, and then has to be launched and fetch its code).
@@ -56,10 +57,11 @@ REST_MODES = ("loop", "ahead")
 
 def rest_mode() -> str:
     """KIMI_DECODE_OPROJ_REST: where the projection's rows after each warp's first pass (two rows) are loaded, with
-    the first pass's in registers before the wait (`KIMI_DECODE_OPROJ_EARLY=1`): "loop" (the default) each pass's
-    after the pass before it, so their HBM round trips follow one another after the wait; "ahead" all of them into
-    registers of their own right after the wait, the passes unrolled."""
-    return env_choice("KIMI_DECODE_OPROJ_REST", "loop", REST_MODES)
+    the first pass's in registers before the wait (`KIMI_DECODE_OPROJ_EARLY=1`): "ahead" (the default) all of them
+    into registers of their own right after the wait, the passes unrolled; "loop" each pass's after the pass before
+    it, so their HBM round trips follow one another after the wait. On the H200 "ahead" was 0.4-1.1 us per KDA
+    layer faster at TP16 and 1.0-1.7 at TP8 (benchmarks/NOTES.md item 79)."""
+    return env_choice("KIMI_DECODE_OPROJ_REST", "ahead", REST_MODES)
 
 
 def parts_width(n_blocks: int) -> int:
