@@ -1069,6 +1069,26 @@ def test_gemv_preload_under_pdl_matches_float64(monkeypatch, tp, rows, preload):
     eager_then_graphed(run, poison, check)
 
 
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_gemv_with_the_norm_added_after_its_loop_matches_float64(monkeypatch, tp, rows, pdl):
+    """KIMI_DECODE_GEMV_NORM_AFTER=1: the row-scaled GEMV (the MoE tail) adding its partial sums of squares after the
+    weight loop, with and without PDL: as `test_gemv_preload_under_pdl_matches_float64`."""
+    monkeypatch.setenv("KIMI_DECODE_GEMV_NORM_AFTER", "1")
+    if pdl == "1":
+        test_gemv_preload_under_pdl_matches_float64(monkeypatch, tp, rows, "4")
+    else:
+        monkeypatch.setenv("KIMI_DECODE_PDL", "0")
+        test_gemv_with_row_scale_epilogue_matches_float64(rows)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_layer_with_the_tail_norm_after_its_loop_matches_reference(monkeypatch, tp):
+    """KIMI_DECODE_GEMV_NORM_AFTER=1 in the batch-1 layer (the MoE tail's GEMV, under PDL)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_GEMV_NORM_AFTER", "1", tp, 1, 5400)
+
+
 def _moe_tail_case(rows, g):
     """The MoE tail's inputs at the TP16 shapes: up-projection W, bf16(x * norm_w) with x's partial sums of squares,
     the shared experts' output (addend), a residual y0, and the float64 update y - y0 (eps 1e-5)."""

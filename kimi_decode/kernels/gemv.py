@@ -23,9 +23,11 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_int, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
 
 if HAVE_CUTE:
+    from cutlass import Int32
+
     from .cute_common import (copy_async_16, gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2,
                               situ_glu)
 
@@ -67,19 +69,21 @@ if HAVE_CUTE:
 
         def __init__(self, M: int, N: int, K: int, accumulate: bool, addend: bool, parts: int = 0, eps: float = 0.0,
                      scaled: bool = False, glu: bool = False, warps: int = WARPS, split: int | None = None,
-                     epi_early: bool = False, preload: int = 0, row_lanes: int = 32):
+                     epi_early: bool = False, preload: int = 0, row_lanes: int = 32, norm_after: bool = False):
             """`warps` per CTA: WARPS for this kernel; a kernel that runs `project` in CTAs of its own size (the
             expert kernels, with the shared experts' GEMV CTAs beside theirs) passes that, and may set the warps
             per output row (`split`, a divisor of `warps`; else `split_for`'s). `preload`: slices per lane and row
             copied into shared memory before the PDL wait (under PDL only; the kernel allocates the buffer with
             `allocate_preload`). `row_lanes` (32, 16, 8 or 4; below 32 without split-K): lanes per output row, so
             a warp takes 32 // row_lanes rows side by side, for rows too short to keep a whole warp's loads busy
-            (the shared experts' down-projection: 384 or 768 of K)."""
+            (the shared experts' down-projection: 384 or 768 of K). `norm_after` (`scaled`, `norm_after()`): the
+            partial sums of squares are loaded before the weight loop and added after it, instead of before it."""
             self.M, self.K, self.accumulate, self.addend = M, K, accumulate, addend
             self.parts, self.eps, self.scaled = parts, eps, scaled
             self.glu = glu  # W is [gate; up] (2N rows): y[m, n] = SiTU-GLU(x . W[n], x . W[N + n])
             self.warps = warps
             self.epi_early = epi_early  # with `accumulate`: y (and the addend) read before the weight loop
+            self.norm_after = norm_after and scaled
             self.split = split if split is not None else split_for(2 * N if glu else N, K, warps)
             assert warps % self.split == 0
             assert row_lanes in (32, 16, 8, 4) and (row_lanes == 32 or self.split == 1)
@@ -162,14 +166,16 @@ if HAVE_CUTE:
             acc_up = cute.make_rmem_tensor((self.M,), Float32)  # the up rows' sums (glu)
             acc_up.fill(0.0)
             rstd = cute.make_rmem_tensor((self.M,), Float32)
-            if cutlass.const_expr(self.scaled):
+            if cutlass.const_expr(self.scaled and not self.norm_after):
+                self.norm_scales(mSsq, rstd, lane)
+            # `norm_after`: the lane's partial sums of squares, loaded now and added after the weight loop
+            qs = cute.make_rmem_tensor((self.M, -(-self.parts // 32) if self.norm_after else 1), Float32)
+            if cutlass.const_expr(self.norm_after):
+                qs.fill(0.0)
                 for m in cutlass.range_constexpr(self.M):
-                    q = Float32(0.0)
                     for i in cutlass.range_constexpr(-(-self.parts // 32)):
                         if lane + 32 * i < self.parts:
-                            q = q + mSsq[m, lane + 32 * i]
-                    q = cute.arch.warp_reduction(q, lambda a, b: a + b)
-                    rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
+                            qs[m, i] = mSsq[m, lane + 32 * i]
             # what the epilogue adds to (the residual, the addend), read before the weight loop so that no warp waits
             # for it at the end (`epi_early`)
             pre = cute.make_rmem_tensor((2 * self.M,), Float32)
@@ -201,6 +207,13 @@ if HAVE_CUTE:
                             if cutlass.const_expr(self.glu):
                                 u = sPre[(None, lane, it, self.warps + warp)].load().to(Float32)
                             self.add_slice(acc, acc_up, w, u, gX, kk)
+            if cutlass.const_expr(self.norm_after):
+                for m in cutlass.range_constexpr(self.M):
+                    q = Float32(0.0)
+                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
+                        q = q + qs[m, i]
+                    q = cute.arch.warp_reduction(q, lambda a, b: a + b)
+                    rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
             for m in cutlass.range_constexpr(self.M):
                 acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b, threads_in_group=RL)
                 if cutlass.const_expr(self.glu):
@@ -237,6 +250,17 @@ if HAVE_CUTE:
                         store_output(mY, mAdd, m, n, acc[m], self.accumulate, self.addend)
 
 
+        @cute.jit
+        def norm_scales(self, mSsq: cute.Tensor, rstd: cute.Tensor, lane: Int32):
+            """rstd[m] = rsqrt(sum of row m's partial sums of squares / K + eps), the warp's lanes adding them."""
+            for m in cutlass.range_constexpr(self.M):
+                q = Float32(0.0)
+                for i in cutlass.range_constexpr(-(-self.parts // 32)):
+                    if lane + 32 * i < self.parts:
+                        q = q + mSsq[m, lane + 32 * i]
+                q = cute.arch.warp_reduction(q, lambda a, b: a + b)
+                rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
+
         def add_slice(self, acc: cute.Tensor, acc_up: cute.Tensor, w, u, gX: cute.Tensor, kk) -> None:
             """acc[m] += w . x[m, slice kk] for every row m (and acc_up[m] += u . x[m, slice kk] with `glu`), w and
             u a lane's 8 weights in fp32. Inlined where it is called (a plain function, no condition inside)."""
@@ -245,6 +269,13 @@ if HAVE_CUTE:
                 acc[m] = acc[m] + (w * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 if self.glu:
                     acc_up[m] = acc_up[m] + (u * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+
+def norm_after() -> bool:
+    """KIMI_DECODE_GEMV_NORM_AFTER: whether a GEMV with a row scale (the batch-1 MoE tail: the routed sum's RMSNorm)
+    adds its partial sums of squares after the weight loop ("1"; loaded before it) or before ("0", the default): the
+    adding waits for their loads, and the loop's first weight loads wait for the adding."""
+    return env_choice("KIMI_DECODE_GEMV_NORM_AFTER", "0", ("0", "1")) == "1"
 
 
 def split_for(N: int, K: int, warps: int = WARPS) -> int:
@@ -298,11 +329,12 @@ def compile_gemv(w, x, y, accumulate: bool = False, addend=None, row_scale=None,
     eps = float(row_scale[1]) if row_scale is not None else 0.0
     epi_early = accumulate and os.environ.get("KIMI_DECODE_GEMV_EPI_EARLY", "1") == "1"
     preload = preload_setting()
-    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, epi_early, preload,
+    after = row_scale is not None and norm_after()
+    key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, epi_early, preload, after,
            *signature(w, x, y, extra, ssq))
     op = SmallBatchGemv(x.shape[0], y.shape[1], x.shape[1], accumulate, addend is not None,
                         ssq.shape[1] if row_scale is not None else 0, eps, row_scale is not None, glu,
-                        epi_early=epi_early, preload=preload)
+                        epi_early=epi_early, preload=preload, norm_after=after)
     return compile_kernel(key, op, *(fake_like(t) for t in (w, x, y, extra, ssq)))
 
 
