@@ -488,8 +488,8 @@ def test_oproj_split_form_needs_its_scratch(monkeypatch):
 
 @needs_cute
 def test_gemv_with_the_norm_added_after_its_loop_compiles_for_sm90a(sm90a_pdl, monkeypatch):
-    """KIMI_DECODE_GEMV_NORM_AFTER=1: the row-scaled GEMV (the batch-1 MoE tail) as a variant of its own; GEMVs
-    without a row scale are the same kernel either way; other values are refused by name."""
+    """KIMI_DECODE_GEMV_NORM_AFTER: "1" (the default) and "0" each a variant of the row-scaled GEMV (the batch-1 MoE
+    tail); GEMVs without a row scale are the same kernel either way; other values are refused by name."""
     from kimi_decode.kernels.gemv import compile_gemv, norm_after
 
     bf = torch.bfloat16
@@ -504,10 +504,12 @@ def test_gemv_with_the_norm_added_after_its_loop_compiles_for_sm90a(sm90a_pdl, m
                             torch.empty(1, 3216, dtype=bf))
 
     monkeypatch.delenv("KIMI_DECODE_GEMV_NORM_AFTER", raising=False)
-    assert not norm_after()
+    assert norm_after()
     base, base_plain = tail(), plain()
     monkeypatch.setenv("KIMI_DECODE_GEMV_NORM_AFTER", "1")
-    assert norm_after() and tail() is not None and tail() is not base and plain() is base_plain
+    assert tail() is base
+    monkeypatch.setenv("KIMI_DECODE_GEMV_NORM_AFTER", "0")
+    assert not norm_after() and tail() is not None and tail() is not base and plain() is base_plain
     monkeypatch.setenv("KIMI_DECODE_GEMV_NORM_AFTER", "yes")
     with pytest.raises(ValueError, match="KIMI_DECODE_GEMV_NORM_AFTER must be one of"):
         tail()

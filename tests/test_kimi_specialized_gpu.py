@@ -1072,10 +1072,11 @@ def test_gemv_preload_under_pdl_matches_float64(monkeypatch, tp, rows, preload):
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("pdl", ["0", "1"])
-def test_gemv_with_the_norm_added_after_its_loop_matches_float64(monkeypatch, tp, rows, pdl):
-    """KIMI_DECODE_GEMV_NORM_AFTER=1: the row-scaled GEMV (the MoE tail) adding its partial sums of squares after the
-    weight loop, with and without PDL: as `test_gemv_preload_under_pdl_matches_float64`."""
-    monkeypatch.setenv("KIMI_DECODE_GEMV_NORM_AFTER", "1")
+def test_gemv_with_the_norm_added_before_its_loop_matches_float64(monkeypatch, tp, rows, pdl):
+    """KIMI_DECODE_GEMV_NORM_AFTER=0: the row-scaled GEMV (the MoE tail) adding its partial sums of squares before
+    the weight loop (the form before "1" became the default), with and without PDL: as
+    `test_gemv_preload_under_pdl_matches_float64`."""
+    monkeypatch.setenv("KIMI_DECODE_GEMV_NORM_AFTER", "0")
     if pdl == "1":
         test_gemv_preload_under_pdl_matches_float64(monkeypatch, tp, rows, "4")
     else:
@@ -1084,9 +1085,9 @@ def test_gemv_with_the_norm_added_after_its_loop_matches_float64(monkeypatch, tp
 
 
 @pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_the_tail_norm_after_its_loop_matches_reference(monkeypatch, tp):
-    """KIMI_DECODE_GEMV_NORM_AFTER=1 in the batch-1 layer (the MoE tail's GEMV, under PDL)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_GEMV_NORM_AFTER", "1", tp, 1, 5400)
+def test_specialized_layer_with_the_tail_norm_before_its_loop_matches_reference(monkeypatch, tp):
+    """KIMI_DECODE_GEMV_NORM_AFTER=0 in the batch-1 layer (the MoE tail's GEMV, under PDL)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_GEMV_NORM_AFTER", "0", tp, 1, 5400)
 
 
 def _moe_tail_case(rows, g):

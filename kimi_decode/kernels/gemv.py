@@ -273,9 +273,10 @@ if HAVE_CUTE:
 
 def norm_after() -> bool:
     """KIMI_DECODE_GEMV_NORM_AFTER: whether a GEMV with a row scale (the batch-1 MoE tail: the routed sum's RMSNorm)
-    adds its partial sums of squares after the weight loop ("1"; loaded before it) or before ("0", the default): the
-    adding waits for their loads, and the loop's first weight loads wait for the adding."""
-    return env_choice("KIMI_DECODE_GEMV_NORM_AFTER", "0", ("0", "1")) == "1"
+    adds its partial sums of squares after the weight loop ("1", the default; loaded before it) or before ("0"), where
+    the adding waits for their loads and the loop's first weight loads wait for the adding. On the H200 "1" was
+    0.7-1.1 us per KDA layer faster at TP16 and 1.1-1.8 at TP8 (benchmarks/NOTES.md item 80)."""
+    return env_choice("KIMI_DECODE_GEMV_NORM_AFTER", "1", ("0", "1")) == "1"
 
 
 def split_for(N: int, K: int, warps: int = WARPS) -> int:
