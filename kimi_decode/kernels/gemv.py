@@ -165,17 +165,18 @@ if HAVE_CUTE:
             acc.fill(0.0)
             acc_up = cute.make_rmem_tensor((self.M,), Float32)  # the up rows' sums (glu)
             acc_up.fill(0.0)
+            # `scaled`: the lane's partial sums of squares, loaded now; added before the weight loop, or after it
+            # (`norm_after`)
             rstd = cute.make_rmem_tensor((self.M,), Float32)
-            if cutlass.const_expr(self.scaled and not self.norm_after):
-                self.norm_scales(mSsq, rstd, lane)
-            # `norm_after`: the lane's partial sums of squares, loaded now and added after the weight loop
-            qs = cute.make_rmem_tensor((self.M, -(-self.parts // 32) if self.norm_after else 1), Float32)
-            if cutlass.const_expr(self.norm_after):
+            qs = cute.make_rmem_tensor((self.M, -(-self.parts // 32) if self.scaled else 1), Float32)
+            if cutlass.const_expr(self.scaled):
                 qs.fill(0.0)
                 for m in cutlass.range_constexpr(self.M):
                     for i in cutlass.range_constexpr(-(-self.parts // 32)):
                         if lane + 32 * i < self.parts:
                             qs[m, i] = mSsq[m, lane + 32 * i]
+                if cutlass.const_expr(not self.norm_after):
+                    self.norm_scales(qs, rstd)
             # what the epilogue adds to (the residual, the addend), read before the weight loop so that no warp waits
             # for it at the end (`epi_early`)
             pre = cute.make_rmem_tensor((2 * self.M,), Float32)
@@ -208,12 +209,7 @@ if HAVE_CUTE:
                                 u = sPre[(None, lane, it, self.warps + warp)].load().to(Float32)
                             self.add_slice(acc, acc_up, w, u, gX, kk)
             if cutlass.const_expr(self.norm_after):
-                for m in cutlass.range_constexpr(self.M):
-                    q = Float32(0.0)
-                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
-                        q = q + qs[m, i]
-                    q = cute.arch.warp_reduction(q, lambda a, b: a + b)
-                    rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
+                self.norm_scales(qs, rstd)
             for m in cutlass.range_constexpr(self.M):
                 acc[m] = cute.arch.warp_reduction(acc[m], lambda a, b: a + b, threads_in_group=RL)
                 if cutlass.const_expr(self.glu):
@@ -251,13 +247,13 @@ if HAVE_CUTE:
 
 
         @cute.jit
-        def norm_scales(self, mSsq: cute.Tensor, rstd: cute.Tensor, lane: Int32):
-            """rstd[m] = rsqrt(sum of row m's partial sums of squares / K + eps), the warp's lanes adding them."""
+        def norm_scales(self, qs: cute.Tensor, rstd: cute.Tensor):
+            """rstd[m] = rsqrt(sum of row m's partial sums of squares / K + eps), from each lane's share of them in
+            qs[m, :] (zeros past the last), the warp's lanes adding theirs."""
             for m in cutlass.range_constexpr(self.M):
                 q = Float32(0.0)
                 for i in cutlass.range_constexpr(-(-self.parts // 32)):
-                    if lane + 32 * i < self.parts:
-                        q = q + mSsq[m, lane + 32 * i]
+                    q = q + qs[m, i]
                 q = cute.arch.warp_reduction(q, lambda a, b: a + b)
                 rstd[m] = cute.math.rsqrt(q / Float32(self.K) + Float32(self.eps))
 
