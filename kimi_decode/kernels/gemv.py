@@ -26,8 +26,6 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from cutlass import Int32
-
     from .cute_common import (copy_async_16, gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2,
                               situ_glu)
 
