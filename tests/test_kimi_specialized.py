@@ -2084,8 +2084,9 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, re
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
 def test_oproj_attn_res_with_its_later_rows_ahead_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
-    """KIMI_DECODE_OPROJ_REST: "ahead" (the default) and "loop" each a variant of their own; "ahead" applies where
-    the first pass's rows are in registers and there is more than one pass; other values are refused by name."""
+    """KIMI_DECODE_OPROJ_REST: "ahead" (the default), "loop" and "l2" each a variant of their own; "ahead" and "l2"
+    apply where the first pass's rows are in registers and there is more than one pass, "l2"'s requests before the
+    wait only under PDL; other values are refused by name."""
     from kimi_decode.kernels.oproj_attn_res import OProjAttnRes, compile_oproj_attn_res, rest_mode
 
     s = shard("k3", tp=tp)
@@ -2105,9 +2106,18 @@ def test_oproj_attn_res_with_its_later_rows_ahead_compiles_for_sm90a(sm90a_pdl, 
     monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "loop")
     loop = compiled()
     assert loop is not None and loop is not base
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "l2")
+    l2 = compiled()
+    assert l2 is not None and l2 is not base and l2 is not loop
     op = OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="1", split=True, rest="ahead")
     op.pdl = True
     assert op.rest_ahead() and op.rows_pre == 4  # 7168 rows over 132 x 14 warps: 4 rows, two passes
+    assert not op.rest_asked_early()
+    op = OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="1", split=True, rest="l2")
+    op.pdl = False
+    assert op.rest_ahead() and not op.rest_asked_early()  # nothing runs before the kernel without PDL
+    op.pdl = True
+    assert op.rest_asked_early()
     assert not OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="0", split=True, rest="ahead").rest_ahead()
     assert not OProjAttnRes(H, K, 1024, 4, 1, 1e-5, early="1", split=True, rest="ahead").rest_ahead()  # one pass
     monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "early")

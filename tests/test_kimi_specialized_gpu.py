@@ -1443,6 +1443,22 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
 
 @pytest.mark.parametrize("K", [768, 1536])
 @pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1)])
+def test_oproj_attn_res_with_its_later_rows_asked_of_l2_matches_float64(monkeypatch, K, n_blocks, delta_mode):
+    """KIMI_DECODE_OPROJ_REST=l2 under PDL (the rows after the first pass asked of L2 before the wait), in both
+    AttnRes forms: as `test_oproj_attn_res_matches_float64`."""
+    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "l2")
+    for res in ("split", "last"):
+        test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, "1", "1", res)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_layer_with_the_o_proj_rows_asked_of_l2_matches_reference(monkeypatch, tp):
+    """KIMI_DECODE_OPROJ_REST=l2 in the batch-1 layer (under PDL, its default there)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_OPROJ_REST", "l2", tp, 1, 5310)
+
+
+@pytest.mark.parametrize("K", [768, 1536])
+@pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1)])
 def test_oproj_attn_res_with_its_later_rows_in_the_loop_matches_float64(monkeypatch, K, n_blocks, delta_mode):
     """KIMI_DECODE_OPROJ_REST=loop under PDL (each pass's rows loaded after the pass before it, the form before
     "ahead" became the default), in both AttnRes forms: as `test_oproj_attn_res_matches_float64`."""
