@@ -138,6 +138,31 @@ def test_kda_decode_compiles_for_sm90a_at_each_thread_split(sm90a, monkeypatch, 
     assert compile_kda_decode(*_kda_cols_args(s, 3), **kw, f_col=s.kda_in_proj_layout["f_a"][0]) is not None
 
 
+@needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_kda_gate_first_is_a_variant_of_its_own_for_sm90a(sm90a_pdl, monkeypatch, tp):
+    """KIMI_DECODE_KDA_GATE_FIRST: "0" (the default) and "1" each compile a kernel of their own where f_b is applied
+    in the kernel; without f_col there is no gate part to move, so "1" compiles the same kernel; other values are
+    refused by name."""
+    from kimi_decode.kernels.kda_decode import compile_kda_decode, gate_first
+
+    s = shard("k3", tp=tp)
+    kw = dict(b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
+    fused = dict(kw, f_col=s.kda_in_proj_layout["f_a"][0])
+    monkeypatch.delenv("KIMI_DECODE_KDA_GATE_FIRST", raising=False)
+    assert not gate_first()
+    base, plain = compile_kda_decode(*_kda_cols_args(s, 1), **fused), compile_kda_decode(*_kda_args(s, 1), **kw)
+    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "0")
+    assert compile_kda_decode(*_kda_cols_args(s, 1), **fused) is base
+    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "1")
+    first = compile_kda_decode(*_kda_cols_args(s, 1), **fused)
+    assert first is not None and first is not base
+    assert compile_kda_decode(*_kda_args(s, 1), **kw) is plain
+    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_GATE_FIRST must be one of 0, 1"):
+        compile_kda_decode(*_kda_cols_args(s, 1), **fused)
+
+
 def test_w2_early_loads_follow_the_token_count_under_auto(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4 import w2_early
 
@@ -2084,9 +2109,8 @@ def test_oproj_attn_res_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, early, re
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
 def test_oproj_attn_res_with_its_later_rows_ahead_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
-    """KIMI_DECODE_OPROJ_REST: "ahead" (the default), "loop" and "l2" each a variant of their own; "ahead" and "l2"
-    apply where the first pass's rows are in registers and there is more than one pass, "l2"'s requests before the
-    wait only under PDL; other values are refused by name."""
+    """KIMI_DECODE_OPROJ_REST: "ahead" (the default) and "loop" each a variant of their own; "ahead" applies where
+    the first pass's rows are in registers and there is more than one pass; other values are refused by name."""
     from kimi_decode.kernels.oproj_attn_res import OProjAttnRes, compile_oproj_attn_res, rest_mode
 
     s = shard("k3", tp=tp)
@@ -2106,18 +2130,9 @@ def test_oproj_attn_res_with_its_later_rows_ahead_compiles_for_sm90a(sm90a_pdl, 
     monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "loop")
     loop = compiled()
     assert loop is not None and loop is not base
-    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "l2")
-    l2 = compiled()
-    assert l2 is not None and l2 is not base and l2 is not loop
     op = OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="1", split=True, rest="ahead")
     op.pdl = True
     assert op.rest_ahead() and op.rows_pre == 4  # 7168 rows over 132 x 14 warps: 4 rows, two passes
-    assert not op.rest_asked_early()
-    op = OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="1", split=True, rest="l2")
-    op.pdl = False
-    assert op.rest_ahead() and not op.rest_asked_early()  # nothing runs before the kernel without PDL
-    op.pdl = True
-    assert op.rest_asked_early()
     assert not OProjAttnRes(H, K, 132, 4, 1, 1e-5, early="0", split=True, rest="ahead").rest_ahead()
     assert not OProjAttnRes(H, K, 1024, 4, 1, 1e-5, early="1", split=True, rest="ahead").rest_ahead()  # one pass
     monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "early")

@@ -77,6 +77,21 @@ def test_kda_decode_with_the_state_loaded_after_the_conv_matches_float64(monkeyp
     _check_kda_decode(tp, batch, "cols")
 
 
+@pytest.mark.parametrize("tp, batch, fused_gate", [(16, 1, "cols"), (8, 1, "cols"), (8, 8, "rows"), (8, 64, "cols"),
+                                                   (1, 3, "rows")])
+def test_kda_decode_with_the_gate_first_matches_float64(monkeypatch, tp, batch, fused_gate):
+    """KIMI_DECODE_KDA_GATE_FIRST=1: the gate's f_a words loaded and dotted with f_b right after the wait."""
+    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "1")
+    _check_kda_decode(tp, batch, fused_gate)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_specialized_layer_with_the_kda_gate_first_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_KDA_GATE_FIRST=1 in whole layers (under PDL at batch 1)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_KDA_GATE_FIRST", "1", tp, batch, 5320)
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("tp, batch, fused_gate", [(16, 1, "cols"), (8, 8, "rows"), (1, 3, False), (8, 64, "cols"),
                                                    (16, 32, False)])
@@ -1439,22 +1454,6 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
         assert counter.item() == 0
 
     eager_then_graphed(run, reset, check)
-
-
-@pytest.mark.parametrize("K", [768, 1536])
-@pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1)])
-def test_oproj_attn_res_with_its_later_rows_asked_of_l2_matches_float64(monkeypatch, K, n_blocks, delta_mode):
-    """KIMI_DECODE_OPROJ_REST=l2 under PDL (the rows after the first pass asked of L2 before the wait), in both
-    AttnRes forms: as `test_oproj_attn_res_matches_float64`."""
-    monkeypatch.setenv("KIMI_DECODE_OPROJ_REST", "l2")
-    for res in ("split", "last"):
-        test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, "1", "1", res)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_the_o_proj_rows_asked_of_l2_matches_reference(monkeypatch, tp):
-    """KIMI_DECODE_OPROJ_REST=l2 in the batch-1 layer (under PDL, its default there)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_OPROJ_REST", "l2", tp, 1, 5310)
 
 
 @pytest.mark.parametrize("K", [768, 1536])

@@ -51,8 +51,9 @@ if HAVE_CUTE:
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
                      f_col: int = -1, f_rank: int = 0, state_first: bool = True, split: int = 1,
-                     trigger_late: bool = False):
+                     trigger_late: bool = False, gate_first: bool = False):
             self.H, self.D, self.W = heads, head_dim, width
+            self.gate_first = gate_first  # the gate's f_a loads and dot right after the wait (`gate_first()`)
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
             self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
@@ -79,6 +80,15 @@ if HAVE_CUTE:
             for pp in range(self.P):
                 total = total + part[pp * self.D + t]
             return total
+
+        def _gate_part(self, y: cute.Tensor, f: cute.Tensor, fw: cute.Tensor, early_f: bool, b, ch, p, RR: int):
+            """Thread (ch, p)'s part of the gate input: f_b[ch, p RR .. (p + 1) RR] . y[b, f_col + p RR ..], f_b's
+            words from `fw` where they were loaded early. A plain function: inlined where it is called."""
+            fp = Float32(0.0)
+            for i in range(RR):
+                w_i = fw[i] if early_f else f[ch, p * RR + i].to(Float32)
+                fp = fp + w_i * y[b, self.f_col + p * RR + i].to(Float32)
+            return fp
 
         @cute.kernel
         def kernel(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -137,6 +147,9 @@ if HAVE_CUTE:
 
             g = y[b, 3 * self.d + ch].to(Float32)
             beta = sigmoid(y[b, self.b_col + h].to(Float32))
+            fp = Float32(0.0)  # the thread's part of the decay gate's input, f_b[ch] . y[f_col ..] (f_col >= 0)
+            if cutlass.const_expr(RR > 0 and self.gate_first):
+                fp = self._gate_part(y, f, fw, early_f, b, ch, p, RR)
             for j in cutlass.range_constexpr(NP):
                 part = p + j * P
                 c = cutlass.min(part, 2) * self.d + ch
@@ -154,10 +167,8 @@ if HAVE_CUTE:
                     if part < 2 and t % 32 == 0:
                         red[part * WD + t // 32] = sq  # q and k sums of squares, per warp
             if cutlass.const_expr(RR > 0):
-                fp = Float32(0.0)
-                for i in cutlass.range_constexpr(RR):
-                    w_i = fw[i] if early_f else f[ch, p * RR + i].to(Float32)
-                    fp = fp + w_i * y[b, self.f_col + p * RR + i].to(Float32)
+                if cutlass.const_expr(not self.gate_first):
+                    fp = self._gate_part(y, f, fw, early_f, b, ch, p, RR)
                 sF[p * D + t] = fp
             cute.arch.barrier()
             if cutlass.const_expr(late):
@@ -232,6 +243,15 @@ def kda_split(head_dim: int, rank: int = 0, rows: int = 1) -> int:
     return split
 
 
+def gate_first() -> bool:
+    """KIMI_DECODE_KDA_GATE_FIRST: with f_b applied in the kernel (`f_col`), where each thread loads its f_a words
+    (written by the input projection) and forms its part of the gate input: "1" right after the PDL wait, beside
+    the conv's inputs, so that their L2 round trips overlap; "0" (the default until measured) after the conv and
+    its sums of squares, as before, a second round trip after the first (the loads cannot be hoisted over the
+    conv's branches)."""
+    return env_choice("KIMI_DECODE_KDA_GATE_FIRST", "0", ("0", "1")) == "1"
+
+
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
                        f_col: int = -1):
     B, H, D, _ = S.shape
@@ -239,9 +259,10 @@ def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out,
     rank = f.shape[1] if f_col >= 0 else 0
     split = kda_split(D, rank, y.shape[0])
     late = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late")) == "late"
-    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late,
+    first = gate_first() and f_col >= 0
+    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late, first,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
-    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, late)
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, late, first)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
                                                                       o_norm, out)))
 

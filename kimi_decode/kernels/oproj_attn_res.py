@@ -37,7 +37,7 @@ if HAVE_CUTE:
     from cutlass import BFloat16, Float32, Int32
 
     from .attn_res import AttnRes, _load4
-    from .cute_common import copy_async_16, last_cta, pdl_launch_dependents, pdl_reads_ahead, pdl_wait, prefetch_l2
+    from .cute_common import copy_async_16, last_cta, pdl_launch_dependents, pdl_reads_ahead, pdl_wait
 
 VEC = 8  # bf16 per 16-byte load
 ROWS_AT_ONCE = 2  # output rows a warp streams together
@@ -52,17 +52,15 @@ def res_mode() -> str:
     return env_choice("KIMI_DECODE_OPROJ_RES", "split", RES_MODES)
 
 
-REST_MODES = ("loop", "ahead", "l2")
+REST_MODES = ("loop", "ahead")
 
 
 def rest_mode() -> str:
     """KIMI_DECODE_OPROJ_REST: where the projection's rows after each warp's first pass (two rows) are loaded, with
     the first pass's in registers before the wait (`KIMI_DECODE_OPROJ_EARLY=1`): "ahead" (the default) all of them
     into registers of their own right after the wait, the passes unrolled; "loop" each pass's after the pass before
-    it, so their HBM round trips follow one another after the wait; "l2" as "ahead", with those rows asked of L2
-    before the wait (`prefetch.global.L2` per lane and 16-byte slice), so that under PDL their HBM reads can pass
-    while the KDA kernel runs. On the H200 "ahead" was 0.4-1.1 us per KDA layer faster than "loop" at TP16 and
-    1.0-1.7 at TP8 (benchmarks/NOTES.md item 79)."""
+    it, so their HBM round trips follow one another after the wait. On the H200 "ahead" was 0.4-1.1 us per KDA
+    layer faster at TP16 and 1.0-1.7 at TP8 (benchmarks/NOTES.md item 79)."""
     return env_choice("KIMI_DECODE_OPROJ_REST", "ahead", REST_MODES)
 
 
@@ -95,11 +93,7 @@ if HAVE_CUTE:
             """Whether the rows after the first pass are loaded into registers of their own right after the wait,
             all passes unrolled ("ahead"), rather than each pass's after the one before it ("loop"); with the first
             pass's rows in registers only (`in_regs`)."""
-            return self.rest in ("ahead", "l2") and self.in_regs() and self.rows_pre > ROWS_AT_ONCE
-
-        def rest_asked_early(self) -> bool:
-            """Whether the rows loaded after the wait ("ahead") are first asked of L2 before it ("l2", under PDL)."""
-            return self.rest == "l2" and self.pdl and self.rest_ahead()
+            return self.rest == "ahead" and self.in_regs() and self.rows_pre > ROWS_AT_ONCE
 
         def in_smem(self) -> bool:
             """Whether the weights go through shared memory (only under PDL: without it nothing runs before)."""
@@ -154,10 +148,6 @@ if HAVE_CUTE:
             split_late = bool(self.split and not split_early)
             if cutlass.const_expr(split_early):
                 self.row_candidates(mB, mP, mQ, mK, n_mine, cs, qk)
-            if cutlass.const_expr(self.rest_asked_early()):
-                for j in cutlass.range_constexpr(ROWS_AT_ONCE, self.rows_pre):
-                    for it in cutlass.range_constexpr(self.iters):
-                        prefetch_l2(self.row_slice(gW, gw, stride, j, it, lane))
             pdl_wait(self.pdl)
             # "ahead": the later passes' rows, issued before anything waits on the attention output
             wr = cute.make_rmem_tensor((VEC, self.iters, max(self.rows_pre - ROWS_AT_ONCE, 1)), gW.element_type)
