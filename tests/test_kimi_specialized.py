@@ -1151,6 +1151,40 @@ def test_attn_res_compiles_for_sm90a(sm90a_pdl, batch):
 
 
 @needs_cute
+def test_attn_res_loads_first_is_a_variant_of_its_own(sm90a_pdl, monkeypatch):
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST: "0" (the default) and "1" compile apart, in the AttnRes kernel and in the
+    output projection's "last" form, which runs its body ("split" does not, so it is the same kernel either way);
+    other values are refused by name."""
+    from kimi_decode.kernels.attn_res import compile_attn_res, loads_first
+    from kimi_decode.kernels.oproj_attn_res import compile_oproj_attn_res
+
+    flags = dict(n_blocks=3, commit=False, delta_mode=1, use_partial=True, eps=1e-5)
+
+    def oproj(res):
+        monkeypatch.setenv("KIMI_DECODE_OPROJ_RES", res)
+        args = _attn_res_args(1, delta=True, num_blocks=15)
+        return compile_oproj_attn_res(torch.empty(7168, 1536, dtype=torch.bfloat16),
+                                      torch.empty(1, 1536, dtype=torch.bfloat16), args[2], args[0], args[1],
+                                      *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=4, delta_mode=1,
+                                      eps=1e-5, ctas=132, parts=torch.zeros(132 * 32))[0]
+
+    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", raising=False)
+    assert not loads_first()
+    base = [compile_attn_res(*_attn_res_args(1, delta=True), **flags)[0],
+            compile_attn_res(*_attn_res_args(1, delta=False), n_blocks=2, commit=True, delta_mode=0,
+                             use_partial=False, eps=1e-5)[0], oproj("last"), oproj("split")]
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
+    new = [compile_attn_res(*_attn_res_args(1, delta=True), **flags)[0],
+           compile_attn_res(*_attn_res_args(1, delta=False), n_blocks=2, commit=True, delta_mode=0,
+                            use_partial=False, eps=1e-5)[0], oproj("last"), oproj("split")]
+    assert all(f is not None for f in base + new)
+    assert all(a is not b for a, b in zip(base[:3], new[:3])) and base[3] is new[3]
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_ATTN_RES_LOADS_FIRST must be one of 0, 1"):
+        compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+
+
+@needs_cute
 def test_attn_res_reads_blocks_before_the_wait_as_a_variant_of_its_own(sm90a, monkeypatch):
     """KIMI_DECODE_ATTN_RES_EARLY: "1" (the default) and "0" compile apart under PDL; other values are refused."""
     from kimi_decode.kernels.attn_res import compile_attn_res

@@ -1183,6 +1183,33 @@ def test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, earl
             assert torch.equal(store[:, [0, nb + 1]], edges)
 
 
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("batch, hidden, strided", [(1, 7168, False), (8, 7168, True), (64, 7168, False),
+                                                    (1, 256, False)])
+def test_attn_res_with_its_loads_first_matches_float64(monkeypatch, batch, hidden, strided, pdl):
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=1 (every slice of the partial and the delta loaded before the first store):
+    every AttnRes form, as `test_attn_res_matches_float64`."""
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
+    test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, "1")
+
+
+@pytest.mark.parametrize("K", [768, 1536])
+@pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1)])
+def test_oproj_attn_res_last_with_the_loads_first_matches_float64(monkeypatch, K, n_blocks, delta_mode):
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=1 in the output projection's "last" form (its last CTA runs the AttnRes
+    body), with and without PDL: as `test_oproj_attn_res_matches_float64`."""
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
+    for pdl in ("0", "1"):
+        test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pdl, "1", "last")
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_specialized_layer_with_the_attn_res_loads_first_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=1 in whole layers (under PDL at batch 1)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1", tp, batch, 5330)
+
+
 def _checked_runs(run, poison, check, *, graph: bool) -> None:
     """Two runs of `run`, eagerly or (graph=True) as replays of one CUDA-graph capture of it (compiled first, outside
     the capture), its outputs poisoned before each run and checked after it."""

@@ -50,6 +50,16 @@ def blocks_early() -> bool:
     return env_choice("KIMI_DECODE_ATTN_RES_EARLY", "1", ("0", "1")) == "1"
 
 
+def loads_first() -> bool:
+    """Whether the AttnRes kernel issues all of a thread's loads of the partial and the delta (written by the kernels
+    just before it) ahead of its first store (`KIMI_DECODE_ATTN_RES_LOADS_FIRST`: "1"; "0", the default until
+    measured: each slice's loads, add and store in turn). As far as the compiler knows, a store to the partial (or
+    the committed block) may alias the delta's next slice, so in the "0" form each slice's delta load is issued
+    only once the slice before it is stored, which waits for that slice's loads: one L2 round trip per slice (4 at
+    H = 7168), one after another."""
+    return env_choice("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0", ("0", "1")) == "1"
+
+
 def _next_pow2(n: int) -> int:
     p = 1
     while p < n:
@@ -97,6 +107,7 @@ if HAVE_CUTE:
                 hidden, n_blocks, bool(commit), int(delta_mode), bool(use_partial))
             self.eps = float(eps)
             self.blocks_early = blocks_early()
+            self.loads_first = loads_first()
             self.T, self.K = plan(hidden)
             self.W = self.T // 32
             self.n4 = hidden // VEC
@@ -162,6 +173,64 @@ if HAVE_CUTE:
                         acc[s] = acc[s] + tmp[e] * qk[e, k]
                         acc[P // 2 + s] = acc[P // 2 + s] + tmp[e] * tmp[e]
 
+        def update_loads(self, gP: cute.Tensor, gD: cute.Tensor, b, j, k: int, vals: cute.Tensor, dl: cute.Tensor,
+                         gB: cute.Tensor | None = None):
+            """The residual update / commit at slice j (this thread's k-th): the partial's loads into `vals` (slot
+            R - 1 when it is a candidate, the old partial, when committed, just below it) and the delta's into `dl`.
+            With `gB` (the "0" form of `loads_first`) each slice's stores follow its loads here (`update_stores`),
+            as the kernel was first written; without it the caller stores once every slice is loaded. A plain
+            function: inlined where it is called."""
+            r_new = self.R - 1
+            r_old = self.R - 1 - int(self.use_partial)
+            if self.commit:
+                _load4(gP[(None, (b, j))], vals[(None, k, r_old)])
+                if gB is not None:
+                    cute.autovec_copy(vals[(None, k, r_old)], gB[(None, (b, self.NB - 1, j))])
+            if self.use_partial:
+                if self.delta_mode == 1:
+                    if self.commit:
+                        if gB is not None:
+                            for e in range(VEC):
+                                vals[e, k, r_new] = vals[e, k, r_old]
+                    else:
+                        _load4(gP[(None, (b, j))], vals[(None, k, r_new)])
+                    _load4(gD[(None, (b, j))], dl)
+                    if gB is not None:
+                        self.update_partial(gP, b, j, k, vals, dl)
+                elif self.delta_mode == 2:
+                    _load4(gD[(None, (b, j))], dl)
+                    if gB is not None:
+                        self.update_partial(gP, b, j, k, vals, dl)
+                else:
+                    if self.commit:
+                        if gB is not None:
+                            for e in range(VEC):
+                                vals[e, k, r_new] = vals[e, k, r_old]
+                    else:
+                        _load4(gP[(None, (b, j))], vals[(None, k, r_new)])
+
+        def update_stores(self, gB: cute.Tensor, gP: cute.Tensor, b, j, k: int, vals: cute.Tensor, dl: cute.Tensor):
+            """`update_loads`'s stores at slice j once every slice is loaded: the commit, and the updated partial."""
+            r_new = self.R - 1
+            r_old = self.R - 1 - int(self.use_partial)
+            if self.commit:
+                cute.autovec_copy(vals[(None, k, r_old)], gB[(None, (b, self.NB - 1, j))])
+                if self.use_partial and self.delta_mode != 2:
+                    for e in range(VEC):
+                        vals[e, k, r_new] = vals[e, k, r_old]
+            if self.use_partial and self.delta_mode:
+                self.update_partial(gP, b, j, k, vals, dl)
+
+        def update_partial(self, gP: cute.Tensor, b, j, k: int, vals: cute.Tensor, dl: cute.Tensor):
+            """The partial at slice j updated with the delta in `dl` (delta_mode 1: added, 2: replaced) and stored."""
+            r_new = self.R - 1
+            for e in range(VEC):
+                if self.delta_mode == 1:
+                    vals[e, k, r_new] = vals[e, k, r_new] + dl[e].to(Float32)
+                else:
+                    vals[e, k, r_new] = dl[e].to(Float32)
+            cute.autovec_copy(vals[(None, k, r_new)], gP[(None, (b, j))])
+
         @cute.jit
         def body(self, gB: cute.Tensor, gP: cute.Tensor, gD: cute.Tensor, gQ: cute.Tensor, gK: cute.Tensor,
                  gN: cute.Tensor, gO: cute.Tensor, b: Int32, tidx: Int32, red: cute.Tensor, sW: cute.Tensor,
@@ -203,37 +272,22 @@ if HAVE_CUTE:
 
             # residual update / commit, then the candidates' partial sums
             dl = cute.make_rmem_tensor((VEC,), BFloat16)
+            first = self.loads_first  # a trace-time constant
+            dls = cute.make_rmem_tensor((VEC, K if first else 1), BFloat16)
+            if cutlass.const_expr(first):
+                for k in cutlass.range_constexpr(K):
+                    j = tidx + T * k
+                    if self.exact or j < self.n4:
+                        self.update_loads(gP, gD, b, j, k, vals, dls[(None, k)])
+                for k in cutlass.range_constexpr(K):
+                    j = tidx + T * k
+                    if self.exact or j < self.n4:
+                        self.update_stores(gB, gP, b, j, k, vals, dls[(None, k)])
             for k in cutlass.range_constexpr(K):
                 j = tidx + T * k
                 if self.exact or j < self.n4:
-                    # the partial: slot R - 1 when used as a candidate; the old partial (committed) just below it
-                    r_new = self.R - 1
-                    r_old = self.R - 1 - int(self.use_partial)
-                    if cutlass.const_expr(self.commit):
-                        _load4(gP[(None, (b, j))], vals[(None, k, r_old)])
-                        cute.autovec_copy(vals[(None, k, r_old)], gB[(None, (b, self.NB - 1, j))])
-                    if cutlass.const_expr(self.use_partial):
-                        if cutlass.const_expr(self.delta_mode == 1):
-                            if cutlass.const_expr(self.commit):
-                                for e in cutlass.range_constexpr(VEC):
-                                    vals[e, k, r_new] = vals[e, k, r_old]
-                            else:
-                                _load4(gP[(None, (b, j))], vals[(None, k, r_new)])
-                            _load4(gD[(None, (b, j))], dl)
-                            for e in cutlass.range_constexpr(VEC):
-                                vals[e, k, r_new] = vals[e, k, r_new] + dl[e].to(Float32)
-                            cute.autovec_copy(vals[(None, k, r_new)], gP[(None, (b, j))])
-                        elif cutlass.const_expr(self.delta_mode == 2):
-                            _load4(gD[(None, (b, j))], dl)
-                            for e in cutlass.range_constexpr(VEC):
-                                vals[e, k, r_new] = dl[e].to(Float32)
-                            cute.autovec_copy(vals[(None, k, r_new)], gP[(None, (b, j))])
-                        else:
-                            if cutlass.const_expr(self.commit):
-                                for e in cutlass.range_constexpr(VEC):
-                                    vals[e, k, r_new] = vals[e, k, r_old]
-                            else:
-                                _load4(gP[(None, (b, j))], vals[(None, k, r_new)])
+                    if cutlass.const_expr(not first):
+                        self.update_loads(gP, gD, b, j, k, vals, dl, gB)
                     if cutlass.const_expr(not early):
                         self.plain_blocks(gB, b, j, k, vals, acc, qk, tmp)
                     for r in cutlass.range_constexpr(self.R):
@@ -392,7 +446,7 @@ def _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks,
         delta = out  # not read; any bf16 [B, H] tensor of the right layout keeps the signature fixed
     args = (blocks, partial, delta, query, key_norm, input_norm, out)
     key = ("attn_res", int(n_blocks), bool(commit), int(delta_mode), bool(use_partial), float(eps), blocks_early(),
-           *signature(*args))
+           loads_first(), *signature(*args))
     fn = compile_kernel(key, AttnRes(partial.shape[1], n_blocks, commit, delta_mode, use_partial, eps),
                         *(fake_like(t, align=_align(t)) for t in args))
     return fn, args

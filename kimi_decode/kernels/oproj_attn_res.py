@@ -355,8 +355,9 @@ def compile_oproj_attn_res(w, x, a, blocks, partial, query, key_norm, input_norm
     # the score sums' scratch; in the "last" form the partial stands in (never read)
     scratch = _parts_view(parts, ctas, n_blocks) if op.split else partial
     args = (w, x, a, blocks, partial, query, key_norm, input_norm, out, counter, scratch)
+    # the "last" form runs AttnRes's body, whose residual update follows KIMI_DECODE_ATTN_RES_LOADS_FIRST
     key = ("oproj_attn_res", int(n_blocks), int(delta_mode), float(eps), ctas, early, op.split, rest,
-           *signature(*args))
+           op.res.loads_first and not op.split, *signature(*args))
     return compile_kernel(key, op, *(fake_like(t, align=al) for t, al in zip(args, _aligns(args)))), args
 
 
