@@ -815,6 +815,37 @@ def test_shared_mlp_refuses_bad_shapes():
 
 
 @needs_cute
+def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch):
+    """KIMI_DECODE_NORM_W_FIRST: the row norm and both routed norm forms compile with the weight loaded first ("1")
+    and as before ("0", the default); other values are refused by name."""
+    from kimi_decode.kernels import cute_common as cc
+    from kimi_decode.kernels.rmsnorm import RMSNormRows, RoutedNorm, RoutedNormSplit, routed_norm_scratch, weight_first
+
+    L = shard("k3", tp=16).model.moe_latent
+    x, xs, w = torch.empty(8, L), torch.empty(8 * 16, L), torch.empty(L)
+    out, res, add = torch.empty(8, L, dtype=torch.bfloat16), torch.empty(8, 7168), torch.empty(8, 7168,
+                                                                                                  dtype=torch.bfloat16)
+    counters, parts = routed_norm_scratch(L, torch.device("cpu"))
+
+    def compiled(tag):
+        ops = (RMSNormRows(L, 1e-5), RoutedNorm(L, 1e-5, 16, 7168), RoutedNormSplit(L, 1e-5, 16, 7168, 64))
+        assert all(op.w_first == (tag == "1") for op in ops)
+        args = ((x, w, out), (xs, w, out, res, add), (xs, w, out, res, add, counters, parts))
+        return [cc.compile_kernel(("norm_w_first", tag, i), op, *(cc.fake_like(t, align=16 if t is xs else 4)
+                                                                  for t in a))
+                for i, (op, a) in enumerate(zip(ops, args))]
+
+    monkeypatch.delenv("KIMI_DECODE_NORM_W_FIRST", raising=False)
+    assert not weight_first()
+    assert all(f is not None for f in compiled("0"))
+    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
+    assert weight_first() and all(f is not None for f in compiled("1"))
+    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_NORM_W_FIRST must be one of 0, 1"):
+        weight_first()
+
+
+@needs_cute
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_rmsnorm_compiles_for_sm90a(sm90a, batch):
     from kimi_decode.kernels import cute_common as cc

@@ -951,6 +951,25 @@ def test_routed_norm_on_bf16_pairs_matches_float64(batch, k):
     _check_routed_norm(pairs, w, out, res, res0, add, True)
 
 
+@pytest.mark.parametrize("batch, k, width", [(9, 16, 3584), (64, 16, 3584), (5, 3, 128), (2, 1, 132)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "norm+residual"])
+def test_norm_kernels_with_the_weight_first_match_float64(monkeypatch, batch, k, width, with_residual):
+    """KIMI_DECODE_NORM_W_FIRST=1 (the norm weight loaded before the first store): the routed norm in both forms, and
+    the row norm, as the tests above (widths whose last groups and rows fall partway through the threads)."""
+    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
+    test_routed_norm_matches_float64(batch, k, width, with_residual)
+    test_routed_norm_split_over_ctas_matches_float64_and_replays(batch, k, width, with_residual)
+    if not with_residual:
+        test_rmsnorm_rows_matches_float64(batch)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 16), (16, 64), (8, 8), (8, 64)])
+def test_specialized_layer_with_the_norm_weight_first_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_NORM_W_FIRST=1 in whole layers where the grouped experts' pairs go through the routed norm (on the
+    tensor-core tail, and with the residual update inside at batch 64)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_NORM_W_FIRST", "1", tp, batch, 5340)
+
+
 def _check_routed_norm(pairs, w, out, res, res0, add, with_residual: bool) -> None:
     """`routed_norm`'s output against float64 (none of it left poisoned), and the residual updated by the addend, or
     left as it was (`res0`)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature, sm_count
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_wait
@@ -32,6 +32,16 @@ ROUTED_THREADS = 1024  # `RoutedNorm`: a 3584-wide row is 896 16-byte groups, on
 SPLIT_THREADS = 128  # `RoutedNormSplit`: a 16-byte group of the row per thread, as in `RoutedNorm`
 SPLIT_MAX_ROWS = 64  # the tokens one set of `routed_norm_scratch` serves
 SPLIT_MAX_CTAS_PER_SM = 4  # the most CTAs per SM the split form may need resident at once (its wait needs them all)
+
+
+def weight_first() -> bool:
+    """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`) load the
+    norm weight: "1" into registers before their first store (the split and row forms before their PDL wait, the
+    1024-thread `RoutedNorm`, whose registers its pair loads need, after those); "0" (the default until measured)
+    in the loop that writes the output, as before. As far as the compiler knows each output store may alias the
+    weight, so there every weight load is issued only after the store before it: one L2 round trip per value
+    (4 per thread in the routed forms, 14 in the row form at the latent width), one after another."""
+    return env_choice("KIMI_DECODE_NORM_W_FIRST", "0", ("0", "1")) == "1"
 
 if HAVE_CUTE:
     from cutlass import Float32
@@ -61,6 +71,7 @@ if HAVE_CUTE:
         def __init__(self, width: int, eps: float):
             self.W, self.eps = width, eps
             self.per_thread = -(-width // THREADS)
+            self.w_first = weight_first()
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream):
@@ -72,6 +83,10 @@ if HAVE_CUTE:
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
+            wr = cute.make_rmem_tensor((self.per_thread if self.w_first else 1,), Float32)
+            if cutlass.const_expr(self.w_first):
+                for i in cutlass.range_constexpr(self.per_thread):
+                    wr[i] = w[cutlass.min(tidx + THREADS * i, self.W - 1)]
             pdl_wait(self.pdl)
             vals = cute.make_rmem_tensor((self.per_thread,), Float32)
             ss = Float32(0.0)
@@ -85,7 +100,10 @@ if HAVE_CUTE:
             for i in cutlass.range_constexpr(self.per_thread):
                 c = tidx + THREADS * i
                 if c < self.W:
-                    out[row, c] = (vals[i] * scale * w[c]).to(out.element_type)
+                    if cutlass.const_expr(self.w_first):
+                        out[row, c] = (vals[i] * scale * wr[i]).to(out.element_type)
+                    else:
+                        out[row, c] = (vals[i] * scale * w[c]).to(out.element_type)
 
 
 if HAVE_CUTE:
@@ -99,6 +117,7 @@ if HAVE_CUTE:
             self.groups = width // 4  # 16-byte groups of a row
             self.per_thread = -(-self.groups // ROUTED_THREADS)
             self.per_thread_h = -(-hidden // ROUTED_THREADS)
+            self.w_first = weight_first()
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add: cute.Tensor,
@@ -135,6 +154,13 @@ if HAVE_CUTE:
                             acc[4 * i + c] = acc[4 * i + c] + v[c].to(Float32)
                 for c in cutlass.range_constexpr(4):
                     ss = ss + acc[4 * i + c] * acc[4 * i + c]
+            # "w_first": the weight after the pair loads (their registers come first), before any store
+            wr = cute.make_rmem_tensor((self.per_thread * 4 if self.w_first else 1,), Float32)
+            if cutlass.const_expr(self.w_first):
+                for i in cutlass.range_constexpr(self.per_thread):
+                    g = cutlass.min(tidx + ROUTED_THREADS * i, self.groups - 1)
+                    for c in cutlass.range_constexpr(4):
+                        wr[4 * i + c] = w[4 * g + c]
             if cutlass.const_expr(self.H > 0):
                 for i in cutlass.range_constexpr(self.per_thread_h):
                     c = tidx + ROUTED_THREADS * i
@@ -145,7 +171,10 @@ if HAVE_CUTE:
                 g = tidx + ROUTED_THREADS * i
                 if g < self.groups:
                     for c in cutlass.range_constexpr(4):
-                        out[row, 4 * g + c] = (acc[4 * i + c] * scale * w[4 * g + c]).to(out.element_type)
+                        if cutlass.const_expr(self.w_first):
+                            out[row, 4 * g + c] = (acc[4 * i + c] * scale * wr[4 * i + c]).to(out.element_type)
+                        else:
+                            out[row, 4 * g + c] = (acc[4 * i + c] * scale * w[4 * g + c]).to(out.element_type)
 
 
 if HAVE_CUTE:
@@ -162,6 +191,7 @@ if HAVE_CUTE:
             self.S = split_ctas(width)
             self.cols_h = -(-hidden // self.S)  # residual columns per CTA
             self.per_thread_h = -(-self.cols_h // SPLIT_THREADS)
+            self.w_first = weight_first()
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add: cute.Tensor,
@@ -176,6 +206,11 @@ if HAVE_CUTE:
             tidx, _, _ = cute.arch.thread_idx()
             s, row, _ = cute.arch.block_idx()  # a token's CTAs next to each other in launch order
             pdl_launch_dependents(self.pdl)
+            wr = cute.make_rmem_tensor((4,), Float32)
+            if cutlass.const_expr(self.w_first):
+                gw = cutlass.min(s * SPLIT_THREADS + tidx, self.groups - 1)
+                for c in cutlass.range_constexpr(4):
+                    wr[c] = w[4 * gw + c]
             pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(SPLIT_THREADS // 32), 16)
@@ -227,7 +262,10 @@ if HAVE_CUTE:
             scale = cute.math.rsqrt(total / Float32(self.W) + Float32(self.eps))
             if g < self.groups:
                 for c in cutlass.range_constexpr(4):
-                    out[row, 4 * g + c] = (acc[c] * scale * w[4 * g + c]).to(out.element_type)
+                    if cutlass.const_expr(self.w_first):
+                        out[row, 4 * g + c] = (acc[c] * scale * wr[c]).to(out.element_type)
+                    else:
+                        out[row, 4 * g + c] = (acc[c] * scale * w[4 * g + c]).to(out.element_type)
             # the token's last CTA to get past the wait sets its arrivals back to 0 (`last_cta` resets departures)
             if last_cta(counters, flag, tidx, self.S, self.cap + row) != 0:
                 if tidx == 0:
@@ -273,7 +311,7 @@ def routed_norm(pairs: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, ep
     x = pairs.view(B * k, W)
     if split is not None:
         return _routed_norm_split(x, weight, out, res, add, float(eps), k, hidden, split)
-    key = ("routed_norm", float(eps), k, hidden, *signature(x, weight, out, res, add))
+    key = ("routed_norm", float(eps), k, hidden, weight_first(), *signature(x, weight, out, res, add))
     fn = compile_kernel(key, RoutedNorm(W, float(eps), k, hidden),
                         *(fake_like(t, align=16 if t is x else 4) for t in (x, weight, out, res, add)))
     launch(fn, x, weight, out, res, add, align=lambda t: 16 if t is x else 4)
@@ -290,7 +328,7 @@ def _routed_norm_split(x, weight, out, res, add, eps: float, k: int, hidden: int
     if B * S > SPLIT_MAX_CTAS_PER_SM * sm_count(out.device):
         raise ValueError(f"routed_norm: {B} rows need {B * S} CTAs resident at once, more than "
                          f"{SPLIT_MAX_CTAS_PER_SM} per SM on this GPU")
-    key = ("routed_norm_split", eps, k, hidden, *signature(x, weight, out, res, add, counters, parts))
+    key = ("routed_norm_split", eps, k, hidden, weight_first(), *signature(x, weight, out, res, add, counters, parts))
     fn = compile_kernel(key, RoutedNormSplit(W, eps, k, hidden, counters.numel() // 2),
                         *(fake_like(t, align=16 if t is x else 4) for t in (x, weight, out, res, add, counters, parts)))
     launch(fn, x, weight, out, res, add, counters, parts, align=lambda t: 16 if t is x else 4)
@@ -303,7 +341,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: 
         raise ValueError("rmsnorm_rows: fp32 x and weight, bf16 out expected")
     if out.shape != x.shape or weight.shape != (x.shape[1],) or not (x.is_contiguous() and out.is_contiguous()):
         raise ValueError("rmsnorm_rows: contiguous x and out of one shape, weight of the row width expected")
-    key = ("rmsnorm_rows", float(eps), *signature(x, weight, out))
+    key = ("rmsnorm_rows", float(eps), weight_first(), *signature(x, weight, out))
     fn = compile_kernel(key, RMSNormRows(x.shape[1], float(eps)), *(fake_like(t, align=4) for t in (x, weight, out)))
     launch(fn, x, weight, out, align=4)
     return out
