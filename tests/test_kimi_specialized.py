@@ -140,26 +140,30 @@ def test_kda_decode_compiles_for_sm90a_at_each_thread_split(sm90a, monkeypatch, 
 
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
-def test_kda_gate_first_is_a_variant_of_its_own_for_sm90a(sm90a_pdl, monkeypatch, tp):
-    """KIMI_DECODE_KDA_GATE_FIRST: "0" (the default) and "1" each compile a kernel of their own where f_b is applied
-    in the kernel; without f_col there is no gate part to move, so "1" compiles the same kernel; other values are
-    refused by name."""
-    from kimi_decode.kernels.kda_decode import compile_kda_decode, gate_first
+def test_kda_inputs_first_is_a_variant_of_its_own_for_sm90a(sm90a_pdl, monkeypatch, tp):
+    """KIMI_DECODE_KDA_INPUTS_FIRST: "0" (the default) and "1" each compile a kernel of their own, with f_b applied in
+    the kernel or the gate input given, at one thread group split and at the other (2 groups from 17 sequences on);
+    other values are refused by name."""
+    from kimi_decode.kernels.kda_decode import compile_kda_decode, inputs_first
 
     s = shard("k3", tp=tp)
     kw = dict(b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
     fused = dict(kw, f_col=s.kda_in_proj_layout["f_a"][0])
-    monkeypatch.delenv("KIMI_DECODE_KDA_GATE_FIRST", raising=False)
-    assert not gate_first()
-    base, plain = compile_kda_decode(*_kda_cols_args(s, 1), **fused), compile_kda_decode(*_kda_args(s, 1), **kw)
-    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "0")
-    assert compile_kda_decode(*_kda_cols_args(s, 1), **fused) is base
-    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "1")
-    first = compile_kda_decode(*_kda_cols_args(s, 1), **fused)
-    assert first is not None and first is not base
-    assert compile_kda_decode(*_kda_args(s, 1), **kw) is plain
-    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_GATE_FIRST must be one of 0, 1"):
+
+    def compiled():
+        return [compile_kda_decode(*_kda_cols_args(s, 1), **fused), compile_kda_decode(*_kda_args(s, 1), **kw),
+                compile_kda_decode(*_kda_cols_args(s, 32), **fused)]
+
+    monkeypatch.delenv("KIMI_DECODE_KDA_INPUTS_FIRST", raising=False)
+    assert not inputs_first()
+    base = compiled()
+    monkeypatch.setenv("KIMI_DECODE_KDA_INPUTS_FIRST", "0")
+    assert compiled() == base
+    monkeypatch.setenv("KIMI_DECODE_KDA_INPUTS_FIRST", "1")
+    first = compiled()
+    assert all(f is not None for f in base + first) and not set(map(id, first)) & set(map(id, base))
+    monkeypatch.setenv("KIMI_DECODE_KDA_INPUTS_FIRST", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_INPUTS_FIRST must be one of 0, 1"):
         compile_kda_decode(*_kda_cols_args(s, 1), **fused)
 
 

@@ -78,18 +78,20 @@ def test_kda_decode_with_the_state_loaded_after_the_conv_matches_float64(monkeyp
 
 
 @pytest.mark.parametrize("tp, batch, fused_gate", [(16, 1, "cols"), (8, 1, "cols"), (8, 8, "rows"), (8, 64, "cols"),
-                                                   (1, 3, "rows")])
-def test_kda_decode_with_the_gate_first_matches_float64(monkeypatch, tp, batch, fused_gate):
-    """KIMI_DECODE_KDA_GATE_FIRST=1: the gate's f_a words loaded and dotted with f_b right after the wait."""
-    monkeypatch.setenv("KIMI_DECODE_KDA_GATE_FIRST", "1")
+                                                   (16, 32, False), (8, 8, False), (1, 3, "rows")])
+def test_kda_decode_with_its_inputs_first_matches_float64(monkeypatch, tp, batch, fused_gate):
+    """KIMI_DECODE_KDA_INPUTS_FIRST=1: every value of the input projection's output a thread reads loaded right after
+    the wait (both conv parts' inputs at 2 thread groups, from 17 sequences on; the gate's f_a words, dotted with f_b
+    at once, or the gate input f)."""
+    monkeypatch.setenv("KIMI_DECODE_KDA_INPUTS_FIRST", "1")
     _check_kda_decode(tp, batch, fused_gate)
 
 
 @pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_specialized_layer_with_the_kda_gate_first_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_KDA_GATE_FIRST=1 in whole layers (under PDL at batch 1)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_KDA_GATE_FIRST", "1", tp, batch, 5320)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_specialized_layer_with_the_kda_inputs_first_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_KDA_INPUTS_FIRST=1 in whole layers (under PDL at batch 1)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_KDA_INPUTS_FIRST", "1", tp, batch, 5320)
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 8])

@@ -51,9 +51,9 @@ if HAVE_CUTE:
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
                      f_col: int = -1, f_rank: int = 0, state_first: bool = True, split: int = 1,
-                     trigger_late: bool = False, gate_first: bool = False):
+                     trigger_late: bool = False, inputs_first: bool = False):
             self.H, self.D, self.W = heads, head_dim, width
-            self.gate_first = gate_first  # the gate's f_a loads and dot right after the wait (`gate_first()`)
+            self.inputs_first = inputs_first  # the input projection's values loaded right after the wait
             self.d = heads * head_dim
             self.b_col, self.eps, self.lb = b_col, eps, lower_bound
             self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
@@ -147,13 +147,25 @@ if HAVE_CUTE:
 
             g = y[b, 3 * self.d + ch].to(Float32)
             beta = sigmoid(y[b, self.b_col + h].to(Float32))
+            first = self.inputs_first  # a trace-time constant (`inputs_first()`)
+            xin = cute.make_rmem_tensor((NP,), Float32)  # "first": every conv part's input, before any store
+            if cutlass.const_expr(first):
+                for j in cutlass.range_constexpr(NP):
+                    xin[j] = y[b, cutlass.min(p + j * P, 2) * self.d + ch].to(Float32)
             fp = Float32(0.0)  # the thread's part of the decay gate's input, f_b[ch] . y[f_col ..] (f_col >= 0)
-            if cutlass.const_expr(RR > 0 and self.gate_first):
+            if cutlass.const_expr(RR > 0 and first):
                 fp = self._gate_part(y, f, fw, early_f, b, ch, p, RR)
+            fg = Float32(0.0)  # "first", without f_col: the gate input f, for group 0
+            if cutlass.const_expr(RR == 0 and first):
+                fg = f[b, ch].to(Float32)
             for j in cutlass.range_constexpr(NP):
                 part = p + j * P
                 c = cutlass.min(part, 2) * self.d + ch
-                x_new = y[b, c].to(Float32)
+                x_new = Float32(0.0)
+                if cutlass.const_expr(first):
+                    x_new = xin[j]
+                else:
+                    x_new = y[b, c].to(Float32)
                 acc = x_new * cw[j * W + W - 1]
                 for jj in cutlass.range_constexpr(W - 1):
                     acc = acc + cs[j * (W - 1) + jj] * cw[j * W + jj]
@@ -167,7 +179,7 @@ if HAVE_CUTE:
                     if part < 2 and t % 32 == 0:
                         red[part * WD + t // 32] = sq  # q and k sums of squares, per warp
             if cutlass.const_expr(RR > 0):
-                if cutlass.const_expr(not self.gate_first):
+                if cutlass.const_expr(not first):
                     fp = self._gate_part(y, f, fw, early_f, b, ch, p, RR)
                 sF[p * D + t] = fp
             cute.arch.barrier()
@@ -186,6 +198,8 @@ if HAVE_CUTE:
                 if cutlass.const_expr(RR > 0):
                     for pp in cutlass.range_constexpr(P):
                         f_v = f_v + sF[pp * D + t]
+                elif cutlass.const_expr(first):
+                    f_v = fg
                 else:
                     f_v = f[b, ch].to(Float32)
                 sDecay[t] = _exp(Float32(self.lb) * sigmoid(a_h * (f_v + dt)))
@@ -243,13 +257,15 @@ def kda_split(head_dim: int, rank: int = 0, rows: int = 1) -> int:
     return split
 
 
-def gate_first() -> bool:
-    """KIMI_DECODE_KDA_GATE_FIRST: with f_b applied in the kernel (`f_col`), where each thread loads its f_a words
-    (written by the input projection) and forms its part of the gate input: "1" right after the PDL wait, beside
-    the conv's inputs, so that their L2 round trips overlap; "0" (the default until measured) after the conv and
-    its sums of squares, as before, a second round trip after the first (the loads cannot be hoisted over the
-    conv's branches)."""
-    return env_choice("KIMI_DECODE_KDA_GATE_FIRST", "0", ("0", "1")) == "1"
+def inputs_first() -> bool:
+    """KIMI_DECODE_KDA_INPUTS_FIRST: where each thread loads what it reads of the input projection's output (written
+    by the kernel before): "1" all of it right after the PDL wait, before the conv-state stores, so that the L2 round
+    trips overlap: every conv part's input, and the decay gate's f_a words (with f_b applied here, `f_col`, then
+    its part of f_b . f_a formed at once) or the gate input f; "0" (the default until measured) as before, each where
+    it is used: the second conv part's input (2 thread groups: from 17 sequences on) after the first part's
+    conv-state stores, the f_a words or f after all of them. A load after a store that may alias it (as far as the
+    compiler knows) waits for it, so in "0" those are L2 round trips one after another."""
+    return env_choice("KIMI_DECODE_KDA_INPUTS_FIRST", "0", ("0", "1")) == "1"
 
 
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
@@ -259,7 +275,7 @@ def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out,
     rank = f.shape[1] if f_col >= 0 else 0
     split = kda_split(D, rank, y.shape[0])
     late = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late")) == "late"
-    first = gate_first() and f_col >= 0
+    first = inputs_first()
     key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late, first,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
     op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, late, first)
