@@ -820,9 +820,11 @@ def test_shared_mlp_refuses_bad_shapes():
 
 @needs_cute
 def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch):
-    """KIMI_DECODE_NORM_W_FIRST: the row norm and both routed norm forms compile with the weight loaded first ("1")
-    and as before ("0", the default); other values are refused by name."""
+    """KIMI_DECODE_NORM_W_FIRST: the row norm, both routed norm forms and the w2 expert kernels that write the norm's
+    scaled input compile with the weight loaded first ("1") and as before ("0", the default); other values are
+    refused by name."""
     from kimi_decode.kernels import cute_common as cc
+    from kimi_decode.kernels.moe_mxfp4 import compile_moe
     from kimi_decode.kernels.rmsnorm import RMSNormRows, RoutedNorm, RoutedNormSplit, routed_norm_scratch, weight_first
 
     L = shard("k3", tp=16).model.moe_latent
@@ -839,11 +841,27 @@ def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch)
                                                                   for t in a))
                 for i, (op, a) in enumerate(zip(ops, args))]
 
+    def w2_kernels():  # the per-pair w2 kernel writing the norm's scaled input: plain, with the shared experts
+        s = shard("k3", tp=8)
+        a = _moe_args(s, 1)
+        scaled = (torch.empty(L), torch.empty(1, L, dtype=torch.bfloat16))
+        H, S = s.model.hidden, s.shared_inter
+        bf = torch.bfloat16
+        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        return [compile_moe(*a, scaled=scaled)[1], compile_moe(*a, scaled=scaled, shared=shared)[1],
+                compile_moe(*a)[1]]
+
     monkeypatch.delenv("KIMI_DECODE_NORM_W_FIRST", raising=False)
     assert not weight_first()
     assert all(f is not None for f in compiled("0"))
+    w2_base = w2_kernels()
     monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
     assert weight_first() and all(f is not None for f in compiled("1"))
+    w2_first = w2_kernels()
+    assert all(f is not None for f in w2_first)
+    # a variant of its own where the kernel writes the scaled input, the same kernel where it does not
+    assert w2_first[0] is not w2_base[0] and w2_first[1] is not w2_base[1] and w2_first[2] is w2_base[2]
     monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "yes")
     with pytest.raises(ValueError, match="KIMI_DECODE_NORM_W_FIRST must be one of 0, 1"):
         weight_first()

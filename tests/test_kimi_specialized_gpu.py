@@ -965,10 +965,21 @@ def test_norm_kernels_with_the_weight_first_match_float64(monkeypatch, batch, k,
         test_rmsnorm_rows_matches_float64(batch)
 
 
-@pytest.mark.parametrize("tp, batch", [(16, 16), (16, 64), (8, 8), (8, 64)])
+@pytest.mark.parametrize("tp, pad, batch", [(16, True, 1), (8, True, 1), (16, False, 3), (8, True, 8)])
+def test_moe_w2_with_the_norm_weight_first_matches_float64(monkeypatch, tp, pad, batch):
+    """KIMI_DECODE_NORM_W_FIRST=1 in the per-pair w2 kernels that write the norm's scaled input (the norm weight
+    loaded before their stores): the two-kernel and the one-kernel forms, as the tests above."""
+    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
+    _check_moe_mxfp4(tp, pad, batch)
+    test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (16, 16), (16, 64), (8, 8), (8, 64)])
 def test_specialized_layer_with_the_norm_weight_first_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_NORM_W_FIRST=1 in whole layers where the grouped experts' pairs go through the routed norm (on the
-    tensor-core tail, and with the residual update inside at batch 64)."""
+    """KIMI_DECODE_NORM_W_FIRST=1 in whole layers: at batch 1 (the w2 kernel with the shared experts' down-projection,
+    under PDL) and TP16 batch 8 the per-pair w2 kernel writing the norm's scaled input; above, where the grouped
+    experts' pairs go through the routed norm (on the tensor-core tail, and with the residual update inside at batch
+    64)."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_NORM_W_FIRST", "1", tp, batch, 5340)
 
 

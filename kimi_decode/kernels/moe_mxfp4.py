@@ -32,6 +32,7 @@ import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
                           signature, sm_count)
+from .rmsnorm import weight_first
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -506,6 +507,7 @@ if HAVE_CUTE:
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
+            self.norm_first = scaled and weight_first()  # the norm weight for `scaled` loaded first
             self.warps = warps
             # under PDL, the weight words loaded before the wait: with the wait between them and the rest the kernel
             # takes 138 registers against 62 (TP8, sm_90a), so 1 CTA per SM instead of 4, which costs more than the
@@ -564,6 +566,13 @@ if HAVE_CUTE:
             warp, lane, g, t = mma_lanes(tidx)
             ra = bx * ROWS2 + g
             rb = ra + ROWS2 // 2
+            # `norm_first` (KIMI_DECODE_NORM_W_FIRST): the norm weight at the tile's rows now, not after the output
+            # stores (each may alias it as far as the compiler knows: two round trips at the kernel's end)
+            nwa = Float32(0.0)
+            nwb = Float32(0.0)
+            if cutlass.const_expr(self.norm_first):
+                nwa = norm_w[ra]
+                nwb = norm_w[rb]
             C = self.chunk
             gW = chunk_view(w, C)
             g16 = chunk_view(w, QUAD)  # the rows in 16-byte tiles (whole MX groups), for the L2 requests
@@ -618,7 +627,10 @@ if HAVE_CUTE:
                         sb = sb + red[ROWS2 // 2 + g, i]
                     out[b, ra] = sa
                     out[b, rb] = sb
-                    if cutlass.const_expr(self.scaled):
+                    if cutlass.const_expr(self.norm_first):
+                        scaled[b, ra] = (sa * nwa).to(scaled.element_type)
+                        scaled[b, rb] = (sb * nwb).to(scaled.element_type)
+                    elif cutlass.const_expr(self.scaled):
                         scaled[b, ra] = (sa * norm_w[ra]).to(scaled.element_type)
                         scaled[b, rb] = (sb * norm_w[rb]).to(scaled.element_type)
                 # this tile's share of the row's sum of squares, for the RMSNorm that follows
@@ -954,6 +966,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
+    norm_first = scaled is not None and weight_first()  # as the w2 kernels' `norm_first`
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
@@ -976,7 +989,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         a2 = (*w2_args, down, s_act, s_out)
         lanes, pre = shared_down_lanes(), w2_pre_wait()
         f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, pre,
-                             *signature(*a2)),
+                             norm_first, *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
                                            qm2, pre),
                             *(fake_like(t, align=16) for t in a2))
@@ -984,11 +997,13 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
         op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2))
-        return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, *signature(*args)),
+        return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, norm_first,
+                               *signature(*args)),
                               op,
                               *(fake_like(t, align=4 if t is counters else 16) for t in args))
     pre = w2_pre_wait()
-    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, pre, *signature(*w2_args)),
+    f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, pre, norm_first,
+                         *signature(*w2_args)),
                         MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
                                  quad_major=qm2, pre_wait=pre),
                         *(fake_like(t, align=16) for t in w2_args))

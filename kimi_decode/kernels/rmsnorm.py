@@ -35,12 +35,13 @@ SPLIT_MAX_CTAS_PER_SM = 4  # the most CTAs per SM the split form may need reside
 
 
 def weight_first() -> bool:
-    """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`) load the
-    norm weight: "1" into registers before their first store (the split and row forms before their PDL wait, the
+    """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`), and the w2
+    expert kernels that write the norm's scaled input (`moe_mxfp4.MoEW2Sum`, `scaled`), load the norm weight: "1"
+    into registers before their first store (the split and row forms and the w2 kernels before their PDL wait, the
     1024-thread `RoutedNorm`, whose registers its pair loads need, after those); "0" (the default until measured)
-    in the loop that writes the output, as before. As far as the compiler knows each output store may alias the
-    weight, so there every weight load is issued only after the store before it: one L2 round trip per value
-    (4 per thread in the routed forms, 14 in the row form at the latent width), one after another."""
+    next to the stores that use it, as before. As far as the compiler knows each output store may alias the weight,
+    so there every weight load is issued only after the store before it: one round trip per value (4 per thread in
+    the routed forms, 14 in the row form at the latent width, 2 in the w2 kernels), one after another."""
     return env_choice("KIMI_DECODE_NORM_W_FIRST", "0", ("0", "1")) == "1"
 
 if HAVE_CUTE:
