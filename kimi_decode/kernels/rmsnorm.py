@@ -44,6 +44,7 @@ def weight_first() -> bool:
     the routed forms, 14 in the row form at the latent width, 2 in the w2 kernels), one after another."""
     return env_choice("KIMI_DECODE_NORM_W_FIRST", "0", ("0", "1")) == "1"
 
+
 if HAVE_CUTE:
     from cutlass import Float32
 
