@@ -187,27 +187,17 @@ if HAVE_CUTE:
                 if gB is not None:
                     cute.autovec_copy(vals[(None, k, r_old)], gB[(None, (b, self.NB - 1, j))])
             if self.use_partial:
-                if self.delta_mode == 1:
+                if self.delta_mode != 2:  # the partial before the delta: the old one as committed, or loaded
                     if self.commit:
                         if gB is not None:
                             for e in range(VEC):
                                 vals[e, k, r_new] = vals[e, k, r_old]
                     else:
                         _load4(gP[(None, (b, j))], vals[(None, k, r_new)])
+                if self.delta_mode:
                     _load4(gD[(None, (b, j))], dl)
                     if gB is not None:
                         self.update_partial(gP, b, j, k, vals, dl)
-                elif self.delta_mode == 2:
-                    _load4(gD[(None, (b, j))], dl)
-                    if gB is not None:
-                        self.update_partial(gP, b, j, k, vals, dl)
-                else:
-                    if self.commit:
-                        if gB is not None:
-                            for e in range(VEC):
-                                vals[e, k, r_new] = vals[e, k, r_old]
-                    else:
-                        _load4(gP[(None, (b, j))], vals[(None, k, r_new)])
 
         def update_stores(self, gB: cute.Tensor, gP: cute.Tensor, b, j, k: int, vals: cute.Tensor, dl: cute.Tensor):
             """`update_loads`'s stores at slice j once every slice is loaded: the commit, and the updated partial."""
