@@ -72,7 +72,9 @@ def parts_width(n_blocks: int) -> int:
 if HAVE_CUTE:
     class OProjAttnRes:
         def __init__(self, hidden: int, K: int, ctas: int, n_blocks: int, delta_mode: int, eps: float,
-                     early: str = "smem", split: bool = False, rest: str = "loop"):
+                     early: str = "1", split: bool = True, rest: str = "ahead"):
+            """`early`, `split`, `rest`: KIMI_DECODE_OPROJ_EARLY, whether KIMI_DECODE_OPROJ_RES is "split", and
+            KIMI_DECODE_OPROJ_REST, their defaults by default (`compile_oproj_attn_res` passes the settings)."""
             self.res = AttnRes(hidden, n_blocks, False, delta_mode, True, eps)
             self.res.pdl = False  # the fused kernel waits for the previous one itself
             self.H, self.K, self.ctas = hidden, K, ctas
