@@ -13,6 +13,12 @@ was kept is read from it with `cuobjdump --dump-resource-usage` (the code that r
 listed there, "-"); otherwise its PTX is assembled with `ptxas -v` for sm_90a (on the H200 machine the installed
 ptxas refuses some of 4.3.5's PTX, hence the cubin). The tools are looked up on PATH, under CUDA_HOME,
 /usr/local/cuda and in triton's bundled CUDA tools.
+
+Where `nvdisasm` is found, each kernel's SASS is also read for global loads listed after a global store with no
+barrier, fence or atomic between them ("ld>st"; `--orders` lists them). The compiler keeps such a load behind the
+store whenever the two may alias as far as it knows, so a load there waits until the store has issued, which waits
+for the store's own data: round trips that do not depend on each other run one after another. Each one found on a
+kernel's path is worth reading (benchmarks/NOTES.md items 82-84); a loop's next iteration shows up too.
 """
 from __future__ import annotations
 
@@ -69,6 +75,32 @@ def kernel_name(ptx_path: str) -> str:
     return m.group(1) if m else stem[:60]
 
 
+SASS_OP = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?", re.M)
+ORDERING = ("BAR", "MEMBAR", "ATOM", "ATOMG", "RED", "REDG", "ERRBAR", "CCTL", "EXIT", "WARPSYNC")
+
+
+def loads_after_stores(sass: str) -> list[tuple[str, str]]:
+    """(store offset, load offset) for every global load (LDG) listed after a global store (STG) of the same listing
+    with no barrier, memory fence, atomic or exit between them, from `nvdisasm -c` output."""
+    found, last_store = [], None
+    for offset, op, _ in SASS_OP.findall(sass):
+        if op == "STG":
+            last_store = offset
+        elif op in ORDERING:
+            last_store = None
+        elif op == "LDG" and last_store is not None:
+            found.append((last_store, offset))
+    return found
+
+
+def sass_of(cubin_path: str, tool: str) -> str:
+    """`nvdisasm -c` of a cubin."""
+    out = subprocess.run([tool, "-c", cubin_path], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"nvdisasm failed on {Path(cubin_path).name}: {out.stderr.strip()[-300:]}")
+    return out.stdout
+
+
 def cubin_usage(cubin_path: str, tool: str) -> dict:
     """`cuobjdump --dump-resource-usage` of a cubin holding one kernel: its registers and stack bytes."""
     out = subprocess.run([tool, "--dump-resource-usage", cubin_path], capture_output=True, text=True)
@@ -78,11 +110,13 @@ def cubin_usage(cubin_path: str, tool: str) -> dict:
     return {"registers": int(m.group(1)), "stack": int(m.group(2)), "spill_stores": None, "spill_loads": None}
 
 
-def ptxas_usage(ptx_path: str, tool: str, arch: str) -> dict:
-    """`ptxas -v` of one PTX file: registers, stack bytes, spill stores / loads."""
+def ptxas_usage(ptx_path: str, tool: str, arch: str, disasm: str | None = None) -> dict:
+    """`ptxas -v` of one PTX file: registers, stack bytes, spill stores / loads; with `disasm` (nvdisasm) also the
+    assembled kernel's `loads_after_stores`."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run([tool, f"-arch={arch}", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
+        cubin = os.path.join(tmp, "k.cubin")
+        out = subprocess.run([tool, f"-arch={arch}", "-v", ptx_path, "-o", cubin], capture_output=True, text=True)
+        orders = loads_after_stores(sass_of(cubin, disasm)) if disasm and not out.returncode else None
     if out.returncode:
         raise RuntimeError(f"ptxas failed on {Path(ptx_path).name}: {out.stderr.strip()[-300:]}")
 
@@ -91,13 +125,16 @@ def ptxas_usage(ptx_path: str, tool: str, arch: str) -> dict:
         return int(m.group(1)) if m else 0
 
     return {"registers": number(r"Used (\d+) registers"), "stack": number(r"(\d+) bytes stack frame"),
-            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads")}
+            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads"),
+            "loads_after_stores": orders}
 
 
-def resources(ptx_path: str, tool: str | None, arch: str = "sm_90a", objdump: str | None = None) -> dict:
+def resources(ptx_path: str, tool: str | None, arch: str = "sm_90a", objdump: str | None = None,
+              disasm: str | None = None) -> dict:
     """One kernel's registers, stack bytes, spill stores / loads (None when read from a cubin), threads per CTA
     (from its PTX's .reqntid / .maxntid) and the CTAs per SM those registers allow: from the cubin kept beside the
-    PTX when there is one and `objdump` (cuobjdump) is given, else by assembling the PTX with `tool` (ptxas)."""
+    PTX when there is one and `objdump` (cuobjdump) is given, else by assembling the PTX with `tool` (ptxas). With
+    `disasm` (nvdisasm) also its `loads_after_stores` (else None)."""
     text = Path(ptx_path).read_text()
     ntid = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", text)
     threads = 1
@@ -106,8 +143,9 @@ def resources(ptx_path: str, tool: str | None, arch: str = "sm_90a", objdump: st
     cubin = Path(ptx_path).with_suffix(".cubin")
     if objdump and cubin.is_file():
         usage = cubin_usage(str(cubin), objdump)
+        usage["loads_after_stores"] = loads_after_stores(sass_of(str(cubin), disasm)) if disasm else None
     elif tool:
-        usage = ptxas_usage(ptx_path, tool, arch)
+        usage = ptxas_usage(ptx_path, tool, arch, disasm)
     else:
         raise RuntimeError(f"no cubin beside {Path(ptx_path).name} and no ptxas to assemble it")
     return {"kernel": kernel_name(ptx_path), "threads": threads if ntid else None, **usage,
@@ -131,10 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, help="run one bench step at this shard (GPU machine)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--ptx-dir", help="summarise the .ptx files here instead")
+    p.add_argument("--orders", action="store_true",
+                   help="also list each global load after a global store (SASS offsets, store -> load)")
     a = p.parse_args(argv)
     if (a.tp is None) == (a.ptx_dir is None):
         p.error("give --tp (with --batch) or --ptx-dir")
-    tool, objdump = ptxas(), cuda_tool("cuobjdump")
+    tool, objdump, disasm = ptxas(), cuda_tool("cuobjdump"), cuda_tool("nvdisasm")
     if tool is None and objdump is None:
         print("kernel_resources: no ptxas or cuobjdump found (PATH, CUDA_HOME, /usr/local/cuda, triton)",
               file=sys.stderr)
@@ -144,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if a.ptx_dir is None:
                 keep_layer_ptx(a.tp, a.batch, tmp)
-            rows = [resources(f, tool, objdump=objdump)
+            rows = [resources(f, tool, objdump=objdump, disasm=disasm)
                     for f in sorted(glob.glob(os.path.join(where, "**", "*.ptx"), recursive=True))]
         except RuntimeError as e:
             print(f"kernel_resources: {e}", file=sys.stderr)
@@ -152,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"kernel_resources: no .ptx files in {where}", file=sys.stderr)
         return 1
-    print(f"{'kernel':<44} {'threads':>7} {'regs':>5} {'stack':>6} {'spill st/ld':>12} {'CTAs/SM':>8}")
+    print(f"{'kernel':<44} {'threads':>7} {'regs':>5} {'stack':>6} {'spill st/ld':>12} {'CTAs/SM':>8} {'ld>st':>6}")
     for r in rows:
         spills = "-" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
+        orders = r["loads_after_stores"]
         print(f"{r['kernel'][:44]:<44} {r['threads'] or '?':>7} {r['registers']:>5} {r['stack']:>6} "
-              f"{spills:>12} {r['ctas_per_sm'] or '?':>8}")
+              f"{spills:>12} {r['ctas_per_sm'] or '?':>8} {'-' if orders is None else len(orders):>6}")
+        if a.orders and orders:
+            print("    " + ", ".join(f"{st} -> {ld}" for st, ld in orders))
     return 0
 
 

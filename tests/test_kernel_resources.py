@@ -88,3 +88,70 @@ def test_grouped_expert_kernels_compiled_for_sm90a(tmp_path, capsys):
         from_cubin = kr.resources(str(p), None, objdump=objdump)
         assert from_cubin["registers"] == rows[from_cubin["kernel"]]["registers"]
         assert from_cubin["spill_stores"] is None and from_cubin["ctas_per_sm"] >= 1
+
+
+def test_loads_after_stores_reads_the_sass_listing():
+    """Global loads after a global store, by listing order: predicated instructions count, a barrier, fence, atomic or
+    exit in between clears the store, and shared-memory, async-copy and non-global ops are not loads or stores."""
+    sass = textwrap.dedent("""
+        /*0100*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0110*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0120*/              @!P0 LDG.E.64 R8, desc[UR4][R6.64] ;
+        /*0130*/                   LDS R9, [R1] ;
+        /*0140*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
+        /*0150*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0160*/                   LDG.E R10, desc[UR4][R6.64] ;
+        /*0170*/               @P1 STG.E.U16 desc[UR4][R6.64], R10 ;
+        /*0180*/                   STS [R1], R10 ;
+        /*0190*/                   LDG.E R11, desc[UR4][R6.64+0x4] ;
+        /*01a0*/                   MEMBAR.ALL.GPU ;
+        /*01b0*/                   LDG.E R12, desc[UR4][R6.64+0x8] ;
+    """)
+    assert kr.loads_after_stores(sass) == [("0110", "0120"), ("0170", "0190")]
+    assert kr.loads_after_stores("") == []
+
+
+def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
+    """The four kernels where a global load waited behind a store that may alias it (benchmarks/NOTES.md items
+    82-84), compiled for sm_90a in fresh processes with each switch at "0" (the default) and at "1": AttnRes, the KDA
+    kernel (TP8, one token, f_b applied inside, under PDL), the routed norm with the residual update and the w2
+    expert kernel writing the norm's scaled input. At "0" each lists global loads after a store; at "1" none."""
+    pytest.importorskip("cutlass")
+    if kr.ptxas() is None or kr.cuda_tool("nvdisasm") is None:
+        pytest.skip("no ptxas or nvdisasm on this machine")
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, "TESTS")
+        from test_kimi_specialized import _attn_res_args, _kda_cols_args, _moe_args
+        from kimi_decode.config import shard
+        from kimi_decode.kernels.attn_res import compile_attn_res
+        from kimi_decode.kernels.kda_decode import compile_kda_decode
+        from kimi_decode.kernels.moe_mxfp4 import compile_moe
+        from kimi_decode.kernels import cute_common as cc
+        from kimi_decode.kernels.rmsnorm import RoutedNorm
+        compile_attn_res(*_attn_res_args(1, delta=True), n_blocks=3, commit=False, delta_mode=1, use_partial=True,
+                         eps=1e-5)
+        s = shard("k3", tp=8)
+        compile_kda_decode(*_kda_cols_args(s, 1), b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0,
+                           f_col=s.kda_in_proj_layout["f_a"][0])
+        L = s.model.moe_latent
+        compile_moe(*_moe_args(s, 1), scaled=(torch.empty(L), torch.empty(1, L, dtype=torch.bfloat16)))
+        x, out = torch.empty(8 * 16, L), torch.empty(8, L, dtype=torch.bfloat16)
+        cc.compile_kernel(("rn",), RoutedNorm(L, 1e-5, 16, 7168), *(cc.fake_like(t, align=16 if t is x else 4) for t in
+                          (x, torch.empty(L), out, torch.empty(8, 7168), torch.empty(8, 7168, dtype=torch.bfloat16))))
+    """).replace("TESTS", str(ROOT / "tests"))
+    counts = {}
+    for setting in ("0", "1"):
+        where = tmp_path / setting
+        where.mkdir()
+        env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(where), KIMI_DECODE_CUTE_ARCH="sm_90a",
+                   KIMI_DECODE_PDL="1", KIMI_DECODE_ATTN_RES_LOADS_FIRST=setting, KIMI_DECODE_KDA_INPUTS_FIRST=setting,
+                   KIMI_DECODE_NORM_W_FIRST=setting,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, "-c", script], cwd=where, env=env, check=True, capture_output=True)
+        rows = [kr.resources(str(p), kr.ptxas(), disasm=kr.cuda_tool("nvdisasm")) for p in where.glob("*.ptx")]
+        counts[setting] = {r["kernel"]: len(r["loads_after_stores"]) for r in rows if "W13" not in r["kernel"]}
+    names = {"attn_resAttnRes", "kda_decodeKDADecode", "moe_mxfp4MoEW2Sum", "rmsnormRoutedNorm"}
+    assert set(counts["0"]) == set(counts["1"]) == names
+    assert all(counts["0"][n] > 0 for n in names), counts
+    assert all(counts["1"][n] == 0 for n in names), counts
