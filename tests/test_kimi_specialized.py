@@ -97,6 +97,14 @@ def _moe_args(s, batch: int) -> tuple:
             torch.empty(batch, L // 16), s.expert_inter_used)
 
 
+def _shared_args(s) -> tuple:
+    """`compile_moe`'s `shared` at shard `s`, one token: the shared experts' gate/up weight [2 S, H], its input x
+    [1, H], the SiTU-GLU activations [1, S], the down weight [H, S] and its output [1, H], bf16."""
+    H, S, bf = s.model.hidden, s.shared_inter, torch.bfloat16
+    return (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
+            torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+
+
 def _grouped_args(s, batch: int, w2_cols: int | None = None) -> list:
     """`compile_grouped`'s positional arguments at shard `s` (`w2_cols`: w2's bytes per row, else as stored)."""
     m = s.model
@@ -581,9 +589,7 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
     if batch <= 8:  # both stages in one kernel (KIMI_DECODE_EXPERTS_ONE_KERNEL=1)
         assert compile_for(scaled=scaled, counters=torch.zeros(2 + batch, dtype=torch.int32)) is not None
     if batch == 1:  # the shared experts' GEMVs in CTAs of their own in both kernels, or the down-projection only
-        S, H = s_inter(tp), m.hidden
-        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        shared = _shared_args(s)
         f13s, f2h = compile_for(scaled=scaled, shared=shared)
         assert f13s is not None and f2h is not None
         f13r, f2r = compile_for(scaled=scaled, shared=shared, shared_act_ready=True)
@@ -605,9 +611,7 @@ def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk(sm90a_pdl, monkeypatch, t
     assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled))
     assert compile_moe(*_moe_args(s, batch), counters=torch.zeros(2 + batch, dtype=torch.int32)) is not None
     if batch == 1:
-        S, H = s_inter(tp), s.model.hidden
-        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        shared = _shared_args(s)
         assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled, shared=shared))
 
 
@@ -619,7 +623,6 @@ def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
 
     s = shard("k3", tp=tp, pad_experts=True)
-    L, bf = s.model.moe_latent, torch.bfloat16
     args = _moe_args(s, batch)
     f13, _ = compile_moe(*args)
     monkeypatch.setenv("KIMI_DECODE_W13_X_ONCE", "0")
@@ -627,9 +630,7 @@ def test_moe_mxfp4_compiles_for_sm90a_with_the_activations_converted_either_way(
     assert g13 is not f13  # the other form
     assert compile_moe(*args, counters=torch.zeros(2 + batch, dtype=torch.int32)) is not None
     if batch == 1:
-        S, H = s_inter(tp), s.model.hidden
-        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        shared = _shared_args(s)
         assert all(f is not None for f in compile_moe(*args, shared=shared))
 
 
@@ -641,9 +642,8 @@ def test_moe_w2_with_the_shared_down_rows_side_by_side_compiles_for_sm90a(sm90a_
     from kimi_decode.kernels.moe_mxfp4 import MoEW2SumShared, compile_moe
 
     s = shard("k3", tp=tp, pad_experts=True)
-    L, H, S, bf = s.model.moe_latent, s.model.hidden, s_inter(tp), torch.bfloat16
-    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+    L, H, S = s.model.moe_latent, s.model.hidden, s_inter(tp)
+    shared = _shared_args(s)
     seen = set()
     for lanes in ("32", "16", "8", "4"):
         monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", lanes)
@@ -699,9 +699,7 @@ def test_moe_w2_with_its_ids_and_scales_before_its_wait_compiles_for_sm90a(sm90a
     from kimi_decode.kernels.moe_mxfp4 import MoEW2Sum, compile_moe, w2_chunk, w2_pre_wait
 
     s = shard("k3", tp=tp, pad_experts=True)
-    L, H, S, bf = s.model.moe_latent, s.model.hidden, s_inter(tp), torch.bfloat16
-    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+    shared = _shared_args(s)
     monkeypatch.delenv("KIMI_DECODE_W2_PRE_WAIT", raising=False)
     assert w2_pre_wait() == "auto"
     used, chunk = s.expert_inter_used, w2_chunk(s.expert_inter_used)
@@ -740,9 +738,7 @@ def test_moe_w13_with_its_weights_asked_of_l2_compiles_for_sm90a(sm90a_pdl, monk
     g13, _ = compile_moe(*args)
     assert g13 is not None and g13 is not f13
     if batch == 1:
-        S, H, bf = s_inter(tp), s.model.hidden, torch.bfloat16
-        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        shared = _shared_args(s)
         assert all(f is not None for f in compile_moe(*args, shared=shared))
     monkeypatch.setenv("KIMI_DECODE_W13_PREFETCH", "yes")
     with pytest.raises(ValueError, match="KIMI_DECODE_W13_PREFETCH must be one of 0, 1"):
@@ -845,10 +841,7 @@ def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch)
         s = shard("k3", tp=8)
         a = _moe_args(s, 1)
         scaled = (torch.empty(L), torch.empty(1, L, dtype=torch.bfloat16))
-        H, S = s.model.hidden, s.shared_inter
-        bf = torch.bfloat16
-        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        shared = _shared_args(s)
         return [compile_moe(*a, scaled=scaled)[1], compile_moe(*a, scaled=scaled, shared=shared)[1],
                 compile_moe(*a)[1]]
 
@@ -1529,9 +1522,7 @@ def test_expert_kernels_with_their_integer_work_off_the_alu_pipe_compile_for_sm9
                            quad_major=quad) is not None
     assert all(f is not g for f, g in zip(fns, alu))
     if batch == 1:
-        S, H = s_inter(tp), s.model.hidden
-        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        shared = _shared_args(s)
         assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled, shared=shared,
                                                       quad_major=True))
     for stage in ("1", "all"):
@@ -1559,9 +1550,7 @@ def test_moe_mxfp4_on_quad_major_codes_compiles_for_sm90a(sm90a_pdl, monkeypatch
     assert compile_moe(*_moe_args(s, batch), counters=torch.zeros(2 + batch, dtype=torch.int32),
                        quad_major=True) is not None
     if batch == 1:
-        S, H = s_inter(tp), s.model.hidden
-        shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-                  torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+        shared = _shared_args(s)
         for ready in (False, True):
             assert all(f is not None for f in compile_moe(*_moe_args(s, batch), scaled=scaled, shared=shared,
                                                           shared_act_ready=ready, quad_major=True))
@@ -1796,9 +1785,8 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
     from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
 
     s = shard("k3", tp=tp, pad_experts=pad)
-    L, bf, S, H = s.model.moe_latent, torch.bfloat16, s_inter(tp), s.model.hidden
-    shared = (torch.empty(2 * S, H, dtype=bf), torch.empty(1, H, dtype=bf), torch.empty(1, S, dtype=bf),
-              torch.empty(H, S, dtype=bf), torch.empty(1, H, dtype=bf))
+    L, bf = s.model.moe_latent, torch.bfloat16
+    shared = _shared_args(s)
     seen = set()
     for setting in ("0", "1"):
         monkeypatch.setenv("KIMI_DECODE_MX_PACKED", setting)
