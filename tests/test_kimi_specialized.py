@@ -821,7 +821,8 @@ def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch)
     refused by name."""
     from kimi_decode.kernels import cute_common as cc
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
-    from kimi_decode.kernels.rmsnorm import RMSNormRows, RoutedNorm, RoutedNormSplit, routed_norm_scratch, weight_first
+    from kimi_decode.kernels.cute_common import norm_weight_first
+    from kimi_decode.kernels.rmsnorm import RMSNormRows, RoutedNorm, RoutedNormSplit, routed_norm_scratch
 
     L = shard("k3", tp=16).model.moe_latent
     x, xs, w = torch.empty(8, L), torch.empty(8 * 16, L), torch.empty(L)
@@ -846,18 +847,18 @@ def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch)
                 compile_moe(*a)[1]]
 
     monkeypatch.delenv("KIMI_DECODE_NORM_W_FIRST", raising=False)
-    assert not weight_first()
+    assert not norm_weight_first()
     assert all(f is not None for f in compiled("0"))
     w2_base = w2_kernels()
     monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
-    assert weight_first() and all(f is not None for f in compiled("1"))
+    assert norm_weight_first() and all(f is not None for f in compiled("1"))
     w2_first = w2_kernels()
     assert all(f is not None for f in w2_first)
     # a variant of its own where the kernel writes the scaled input, the same kernel where it does not
     assert w2_first[0] is not w2_base[0] and w2_first[1] is not w2_base[1] and w2_first[2] is w2_base[2]
     monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "yes")
     with pytest.raises(ValueError, match="KIMI_DECODE_NORM_W_FIRST must be one of 0, 1"):
-        weight_first()
+        norm_weight_first()
 
 
 @needs_cute

@@ -125,6 +125,18 @@ def mx_packed() -> bool:
     return env_choice("KIMI_DECODE_MX_PACKED", "1", MX_PACKED) == "1"
 
 
+def norm_weight_first() -> bool:
+    """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`rmsnorm.RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`), and
+    the w2 expert kernels that write the norm's scaled input (`moe_mxfp4.MoEW2Sum`, `scaled`), load the norm weight:
+    "1" into registers before their first store (the split and row forms and the w2 kernels before their PDL wait,
+    the 1024-thread `RoutedNorm`, whose registers its pair loads need, after those); "0" (the default until
+    measured) next to the stores that use it, as before. As far as the compiler knows each output store may alias
+    the weight, so there every weight load is issued only after the store before it: one round trip per value (4
+    per thread in the routed forms, 14 in the row form at the latent width, 2 in the w2 kernels), one after
+    another."""
+    return env_choice("KIMI_DECODE_NORM_W_FIRST", "0", ("0", "1")) == "1"
+
+
 def set_layer_pdl(on: bool) -> None:
     """The backend's choice for the kernels of the layer it is about to run (under KIMI_DECODE_PDL=auto)."""
     _pdl_mode["layer"] = bool(on)

@@ -31,8 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
-                          signature, sm_count)
-from .rmsnorm import weight_first
+                          norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -507,7 +506,7 @@ if HAVE_CUTE:
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
-            self.norm_first = scaled and weight_first()  # the norm weight for `scaled` loaded first
+            self.norm_first = scaled and norm_weight_first()  # the norm weight for `scaled` loaded first
             self.warps = warps
             # under PDL, the weight words loaded before the wait: with the wait between them and the rest the kernel
             # takes 138 registers against 62 (TP8, sm_90a), so 1 CTA per SM instead of 4, which costs more than the
@@ -966,7 +965,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
-    norm_first = scaled is not None and weight_first()  # as the w2 kernels' `norm_first`
+    norm_first = scaled is not None and norm_weight_first()  # as the w2 kernels' `norm_first`
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)

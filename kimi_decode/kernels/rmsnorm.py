@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, norm_weight_first,
+                          signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_wait
@@ -32,18 +33,6 @@ ROUTED_THREADS = 1024  # `RoutedNorm`: a 3584-wide row is 896 16-byte groups, on
 SPLIT_THREADS = 128  # `RoutedNormSplit`: a 16-byte group of the row per thread, as in `RoutedNorm`
 SPLIT_MAX_ROWS = 64  # the tokens one set of `routed_norm_scratch` serves
 SPLIT_MAX_CTAS_PER_SM = 4  # the most CTAs per SM the split form may need resident at once (its wait needs them all)
-
-
-def weight_first() -> bool:
-    """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`), and the w2
-    expert kernels that write the norm's scaled input (`moe_mxfp4.MoEW2Sum`, `scaled`), load the norm weight: "1"
-    into registers before their first store (the split and row forms and the w2 kernels before their PDL wait, the
-    1024-thread `RoutedNorm`, whose registers its pair loads need, after those); "0" (the default until measured)
-    next to the stores that use it, as before. As far as the compiler knows each output store may alias the weight,
-    so there every weight load is issued only after the store before it: one round trip per value (4 per thread in
-    the routed forms, 14 in the row form at the latent width, 2 in the w2 kernels), one after another."""
-    return env_choice("KIMI_DECODE_NORM_W_FIRST", "0", ("0", "1")) == "1"
-
 
 if HAVE_CUTE:
     from cutlass import Float32
@@ -73,7 +62,7 @@ if HAVE_CUTE:
         def __init__(self, width: int, eps: float):
             self.W, self.eps = width, eps
             self.per_thread = -(-width // THREADS)
-            self.w_first = weight_first()
+            self.w_first = norm_weight_first()
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream):
@@ -119,7 +108,7 @@ if HAVE_CUTE:
             self.groups = width // 4  # 16-byte groups of a row
             self.per_thread = -(-self.groups // ROUTED_THREADS)
             self.per_thread_h = -(-hidden // ROUTED_THREADS)
-            self.w_first = weight_first()
+            self.w_first = norm_weight_first()
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add: cute.Tensor,
@@ -193,7 +182,7 @@ if HAVE_CUTE:
             self.S = split_ctas(width)
             self.cols_h = -(-hidden // self.S)  # residual columns per CTA
             self.per_thread_h = -(-self.cols_h // SPLIT_THREADS)
-            self.w_first = weight_first()
+            self.w_first = norm_weight_first()
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add: cute.Tensor,
@@ -313,7 +302,7 @@ def routed_norm(pairs: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, ep
     x = pairs.view(B * k, W)
     if split is not None:
         return _routed_norm_split(x, weight, out, res, add, float(eps), k, hidden, split)
-    key = ("routed_norm", float(eps), k, hidden, weight_first(), *signature(x, weight, out, res, add))
+    key = ("routed_norm", float(eps), k, hidden, norm_weight_first(), *signature(x, weight, out, res, add))
     fn = compile_kernel(key, RoutedNorm(W, float(eps), k, hidden),
                         *(fake_like(t, align=16 if t is x else 4) for t in (x, weight, out, res, add)))
     launch(fn, x, weight, out, res, add, align=lambda t: 16 if t is x else 4)
@@ -330,7 +319,8 @@ def _routed_norm_split(x, weight, out, res, add, eps: float, k: int, hidden: int
     if B * S > SPLIT_MAX_CTAS_PER_SM * sm_count(out.device):
         raise ValueError(f"routed_norm: {B} rows need {B * S} CTAs resident at once, more than "
                          f"{SPLIT_MAX_CTAS_PER_SM} per SM on this GPU")
-    key = ("routed_norm_split", eps, k, hidden, weight_first(), *signature(x, weight, out, res, add, counters, parts))
+    key = ("routed_norm_split", eps, k, hidden, norm_weight_first(),
+           *signature(x, weight, out, res, add, counters, parts))
     fn = compile_kernel(key, RoutedNormSplit(W, eps, k, hidden, counters.numel() // 2),
                         *(fake_like(t, align=16 if t is x else 4) for t in (x, weight, out, res, add, counters, parts)))
     launch(fn, x, weight, out, res, add, counters, parts, align=lambda t: 16 if t is x else 4)
@@ -343,7 +333,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: 
         raise ValueError("rmsnorm_rows: fp32 x and weight, bf16 out expected")
     if out.shape != x.shape or weight.shape != (x.shape[1],) or not (x.is_contiguous() and out.is_contiguous()):
         raise ValueError("rmsnorm_rows: contiguous x and out of one shape, weight of the row width expected")
-    key = ("rmsnorm_rows", float(eps), weight_first(), *signature(x, weight, out))
+    key = ("rmsnorm_rows", float(eps), norm_weight_first(), *signature(x, weight, out))
     fn = compile_kernel(key, RMSNormRows(x.shape[1], float(eps)), *(fake_like(t, align=4) for t in (x, weight, out)))
     launch(fn, x, weight, out, align=4)
     return out
