@@ -161,7 +161,6 @@ if HAVE_CUTE:
             for j in cutlass.range_constexpr(NP):
                 part = p + j * P
                 c = cutlass.min(part, 2) * self.d + ch
-                x_new = Float32(0.0)
                 if cutlass.const_expr(first):
                     x_new = xin[j]
                 else:
