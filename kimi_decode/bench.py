@@ -1,10 +1,19 @@
 """Per-layer decode benchmark: `python -m kimi_decode.bench --backend auto --tp 16 8 --batch 1 8 64`.
 
 For every (backend, tp, batch) it builds `--copies` slices with different weights (so consecutive replays of a layer
-read weights L2 no longer holds), records each layer as its own CUDA graph, and times graph replays with CUDA events,
-rotating the copies. It prints, per layer: median GPU microseconds, kernels launched (counted in a profiled replay),
-the bytes the layer must move (weights actually read, recurrent/conv state read and written, KV cache read), and the
-share of the HBM floor, bytes / 4.3 TB/s, that the measured time reaches. Every backend runs in the same process.
+read weights L2 no longer holds) and times CUDA-graph replays with CUDA events, rotating the copies. It prints, per
+layer: median GPU microseconds, kernels launched (counted in a profiled replay), the bytes the layer must move
+(weights actually read, recurrent/conv state read and written, KV cache read), and the share of the HBM floor,
+bytes / 4.3 TB/s, that the measured time reaches. Every backend runs in the same process.
+
+Each layer is timed two ways:
+- `us`: the layer recorded as a CUDA graph of its own and replayed alone. Its first kernel starts only after the
+  graph before it has ended, and the graph's launch is inside the time.
+- `in-step us`: what the layer adds to the whole step's graph, where it runs in production: the median time of a
+  graph of the step's input copy and its first n layers, minus that of the first n - 1 (the input copy alone for
+  the first layer). Inside one graph a layer's first kernel may start while the layer before it ends (programmatic
+  dependent launch), and no graph launch falls between layers; the in-step times and the input copy add up to the
+  whole step.
 """
 from __future__ import annotations
 
@@ -63,13 +72,30 @@ def _count_kernels(graph: torch.cuda.CUDAGraph) -> int:
     return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
 
 
+def step_layer_us(prefix_us: list[float]) -> list[float]:
+    """Each layer's in-step microseconds from the median times of the step's prefix graphs: prefix_us[n] is the
+    input copy followed by the first n layers (n = 0 .. L, the last the whole step); layer n's time is what its
+    prefix adds to the one before."""
+    if len(prefix_us) < 2:
+        raise ValueError("in-step layer times need the input copy's time and at least one layer's prefix")
+    return [b - a for a, b in zip(prefix_us, prefix_us[1:])]
+
+
 class _Captured:
-    """One slice with one CUDA graph per layer, plus one for the step's input copy."""
+    """One slice with one CUDA graph per layer, and one per prefix of its step: the input copy followed by the
+    first n layers, n = 0 .. L (the last one the whole step)."""
 
     def __init__(self, sl: DecodeSlice):
         self.sl = sl
         sl.capture()  # warm-up and the whole-step graph
         self.step_graph = sl.graph
+        self.prefix_graphs = []
+        for n in range(len(sl.layers)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                sl.step(layers=n)
+            self.prefix_graphs.append(g)
+        self.prefix_graphs.append(self.step_graph)
         self.layer_graphs = []
         sl.res.partial_empty = sl.input.partial_empty
         for lw, st in zip(sl.layers, sl.states):
@@ -91,7 +117,7 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
     n_layers = len(copies[0].layer_graphs)
     for _ in range(args.warmup):
         for cap in copies:
-            for g in cap.layer_graphs:
+            for g in cap.layer_graphs + cap.prefix_graphs:
                 g.replay()
     starts = [[torch.cuda.Event(enable_timing=True) for _ in range(n_layers + 1)] for _ in range(args.replays)]
     for r in range(args.replays):
@@ -105,14 +131,22 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
     layer_us = [statistics.median(starts[r][i].elapsed_time(starts[r][i + 1]) * 1e3 for r in range(args.replays))
                 for i in range(n_layers)]
 
-    step_events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                   for _ in range(args.replays)]
-    for r, (a, b) in enumerate(step_events):
-        a.record()
-        copies[r % len(copies)].step_graph.replay()
-        b.record()
+    # the step's prefixes, shortest first in every round; each replay takes the next copy, so that no graph finds
+    # the weights of the one before it in L2
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(n_layers + 2)] for _ in range(args.replays)]
+    k = 0
+    for r in range(args.replays):
+        ev = marks[r]
+        for n in range(n_layers + 1):
+            ev[n].record()
+            copies[k % len(copies)].prefix_graphs[n].replay()
+            k += 1
+        ev[n_layers + 1].record()
     torch.cuda.synchronize()
-    step_us = statistics.median(a.elapsed_time(b) * 1e3 for a, b in step_events)
+    prefix_us = [statistics.median(marks[r][n].elapsed_time(marks[r][n + 1]) * 1e3 for r in range(args.replays))
+                 for n in range(n_layers + 1)]
+    in_step_us = step_layer_us(prefix_us)
+    step_us = prefix_us[-1]
 
     cap = copies[0]
     sl = cap.sl
@@ -127,34 +161,38 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
             "backend": backend, "tp": tp, "batch": batch, "layer": lw.index, "kind": lw.kind,
             "us": round(layer_us[i], 2), "kernels": _count_kernels(g), **nbytes,
             "floor_us": round(floor_us, 2), "pct_floor": round(100 * floor_us / layer_us[i], 1),
+            "in_step_us": round(in_step_us[i], 2), "pct_floor_in_step": round(100 * floor_us / in_step_us[i], 1),
         })
     del copies
     torch.cuda.empty_cache()
-    return {"rows": rows, "step_us": round(step_us, 2)}
+    return {"rows": rows, "step_us": round(step_us, 2), "copy_us": round(prefix_us[0], 2)}
 
 
 def _print_table(results: list[dict]) -> None:
-    head = (f"{'backend':<20}{'tp':>4}{'batch':>6}{'layer':>7}{'kind':>6}{'us':>10}{'kernels':>9}"
-            f"{'weights MB':>12}{'state MB':>10}{'floor us':>10}{'% floor':>9}")
+    head = (f"{'backend':<20}{'tp':>4}{'batch':>6}{'layer':>7}{'kind':>6}{'us':>10}{'in-step us':>12}{'kernels':>9}"
+            f"{'weights MB':>12}{'state MB':>10}{'floor us':>10}{'% floor':>9}{'in-step':>9}")
     print(head)
     print("-" * len(head))
     for res in results:
         for r in res["rows"]:
             print(f"{r['backend']:<20}{r['tp']:>4}{r['batch']:>6}{r['layer']:>7}{r['kind']:>6}{r['us']:>10.1f}"
-                  f"{r['kernels']:>9}{r['weight_bytes'] / 1e6:>12.1f}{r['state_bytes'] / 1e6:>10.2f}"
-                  f"{r['floor_us']:>10.1f}{r['pct_floor']:>9.1f}")
+                  f"{r['in_step_us']:>12.1f}{r['kernels']:>9}{r['weight_bytes'] / 1e6:>12.1f}"
+                  f"{r['state_bytes'] / 1e6:>10.2f}{r['floor_us']:>10.1f}{r['pct_floor']:>9.1f}"
+                  f"{r['pct_floor_in_step']:>9.1f}")
         r0 = res["rows"][0]
         print(f"{'':<20}{r0['tp']:>4}{r0['batch']:>6}   whole step (one graph, {len(res['rows'])} layers): "
-              f"{res['step_us']:.1f} us")
+              f"{res['step_us']:.1f} us, of which the input copy {res['copy_us']:.1f}")
     by = {}
     for res in results:
         for r in res["rows"]:
-            by.setdefault((r["tp"], r["batch"], r["layer"]), {})[r["backend"]] = r["us"]
+            by.setdefault((r["tp"], r["batch"], r["layer"]), {})[r["backend"]] = (r["us"], r["in_step_us"])
     ratios = [(k, v) for k, v in by.items() if "auto" in v and len(v) > 1]
     if ratios:
-        print("\nspeed-up over auto (us_auto / us_backend)")
+        print("\nspeed-up over auto (us_auto / us_backend: alone, in the step)")
         for (tp, batch, layer), v in ratios:
-            others = ", ".join(f"{b} {v['auto'] / us:.2f}x" for b, us in v.items() if b != "auto")
+            base = v["auto"]
+            others = ", ".join(f"{b} {base[0] / us[0]:.2f}x, {base[1] / us[1]:.2f}x" for b, us in v.items()
+                               if b != "auto")
             print(f"  tp {tp} batch {batch} layer {layer}: {others}")
 
 
@@ -187,8 +225,14 @@ def main(argv=None) -> int:
     _print_table(results)
     if args.json:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+        from analyzers.trace import atomic_output  # written whole or not at all
+
+        try:
+            with atomic_output(args.json) as f:
+                f.write(json.dumps({"meta": meta, "results": results}, indent=1).encode())
+        except OSError as exc:
+            print(f"kimi_decode.bench: error: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

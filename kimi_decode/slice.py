@@ -55,13 +55,17 @@ class DecodeSlice:
     def kinds(self) -> list[str]:
         return [lw.kind for lw in self.layers]
 
-    def step(self) -> None:
-        """One decode step, eagerly: the residual input is copied in, then every layer runs in place."""
+    def step(self, layers: int | None = None) -> None:
+        """One decode step, eagerly: the residual input is copied in, then every layer runs in place; with `layers`,
+        only the slice's first `layers` layers (0: the input copy alone), as the benchmark's in-step timing needs."""
+        n = len(self.layers) if layers is None else layers
+        if not 0 <= n <= len(self.layers):
+            raise ValueError(f"a step of {n} layers: the slice has {len(self.layers)}")
         with rng(DECODE_STEP):
             self.res.blocks.copy_(self.input.blocks)
             self.res.partial.copy_(self.input.partial)
             self.res.partial_empty = self.input.partial_empty
-            for lw, st in zip(self.layers, self.states):
+            for lw, st in zip(self.layers[:n], self.states[:n]):
                 decode_layer(self.backend, lw, self.res, st, self.shard, self.group)
 
     def capture(self, warmup: int = 2) -> torch.cuda.CUDAGraph:

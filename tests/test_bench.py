@@ -1,0 +1,87 @@
+"""`python -m kimi_decode.bench`: the in-step layer times from the step's prefix graphs, the table it prints, and on
+a GPU the prefix graphs themselves."""
+import argparse
+
+import pytest
+import torch
+
+from kimi_decode import DecodeSlice
+from kimi_decode.bench import _print_table, step_layer_us
+
+
+def _tensors(state):
+    return {name: t.clone() for name, t in state.tensors()}
+
+
+def test_a_step_of_the_first_layers_runs_only_those():
+    """`step(layers=n)` copies the input in and advances the first n layers' states, and leaves the others alone;
+    the residual state it leaves is the one a slice of just those layers leaves."""
+    sl = DecodeSlice(model="tiny", tp=1, batch=2, first_layer=1, num_layers=4, context=16, device="cpu", seed=3)
+    before = [_tensors(st) for st in sl.states]
+    sl.step(layers=2)
+    for i, (b, st) in enumerate(zip(before, sl.states)):
+        moved = any(not torch.equal(t, b[name]) for name, t in st.tensors())
+        assert moved == (i < 2), i
+    short = DecodeSlice(model="tiny", tp=1, batch=2, first_layer=1, num_layers=2, context=16, device="cpu", seed=3)
+    short.step()
+    for mine, theirs in ((sl.res.partial, short.res.partial), (sl.res.blocks, short.res.blocks)):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)  # blocks not yet written are NaN
+
+    sl.res.partial.fill_(float("nan"))
+    before = [_tensors(st) for st in sl.states]
+    sl.step(layers=0)  # the input copy alone
+    assert torch.equal(sl.res.partial, sl.input.partial)
+    assert all(torch.equal(t, b[name]) for b, st in zip(before, sl.states) for name, t in st.tensors())
+
+
+@pytest.mark.parametrize("layers", [-1, 5])
+def test_a_step_of_more_layers_than_the_slice_has_is_refused(layers):
+    sl = DecodeSlice(model="tiny", tp=1, batch=1, first_layer=1, num_layers=4, context=8, device="cpu")
+    with pytest.raises(ValueError, match="the slice has 4"):
+        sl.step(layers=layers)
+
+
+def test_in_step_layer_times_are_what_each_prefix_adds():
+    assert step_layer_us([4.0, 75.5, 146.0, 300.0]) == [71.5, 70.5, 154.0]
+    with pytest.raises(ValueError, match="at least one layer"):
+        step_layer_us([4.0])
+
+
+def _row(backend, layer, us, in_step, floor=50.0):
+    return {"backend": backend, "tp": 16, "batch": 1, "layer": layer, "kind": "kda", "us": us, "in_step_us": in_step,
+            "kernels": 8, "weight_bytes": 200e6, "state_bytes": 1e6, "floor_us": floor,
+            "pct_floor": round(100 * floor / us, 1), "pct_floor_in_step": round(100 * floor / in_step, 1)}
+
+
+def test_the_table_shows_both_times_and_both_speed_ups(capsys):
+    results = [{"rows": [_row("auto", 1, 200.0, 196.0)], "step_us": 200.0, "copy_us": 4.0},
+               {"rows": [_row("latency_specialized", 1, 80.0, 70.0)], "step_us": 74.0, "copy_us": 4.0}]
+    _print_table(results)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    ls = next(line for line in lines if line.startswith("latency_specialized"))
+    assert ls.split()[5:7] == ["80.0", "70.0"]  # us alone, in the step
+    assert ls.split()[-2:] == ["62.5", "71.4"]  # % of the floor, alone and in the step
+    assert "74.0 us, of which the input copy 4.0" in out
+    assert "tp 16 batch 1 layer 1: latency_specialized 2.50x, 2.80x" in out
+
+
+@pytest.mark.gpu
+def test_the_prefix_graphs_hold_the_steps_first_layers():
+    """Each prefix graph replays the input copy and the step's first n layers: as many kernels as the input copy's
+    graph plus those layers' own graphs; and each layer's in-step time is positive and near its time alone."""
+    from kimi_decode.bench import _Captured, _count_kernels, bench_config
+
+    cap = _Captured(DecodeSlice(backend="auto", tp=16, batch=1, first_layer=1, num_layers=3, context=256,
+                                device="cuda"))
+    assert len(cap.prefix_graphs) == 4 and cap.prefix_graphs[-1] is cap.step_graph
+    copy = _count_kernels(cap.prefix_graphs[0])
+    per_layer = [_count_kernels(g) for g in cap.layer_graphs]
+    assert [_count_kernels(g) for g in cap.prefix_graphs] == [copy + sum(per_layer[:n]) for n in range(4)]
+    del cap
+
+    args = argparse.Namespace(first_layer=1, layers=2, context=256, copies=2, replays=20, warmup=2, seed=0)
+    res = bench_config("auto", 16, 1, args)
+    assert res["copy_us"] > 0
+    for row in res["rows"]:
+        assert 0.5 * row["us"] < row["in_step_us"] < 1.2 * row["us"], row
