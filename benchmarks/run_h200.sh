@@ -10,7 +10,8 @@
 # its SiTU-GLU epilogue, KIMI_DECODE_SHARED_GLU=0), tcplain (latency_specialized with KIMI_DECODE_TC_PLAIN=1, batch 8 and 16), router
 # (latency_specialized at batch 1 with KIMI_DECODE_FUSED_ROUTER=0: router GEMV and top-k as two kernels), ores (the same
 # with KIMI_DECODE_FUSED_O_RES=0: output projection and AttnRes as two kernels), numerics-new
-# (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`), experts (benchmarks/expert_sweep.py),
+# (the GPU tests of the kernels and switches added last, `-k "$NEW_TESTS"`, in NEW_FILES, default
+# tests/test_kimi_specialized_gpu.py), experts (benchmarks/expert_sweep.py),
 # experts-tiles (the grouped kernels at 4 and 1 row tiles per warp), ncu-experts (ncu sections of the grouped
 # expert kernels at TP16 batch 64), noentry (latency_specialized at batch 1 with KIMI_DECODE_MOE_ENTRY=0: router and
 # latent down-projection as two kernels), nogate (batch 1 and 8 with KIMI_DECODE_FUSED_GATE=0: the f_b GEMV on its own),
@@ -80,7 +81,8 @@ for name in "$@"; do
     numerics)
       step numerics 330 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
     numerics-new)
-      step numerics-new ${NEW_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py -k "${NEW_TESTS:-router}" ;;
+      step numerics-new ${NEW_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider \
+        ${NEW_FILES:-tests/test_kimi_specialized_gpu.py} -k "${NEW_TESTS:-router}" ;;
     router)
       KIMI_DECODE_FUSED_ROUTER=0 bench router 90 bench_router2.json --backend latency_specialized --tp 16 8 --batch 1 ;;
     ores)
