@@ -227,10 +227,14 @@ for name in "$@"; do
     ab)  # latency_specialized at AB_BATCHES (default 1) and AB_TPS (default 16 8) once per setting in AB_ENVS
       # ("NAME=VALUE[,NAME=VALUE]" each, separated by spaces), e.g.
       # AB_ENVS="KIMI_DECODE_GEMV_PRELOAD=0 KIMI_DECODE_OPROJ_EARLY=1"
+      # (a setting given again gets its own JSON: bench_ab_<tag>.json, then bench_ab_<tag>_run2.json, ...;
+      # benchmarks/ab_table.py sets them side by side)
       for setting in ${AB_ENVS:-}; do
         tag=$(echo "$setting" | tr ',=' '__' | tr -cd 'A-Za-z0-9_')
+        json="bench_ab_$tag.json" n=1
+        while [ -e "$OUT/$json" ]; do n=$((n + 1)); json="bench_ab_${tag}_run$n.json"; done
         (export_setting "$setting"
-         bench "ab $setting" ${AB_LIMIT:-70} "bench_ab_$tag.json" --backend latency_specialized --tp ${AB_TPS:-16 8} \
+         bench "ab $setting" ${AB_LIMIT:-70} "$json" --backend latency_specialized --tp ${AB_TPS:-16 8} \
            --batch ${AB_BATCHES:-1})
       done ;;
     v26)  # benchmarks/NOTES.md items 40 and 41, each setting in its own process, latency_specialized only: the expert
