@@ -67,12 +67,13 @@ def test_the_table_shows_both_times_and_both_speed_ups(capsys):
 
 
 @pytest.mark.gpu
-def test_the_prefix_graphs_hold_the_steps_first_layers():
+@pytest.mark.parametrize("backend", ["auto", "latency_specialized"])
+def test_the_prefix_graphs_hold_the_steps_first_layers(backend):
     """Each prefix graph replays the input copy and the step's first n layers: as many kernels as the input copy's
     graph plus those layers' own graphs; and each layer's in-step time is positive and near its time alone."""
     from kimi_decode.bench import _Captured, _count_kernels, bench_config
 
-    cap = _Captured(DecodeSlice(backend="auto", tp=16, batch=1, first_layer=1, num_layers=3, context=256,
+    cap = _Captured(DecodeSlice(backend=backend, tp=16, batch=1, first_layer=1, num_layers=3, context=256,
                                 device="cuda"))
     assert len(cap.prefix_graphs) == 4 and cap.prefix_graphs[-1] is cap.step_graph
     copy = _count_kernels(cap.prefix_graphs[0])
@@ -81,7 +82,7 @@ def test_the_prefix_graphs_hold_the_steps_first_layers():
     del cap
 
     args = argparse.Namespace(first_layer=1, layers=2, context=256, copies=2, replays=20, warmup=2, seed=0)
-    res = bench_config("auto", 16, 1, args)
+    res = bench_config(backend, 16, 1, args)
     assert res["copy_us"] > 0
     for row in res["rows"]:
         assert 0.5 * row["us"] < row["in_step_us"] < 1.2 * row["us"], row
