@@ -105,6 +105,19 @@ class _Captured:
             self.layer_graphs.append(g)
 
 
+def _median_us(rounds: list[list[torch.cuda.CUDAGraph]]) -> list[float]:
+    """Each round's graphs replayed back to back, a CUDA event before each and after the last; per position in the
+    round, the median over rounds of the microseconds between its events."""
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)] for graphs in rounds]
+    for graphs, ev in zip(rounds, marks):
+        for e, g in zip(ev, graphs):
+            e.record()
+            g.replay()
+        ev[-1].record()
+    torch.cuda.synchronize()
+    return [statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 for ev in marks) for i in range(len(rounds[0]))]
+
+
 def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int = 0) -> dict:
     """Time one (backend, tp, batch); with a torch.distributed `group`, this process is rank `rank` of a
     tensor-parallel run and every rank must call this with the same arguments (graphs hold collectives)."""
@@ -119,32 +132,12 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
         for cap in copies:
             for g in cap.layer_graphs + cap.prefix_graphs:
                 g.replay()
-    starts = [[torch.cuda.Event(enable_timing=True) for _ in range(n_layers + 1)] for _ in range(args.replays)]
-    for r in range(args.replays):
-        cap = copies[r % len(copies)]
-        ev = starts[r]
-        for i, g in enumerate(cap.layer_graphs):
-            ev[i].record()
-            g.replay()
-        ev[n_layers].record()
-    torch.cuda.synchronize()
-    layer_us = [statistics.median(starts[r][i].elapsed_time(starts[r][i + 1]) * 1e3 for r in range(args.replays))
-                for i in range(n_layers)]
-
+    layer_us = _median_us([copies[r % len(copies)].layer_graphs for r in range(args.replays)])
     # the step's prefixes, shortest first in every round; each replay takes the next copy, so that no graph finds
     # the weights of the one before it in L2
-    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(n_layers + 2)] for _ in range(args.replays)]
-    k = 0
-    for r in range(args.replays):
-        ev = marks[r]
-        for n in range(n_layers + 1):
-            ev[n].record()
-            copies[k % len(copies)].prefix_graphs[n].replay()
-            k += 1
-        ev[n_layers + 1].record()
-    torch.cuda.synchronize()
-    prefix_us = [statistics.median(marks[r][n].elapsed_time(marks[r][n + 1]) * 1e3 for r in range(args.replays))
-                 for n in range(n_layers + 1)]
+    k = n_layers + 1
+    prefix_us = _median_us([[copies[(r * k + n) % len(copies)].prefix_graphs[n] for n in range(k)]
+                            for r in range(args.replays)])
     in_step_us = step_layer_us(prefix_us)
     step_us = prefix_us[-1]
 

@@ -47,6 +47,36 @@ def test_in_step_layer_times_are_what_each_prefix_adds():
         step_layer_us([4.0])
 
 
+def test_graph_times_are_the_median_per_position_over_rounds(monkeypatch):
+    """`_median_us` on a fake clock: an event records the time, a graph's replay advances it by the graph's
+    duration (in ms, as CUDA events measure); per position of the rounds, the median of its graphs' times, in us."""
+    from kimi_decode import bench
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    class Graph:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def replay(self):
+            clock[0] += self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    rounds = [[Graph(0.004), Graph(0.070)], [Graph(0.005), Graph(0.072)], [Graph(0.100), Graph(0.071)]]
+    assert bench._median_us(rounds) == pytest.approx([5.0, 71.0])
+
+
 def _row(backend, layer, us, in_step, floor=50.0):
     return {"backend": backend, "tp": 16, "batch": 1, "layer": layer, "kind": "kda", "us": us, "in_step_us": in_step,
             "kernels": 8, "weight_bytes": 200e6, "state_bytes": 1e6, "floor_us": floor,
