@@ -9,18 +9,14 @@ from kimi_decode import DecodeSlice
 from kimi_decode.bench import _print_table, step_layer_us
 
 
-def _tensors(state):
-    return {name: t.clone() for name, t in state.tensors()}
-
-
 def test_a_step_of_the_first_layers_runs_only_those():
     """`step(layers=n)` copies the input in and advances the first n layers' states, and leaves the others alone;
     the residual state it leaves is the one a slice of just those layers leaves."""
     sl = DecodeSlice(model="tiny", tp=1, batch=2, first_layer=1, num_layers=4, context=16, device="cpu", seed=3)
-    before = [_tensors(st) for st in sl.states]
+    before = [st.clone() for st in sl.states]
     sl.step(layers=2)
     for i, (b, st) in enumerate(zip(before, sl.states)):
-        moved = any(not torch.equal(t, b[name]) for name, t in st.tensors())
+        moved = any(not torch.equal(t, getattr(b, name)) for name, t in st.tensors())
         assert moved == (i < 2), i
     short = DecodeSlice(model="tiny", tp=1, batch=2, first_layer=1, num_layers=2, context=16, device="cpu", seed=3)
     short.step()
@@ -28,10 +24,10 @@ def test_a_step_of_the_first_layers_runs_only_those():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)  # blocks not yet written are NaN
 
     sl.res.partial.fill_(float("nan"))
-    before = [_tensors(st) for st in sl.states]
+    before = [st.clone() for st in sl.states]
     sl.step(layers=0)  # the input copy alone
     assert torch.equal(sl.res.partial, sl.input.partial)
-    assert all(torch.equal(t, b[name]) for b, st in zip(before, sl.states) for name, t in st.tensors())
+    assert all(torch.equal(t, getattr(b, name)) for b, st in zip(before, sl.states) for name, t in st.tensors())
 
 
 @pytest.mark.parametrize("layers", [-1, 5])
