@@ -282,8 +282,8 @@ def diff(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file (html, json) "
                                                    "instead of stdout (json, table).")] = None,
     format: Annotated[Optional[DiffFormat], typer.Option(
-        "--format", "-f", help="Output format [default: html when -o ends in .html, json for .json, else "
-                               "table].")] = None,
+        "--format", "-f", help="Output format.",
+        show_default="html when -o ends in .html, json for .json, else table")] = None,
     gate: Annotated[Optional[float], typer.Option(
         "--gate", help="Exit with code 1 when NEW takes more than RATIO times BASE's time per layer, for any "
                        "layer kind or over all layers (e.g. 1.05 allows 5% slower).", metavar="RATIO")] = None,
@@ -296,14 +296,14 @@ def diff(
         "--pair", help="Also report the overlap of A with B, as 'A,B' with class:NAME, stage:NAME or "
                        "kernel:REGEX selectors; repeatable.")] = None,
     consumer: Annotated[Optional[list[str]], typer.Option(
-        "--consumer", help="A stage that consumes prefetched data; repeatable [default: every stage but prefetch "
-                           "and allreduce].")] = None,
+        "--consumer", help="A stage that consumes prefetched data; repeatable.",
+        show_default="every stage but prefetch and allreduce")] = None,
     ncu_base: Annotated[Optional[Path], typer.Option("--ncu-base", help="ncu --csv export of BASE's consumer "
                                                      "kernels (L2 hit rate, DRAM bytes).")] = None,
     ncu_new: Annotated[Optional[Path], typer.Option("--ncu-new", help="ncu --csv export of NEW's consumer "
                                                     "kernels.")] = None,
-    base_label: Annotated[Optional[str], typer.Option("--base-label", help="Name of BASE in the output "
-                                                      "[default: its backend or file name].")] = None,
+    base_label: Annotated[Optional[str], typer.Option("--base-label", help="Name of BASE in the output.",
+                                                      show_default="its backend or file name")] = None,
     new_label: Annotated[Optional[str], typer.Option("--new-label", help="Name of NEW in the output.")] = None,
     layer_regex: Annotated[str, typer.Option("--layer-regex", help="As for kprof analyze.")] = DEFAULT_LAYER_REGEX,
 ) -> None:

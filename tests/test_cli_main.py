@@ -1,4 +1,5 @@
 """The installed `kprof` entry point: usage errors and exit codes as a user sees them (one line, no traceback)."""
+import os
 import subprocess
 import sys
 
@@ -7,9 +8,9 @@ import pytest
 EXAMPLES = "examples/captures"
 
 
-def kprof(*args, cwd=None):
+def kprof(*args, cwd=None, env=None):
     return subprocess.run([sys.executable, "-m", "profiler.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -22,6 +23,16 @@ def test_usage_errors_are_one_line_and_exit_2(args, message):
     assert out.returncode == 2
     assert out.stderr.startswith("kprof: error:") and message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_diff_help_shows_the_defaults_that_depend_on_other_options():
+    # the help renderer reads "[...]" in help text as markup and drops it: these defaults must reach the user
+    out = kprof("diff", "--help", env={**os.environ, "COLUMNS": "300", "NO_COLOR": "1"})
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for default in ("html when -o ends in .html, json for .json, else table",
+                    "every stage but prefetch and allreduce", "its backend or file name"):
+        assert default in text
 
 
 def test_a_file_of_another_kind_exits_2(tmp_path):
