@@ -25,7 +25,9 @@ import sys
 import torch
 
 from .model import decode_layer
-from .slice import DecodeSlice
+from .backends import backend_class
+from .config import shard as make_shard
+from .slice import DecodeSlice, check_slice
 from .state import KDAState, MLACache
 from .weights import DenseMLPWeights, LayerWeights, MoEWeights
 
@@ -189,6 +191,23 @@ def _print_table(results: list[dict]) -> None:
             print(f"  tp {tp} batch {batch} layer {layer}: {others}")
 
 
+def check_args(args, tps) -> None:
+    """ValueError with the first reason a requested configuration cannot run, found before anything is built or
+    timed: a bad value late in a list would otherwise end the run after the configurations before it had taken their
+    minutes, with nothing printed."""
+    for name in args.backend:
+        backend_class(name)
+    for what in ("copies", "replays", "context"):
+        if getattr(args, what) < 1:
+            raise ValueError(f"--{what} {getattr(args, what)}: at least 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: at least 0")
+    for tp in tps:
+        shard = make_shard("k3", tp=tp)
+        for batch in args.batch:
+            check_slice(shard, batch, args.first_layer, args.layers)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kimi_decode.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", nargs="+", default=["auto"])
@@ -203,6 +222,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write every row to this JSON file")
     args = p.parse_args(argv)
+    try:
+        check_args(args, args.tp)
+    except ValueError as exc:
+        print(f"kimi_decode.bench: error: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("kimi_decode.bench: error: needs a CUDA device", file=sys.stderr)
         return 2
@@ -218,14 +242,20 @@ def main(argv=None) -> int:
     _print_table(results)
     if args.json:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-        from analyzers.trace import atomic_output  # written whole or not at all
+        return write_json(args.json, {"meta": meta, "results": results}, "kimi_decode.bench")
+    return 0
 
-        try:
-            with atomic_output(args.json) as f:
-                f.write(json.dumps({"meta": meta, "results": results}, indent=1).encode())
-        except OSError as exc:
-            print(f"kimi_decode.bench: error: {exc}", file=sys.stderr)
-            return 1
+
+def write_json(path: str, payload: dict, prog: str) -> int:
+    """Writes `payload` to `path` whole or not at all; 0, or 1 after a one-line error naming `prog`."""
+    from analyzers.trace import atomic_output
+
+    try:
+        with atomic_output(path) as f:
+            f.write(json.dumps(payload, indent=1).encode())
+    except OSError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -167,7 +167,7 @@ def run_ranks(target, world: int, extra: tuple, out_dir: str, deadline_s: float)
 
 
 def main(argv=None) -> int:
-    from kimi_decode.bench import _print_table
+    from kimi_decode.bench import _print_table, check_args, write_json
 
     p = argparse.ArgumentParser(prog="python -m kimi_decode.dist_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2, help="GPUs = ranks = tensor-parallel size")
@@ -186,6 +186,11 @@ def main(argv=None) -> int:
     p.add_argument("--trace-steps", type=int, default=20)
     p.add_argument("--json", help="write every rank's results to this JSON file")
     args = p.parse_args(argv)
+    try:
+        check_args(args, [args.world])
+    except ValueError as exc:
+        print(f"kimi_decode.dist_bench: error: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     if torch.cuda.device_count() < args.world:
@@ -212,7 +217,7 @@ def main(argv=None) -> int:
         for t in r["traces"]:
             print(f"rank {r['rank']}: {t['kprof']} ({t['graph_mapping']})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "ranks": ranks}, indent=1))
+        return write_json(args.json, {"args": vars(args), "ranks": ranks}, "kimi_decode.dist_bench")
     return 0
 
 

@@ -25,18 +25,25 @@ from .weights import init_layer
 MAX_BATCH = 64
 
 
+def check_slice(shard: ShardConfig, batch: int, first_layer: int, num_layers: int) -> None:
+    """ValueError unless a slice of `num_layers` layers from `first_layer`, decoding `batch` sequences, exists on
+    `shard`'s model."""
+    m = shard.model
+    if not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch {batch} is outside the supported 1..{MAX_BATCH} single-token sequences")
+    if num_layers < 1 or first_layer < 0 or first_layer + num_layers > m.num_layers:
+        raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} are outside "
+                         f"0..{m.num_layers - 1} of {m.name}")
+
+
 class DecodeSlice:
     def __init__(self, backend: str = "auto", model: str = "k3", tp: int = 16, rank: int = 0, batch: int = 1,
                  first_layer: int = 1, num_layers: int = 4, context: int = 8192, seed: int = 0,
                  device: str | torch.device = "cuda", group=None, pad_experts: bool = True,
                  shard: ShardConfig | None = None):
         self.shard = shard or make_shard(model, tp=tp, rank=rank, pad_experts=pad_experts)
+        check_slice(self.shard, batch, first_layer, num_layers)
         m = self.shard.model
-        if not 1 <= batch <= MAX_BATCH:
-            raise ValueError(f"batch {batch} is outside the supported 1..{MAX_BATCH} single-token sequences")
-        if num_layers < 1 or first_layer < 0 or first_layer + num_layers > m.num_layers:
-            raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} are outside "
-                             f"0..{m.num_layers - 1} of {m.name}")
         self.device = torch.device(device)
         self.batch, self.context, self.seed, self.group = batch, context, seed, group
         self.layer_ids = list(range(first_layer, first_layer + num_layers))

@@ -1,6 +1,7 @@
 """`python -m kimi_decode.bench`: the in-step layer times from the step's prefix graphs, the table it prints, and on
 a GPU the prefix graphs themselves."""
 import argparse
+import json
 
 import pytest
 import torch
@@ -71,6 +72,44 @@ def test_graph_times_are_the_median_per_position_over_rounds(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     rounds = [[Graph(0.004), Graph(0.070)], [Graph(0.005), Graph(0.072)], [Graph(0.100), Graph(0.071)]]
     assert bench._median_us(rounds) == pytest.approx([5.0, 71.0])
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("bench", ["--backend", "auto", "nope"], "unknown backend 'nope'"),
+    ("bench", ["--tp", "16", "5"], "do not divide by tp=5"),  # the valid TP16 is not run first
+    ("bench", ["--batch", "1", "65"], "batch 65 is outside"),
+    ("bench", ["--first-layer", "90"], "layers 90..93 are outside 0..92"),
+    ("bench", ["--replays", "0"], "--replays 0"),
+    ("bench", ["--copies", "0"], "--copies 0"),
+    ("bench", ["--warmup", "-1"], "--warmup -1"),
+    ("dist_bench", ["--world", "5"], "do not divide by tp=5"),
+    ("dist_bench", ["--batch", "0"], "batch 0 is outside"),
+])
+def test_a_configuration_that_cannot_run_is_refused_before_anything_runs(module, argv, message, capsys,
+                                                                           monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(f"kimi_decode.{module}")
+    # on a GPU machine too: the check comes before any slice is built or timed
+    monkeypatch.setattr(mod, "bench_config", lambda *a, **k: pytest.fail("a configuration ran"), raising=False)
+    assert mod.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kimi_decode.{module}: error:") and message in err and len(err.splitlines()) == 1
+
+
+def test_the_json_is_written_whole_or_not_at_all(tmp_path, capsys):
+    from kimi_decode.bench import write_json
+
+    path = tmp_path / "out.json"
+    assert write_json(str(path), {"results": [1, 2]}, "kimi_decode.bench") == 0
+    assert json.loads(path.read_text()) == {"results": [1, 2]}
+    missing = tmp_path / "no_such_dir" / "out.json"
+    assert write_json(str(missing), {"results": []}, "kimi_decode.bench") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kimi_decode.bench: error:") and len(err.splitlines()) == 1
+    with pytest.raises(TypeError):  # not serialisable: the file already there is left as it was
+        write_json(str(path), {"results": object()}, "kimi_decode.bench")
+    assert json.loads(path.read_text()) == {"results": [1, 2]} and [f.name for f in tmp_path.iterdir()] == ["out.json"]
 
 
 def _row(backend, layer, us, in_step, floor=50.0):
