@@ -15,13 +15,14 @@ and, from one profiled launch of each, the kernels cuBLAS ran and their CTAs.
     python benchmarks/cublas_fill.py --tp 16 8 --rows 32 64 --json out.json [--blas cublaslt]
 """
 import argparse
-import json
 import os
+import sys
 import tempfile
 
 import torch
 
 from graph_timing import launch_us
+from kimi_decode.bench import write_json
 from kimi_decode.config import shard
 from kimi_decode.testing import projection_shapes
 
@@ -59,7 +60,7 @@ def chunked(x, ws, y, streams, bounds):
         main.wait_stream(s)
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, nargs="+", default=[16, 8])
     p.add_argument("--rows", type=int, nargs="+", default=[64])
@@ -116,10 +117,11 @@ def main() -> None:
             del ws, wts
             torch.cuda.empty_cache()
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "blas": a.blas, "sms": torch.cuda.get_device_properties(0)
-                       .multi_processor_count, "rows": out}, f, indent=1)
+        return write_json(a.json, {"gpu": torch.cuda.get_device_name(), "blas": a.blas,
+                                   "sms": torch.cuda.get_device_properties(0).multi_processor_count, "rows": out},
+                          "cublas_fill")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,15 +13,15 @@ start; "(ahead)" under "0"). The weights are as stored (TP16: w2 rows with the p
 backend's compact copy drops).
 """
 import argparse
-import json
 import os
 import statistics
+import sys
 from unittest import mock
 
 import torch
 
 from graph_timing import launch_us
-from kimi_decode.bench import expert_bytes
+from kimi_decode.bench import expert_bytes, write_json
 from kimi_decode.config import shard
 from kimi_decode.kernels import triton_kernels as tk
 from kimi_decode.kernels.cute_common import launch
@@ -114,5 +114,4 @@ for tp in a.tp:
     del w
     torch.cuda.empty_cache()
 if a.json:
-    with open(a.json, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    sys.exit(write_json(a.json, {"gpu": torch.cuda.get_device_name(), "rows": rows}, "expert_sweep"))

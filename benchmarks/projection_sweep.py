@@ -7,11 +7,12 @@ Each variant runs as a CUDA graph of back-to-back launches over rotated weight c
 replays, the median per launch; bytes are the weights plus x and y; TB/s against the 4.3 TB/s HBM floor.
 """
 import argparse
-import json
+import sys
 
 import torch
 
 from graph_timing import launch_us
+from kimi_decode.bench import write_json
 from kimi_decode.config import shard
 from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
 from kimi_decode.kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX, RowsPlan, rows_plan_for, project_rows
@@ -92,5 +93,4 @@ for tp in a.tp:
         del ws
         torch.cuda.empty_cache()
 if a.json:
-    with open(a.json, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+    sys.exit(write_json(a.json, {"gpu": torch.cuda.get_device_name(), "rows": rows_out}, "projection_sweep"))

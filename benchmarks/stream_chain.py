@@ -24,7 +24,6 @@ also compute and wait on dependent loads, these are upper bounds on what the lay
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kimi_decode.bench import write_json  # noqa: E402
 from kimi_decode.config import shard  # noqa: E402
 from kimi_decode.kernels.cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, fake_like,  # noqa: E402
                                              launch, signature, sm_count)
@@ -258,9 +258,8 @@ def main(argv=None) -> int:
         print(f"{r['tp']:>3}{r['batch']:>6}  {r['what']:<16}{r['mode']:<16}{r['kernels']:>8}"
               f"{r['bytes'] / 1e6:>9.2f}{r['us']:>9.2f}{r['pct_floor']:>9.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name(), "sms": sms,
-                                                        "threads": THREADS, "unroll": UNROLL},
-                                               "rows": rows}, indent=1))
+        return write_json(args.json, {"meta": {"device": torch.cuda.get_device_name(), "sms": sms,
+                                               "threads": THREADS, "unroll": UNROLL}, "rows": rows}, "stream_chain")
     return 0
 
 

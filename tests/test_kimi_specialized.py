@@ -575,7 +575,7 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
 
     s = shard("k3", tp=tp, pad_experts=pad)
     m = s.model
-    L, k = m.moe_latent, m.top_k
+    L = m.moe_latent
     bf = torch.bfloat16
 
     def compile_for(**kw):

@@ -25,7 +25,7 @@ from kimi_decode.vllm_plugin import expert_stage as ST  # noqa: E402
 from kimi_decode.vllm_plugin import experts as X  # noqa: E402
 from kimi_decode.vllm_plugin.repack import EXPERT_TENSORS  # noqa: E402
 from kimi_decode.vllm_plugin.settings import AUTO_HINT  # noqa: E402
-from kimi_decode.weights import MoEWeights, init_layer  # noqa: E402
+from kimi_decode.weights import init_layer  # noqa: E402
 
 TOKENS = (1, 7, 64, 300)
 MOE_LAYERS = ("1", "2", "3")  # of the tiny K3 in k3_tiny_vllm.py: layer 0 is dense
