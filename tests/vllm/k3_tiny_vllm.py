@@ -223,6 +223,8 @@ def _compute(model, vc, s, layer: int) -> dict:
 
 
 def main():
+    import atexit
+    import shutil
     import tempfile
 
     # vLLM's MLA post-processing (absorbing kv_b_proj into W_UK_T/W_UV) fails on the CPU build ("kv_b_proj weight (0,)"
@@ -237,6 +239,7 @@ def main():
     layer_utils.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: prepack(layer, remove_weight=False)
 
     tmp = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # vLLM's configs and the process group's rendezvous file
     on_vc, off_vc = _vllm_config(tmp, ON), _vllm_config(tmp, {})
     with set_current_vllm_config(on_vc):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
