@@ -440,6 +440,63 @@ def test_gemv_preload_setting_other_than_a_whole_number_is_refused_by_name(monke
             preload_setting()
 
 
+@pytest.mark.parametrize("name, bad, good", [
+    ("KIMI_DECODE_CUTE_ATTN_RES", "yes", "0"), ("KIMI_DECODE_OVERLAP", "2", "0"), ("KIMI_DECODE_SHARED_GLU", "on", "0"),
+    ("KIMI_DECODE_FUSED_GATE", "", "0"), ("KIMI_DECODE_FUSED_ROUTER", "off", "0"), ("KIMI_DECODE_MOE_ENTRY", "no", "0"),
+    ("KIMI_DECODE_FUSED_O_RES", "true", "0"), ("KIMI_DECODE_EXPERTS_ONE_KERNEL", "yes", "1"),
+    ("KIMI_DECODE_SHARED_ONE_KERNEL", "2", "1"), ("KIMI_DECODE_TC_PLAIN", "cublas", "0"),
+    ("KIMI_DECODE_SHARED_IN_EXPERTS", "always", "1"), ("KIMI_DECODE_SHARED_GLU_IN", "w2", "w13"),
+    ("KIMI_DECODE_TC_MIN_ROWS", "0", "4"), ("KIMI_DECODE_TC_MAX_ROWS", "65", "3"),
+    ("KIMI_DECODE_PREFETCH_MB", "lots", "12"), ("KIMI_DECODE_PREFETCH_MB", "-1", "0.5"),
+])
+def test_backend_settings_with_a_bad_value_are_refused_by_name(monkeypatch, name, bad, good):
+    """A mistyped setting fails when the backend is built, naming the variable, instead of quietly running a
+    configuration nobody asked for (before, anything but "0" turned most of these on)."""
+    monkeypatch.setenv(name, good)
+    get_backend("latency_specialized")
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=name):
+        get_backend("latency_specialized")
+
+
+def test_kernel_settings_with_a_bad_value_are_refused_by_name(monkeypatch):
+    from kimi_decode.kernels.cute_common import env_flag, pdl_prefetch_iters
+    from kimi_decode.kernels.moe_mxfp4 import rider_split
+
+    monkeypatch.setenv("KIMI_DECODE_PDL_PREFETCH_ITERS", "4")
+    assert pdl_prefetch_iters() == 4
+    monkeypatch.setenv("KIMI_DECODE_PDL_PREFETCH_ITERS", "four")
+    with pytest.raises(ValueError, match="KIMI_DECODE_PDL_PREFETCH_ITERS"):
+        pdl_prefetch_iters()
+    monkeypatch.delenv("KIMI_DECODE_SHARED_RIDER_SPLIT", raising=False)
+    assert rider_split(10**6, 7) == 1  # many rows: one warp per row pair
+    monkeypatch.setenv("KIMI_DECODE_SHARED_RIDER_SPLIT", "7")
+    assert rider_split(10**6, 7) == 7
+    for bad in ("3", "8", "seven"):  # not a divisor of the CTA's 7 warps
+        monkeypatch.setenv("KIMI_DECODE_SHARED_RIDER_SPLIT", bad)
+        with pytest.raises(ValueError, match="KIMI_DECODE_SHARED_RIDER_SPLIT"):
+            rider_split(10**6, 7)
+    monkeypatch.setenv("KIMI_DECODE_KDA_STATE_FIRST", "0")
+    assert env_flag("KIMI_DECODE_KDA_STATE_FIRST", "1") is False
+    monkeypatch.delenv("KIMI_DECODE_KDA_STATE_FIRST")
+    assert env_flag("KIMI_DECODE_KDA_STATE_FIRST", "1") is True
+
+
+@needs_cute
+def test_kernel_switches_with_a_bad_value_are_refused_by_name_before_compiling(monkeypatch):
+    from kimi_decode.kernels.gemv import compile_gemv
+    from kimi_decode.kernels.kda_decode import compile_kda_decode
+
+    s = shard("k3", tp=16)
+    monkeypatch.setenv("KIMI_DECODE_KDA_STATE_FIRST", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_STATE_FIRST must be one of 0, 1, not 'yes'"):
+        compile_kda_decode(*_kda_args(s, 1), b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
+    monkeypatch.setenv("KIMI_DECODE_GEMV_EPI_EARLY", "late")
+    with pytest.raises(ValueError, match="KIMI_DECODE_GEMV_EPI_EARLY must be one of 0, 1, not 'late'"):
+        compile_gemv(torch.empty(7168, 3584, dtype=torch.bfloat16), torch.empty(1, 3584, dtype=torch.bfloat16),
+                     torch.empty(1, 7168), accumulate=True)
+
+
 @needs_cute
 def test_kda_trigger_setting_is_refused_by_name(monkeypatch):
     from kimi_decode.kernels.kda_decode import compile_kda_decode

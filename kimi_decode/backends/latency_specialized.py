@@ -20,8 +20,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   With `KIMI_DECODE_SHARED_ONE_KERNEL=1` the two GEMVs are the two stages of one kernel (`kernels/shared_mlp.py`;
   off by default: slower, NOTES v12);
 - the KDA core, at any batch up to 64: one fused kernel (conv, gate, beta, L2 norms, delta rule, gated RMSNorm;
-  `kernels/kda_decode.py`, each head's state rows over 4 thread groups, `KIMI_DECODE_KDA_SPLIT`; above batch 8 on
-  the generic path's projections);
+  `kernels/kda_decode.py`, each head's state rows over 4 thread groups, 2 from 17 sequences, `KIMI_DECODE_KDA_SPLIT`;
+  above batch 8 on the generic path's projections);
   up to batch 8 it also applies the decay gate's low-rank up-projection f_b, read from a column-major copy of f_b
   that the backend makes once per weight outside any capture (`_f_b_columns`; one GEMV kernel fewer;
   `KIMI_DECODE_FUSED_GATE=0`: the f_b GEMV as its own kernel, for A/B);
@@ -196,6 +196,18 @@ TC_MAX_ROWS = 16
 # L2 prefetch per streaming projection, in MB: off by default, since on the H200 12 / 24 / 40 MB made the TP16 batch-1
 # KDA layer 1.1 / 3.3 / 5.9 us slower (benchmarks/NOTES.md, v6); KIMI_DECODE_PREFETCH_MB turns it on
 PREFETCH_MB = 0
+
+
+def prefetch_mb() -> float:
+    """KIMI_DECODE_PREFETCH_MB: MB of the next projection's weights asked of L2 (default PREFETCH_MB: none)."""
+    raw = os.environ.get("KIMI_DECODE_PREFETCH_MB", str(PREFETCH_MB))
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb < 1024:
+        raise ValueError(f"KIMI_DECODE_PREFETCH_MB must be a number of MB in 0..1024, not {raw!r}")
+    return mb
 # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
 # and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
 GLU_MAX_ROWS = 1
@@ -276,13 +288,13 @@ class LatencySpecializedBackend(AutoBackend):
         self._blas_lib = "cublas"  # `cublas_library()` as read when the layer began
         self._res_fast = False
         self._experts_fast = False
-        self._cute_attn_res = os.environ.get("KIMI_DECODE_CUTE_ATTN_RES", "1") != "0"
-        self._overlap_on = os.environ.get("KIMI_DECODE_OVERLAP", "1") != "0"
-        self._prefetch_bytes = int(float(os.environ.get("KIMI_DECODE_PREFETCH_MB", PREFETCH_MB)) * 2**20)
+        self._cute_attn_res = cute_common.env_flag("KIMI_DECODE_CUTE_ATTN_RES", "1")
+        self._overlap_on = cute_common.env_flag("KIMI_DECODE_OVERLAP", "1")
+        self._prefetch_bytes = int(prefetch_mb() * 2**20)
         self._lw = None
-        self._shared_glu = os.environ.get("KIMI_DECODE_SHARED_GLU", "1") != "0"  # 0: GLU as its own kernel (A/B)
+        self._shared_glu = cute_common.env_flag("KIMI_DECODE_SHARED_GLU", "1")  # 0: GLU as its own kernel (A/B)
         # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
-        self._fused_gate = os.environ.get("KIMI_DECODE_FUSED_GATE", "1") != "0"
+        self._fused_gate = cute_common.env_flag("KIMI_DECODE_FUSED_GATE", "1")
         # (layout, id(weight)) -> (weak reference to the weight, its copy in that layout): `_copy_of`
         self._copies: dict[tuple[str, int], tuple] = {}
         # the expert kernels' MXFP4 codes in quad-major order (`moe_mxfp4.quad_major`: no word exchange between
@@ -293,7 +305,7 @@ class LatencySpecializedBackend(AutoBackend):
         # KIMI_DECODE_W2_COMPACT=0 keeps the stored width, for A/B
         self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "1", ("0", "1")) == "1"
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
-        self._fused_router = os.environ.get("KIMI_DECODE_FUSED_ROUTER", "1") != "0"  # 0: GEMV + top-k (A/B)
+        self._fused_router = cute_common.env_flag("KIMI_DECODE_FUSED_ROUTER", "1")  # 0: GEMV + top-k (A/B)
         # the most rows `route_topk` routes, the generic path's Triton top-k above (`ROUTE_TOPK_ROWS`)
         self._topk_rows = ROUTE_TOPK_ROWS[cute_common.env_choice("KIMI_DECODE_CUTE_TOPK", "1", tuple(ROUTE_TOPK_ROWS))]
         # "latent": where the MoE block forks, the shared experts start only once the latent down-projection is
@@ -309,33 +321,33 @@ class LatencySpecializedBackend(AutoBackend):
         self._router_warps = cute_common.env_int("KIMI_DECODE_ROUTER_WARPS", ROUTER_WARPS, 0, gemm_tc_rows.MAX_WARPS,
                                                  "warps per CTA") or None
         # 0: the router and the latent down-projection as two kernels on two streams (A/B)
-        self._moe_entry_on = os.environ.get("KIMI_DECODE_MOE_ENTRY", "1") != "0"
+        self._moe_entry_on = cute_common.env_flag("KIMI_DECODE_MOE_ENTRY", "1")
         self._moe_entry = False  # this layer's router runs inside the latent down-projection's kernel
         # 1: the per-pair expert kernels as one two-stage kernel, and the shared experts at batch 1 too; off by
         # default: 8 kernels per KDA layer at batch 1 that way, but 3 / 9 us slower at TP16 (NOTES, v12)
-        self._experts_one_on = os.environ.get("KIMI_DECODE_EXPERTS_ONE_KERNEL", "0") == "1"
-        self._shared_one_on = os.environ.get("KIMI_DECODE_SHARED_ONE_KERNEL", "0") == "1"
+        self._experts_one_on = cute_common.env_flag("KIMI_DECODE_EXPERTS_ONE_KERNEL", "0")
+        self._shared_one_on = cute_common.env_flag("KIMI_DECODE_SHARED_ONE_KERNEL", "0")
         # at batch 1 the shared experts inside other kernels where their rows are few (TP16: 8 kernels per KDA layer
         # and 0.8 us faster than on their own stream; at TP8 without PDL 1.2-3.4 us slower: NOTES, v13), and with
         # PDL (TP8: 119.0 us against 120.4 forked without it, NOTES v14); KIMI_DECODE_SHARED_IN_EXPERTS=1 / 0:
         # always / never (A/B)
-        self._shared_riders_on = os.environ.get("KIMI_DECODE_SHARED_IN_EXPERTS", "auto")
+        self._shared_riders_on = cute_common.env_choice("KIMI_DECODE_SHARED_IN_EXPERTS", "auto", ("auto", "0", "1"))
         self._shared_riders = False  # this layer's shared experts run inside the expert kernels
         # where their gate/up GEMV goes then: "entry" (the router's and latent down-projection's kernel; TP16 batch 1
         # 94.4 us on the H200) or "w13" (CTAs in the w13 expert kernel, 96.1 us); NOTES, v13
-        self._glu_in_entry = os.environ.get("KIMI_DECODE_SHARED_GLU_IN", "entry") != "w13"
+        self._glu_in_entry = cute_common.env_choice("KIMI_DECODE_SHARED_GLU_IN", "entry", ("entry", "w13")) == "entry"
         # 1: the entry kernel's down-projection CTAs also ask L2 for the selected experts' w13 rows once the router
         # has chosen them (`moe_entry`'s prefetch), for the w13 kernel after it; off: 0.6-1.8 us slower (NOTES, item 41)
         self._entry_prefetch = cute_common.env_choice("KIMI_DECODE_ENTRY_PREFETCH", "0", ("0", "1")) == "1"
         self._pending_shared = None  # (gate_up, x, act, down, out) of those, until routed_experts
         self._pending_route = None  # (x, logits, ids, weights) of that router, until routed_experts
         # 0: the output projection and the AttnRes after it as two kernels (A/B)
-        self._fused_o_res_on = os.environ.get("KIMI_DECODE_FUSED_O_RES", "1") != "0"
+        self._fused_o_res_on = cute_common.env_flag("KIMI_DECODE_FUSED_O_RES", "1")
         self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
         self._pending_o = None  # (o, W, a) of that projection, a its output, until the AttnRes call
-        self._tc_rows = (int(os.environ.get("KIMI_DECODE_TC_MIN_ROWS", TC_MIN_ROWS)),
-                         int(os.environ.get("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS)))
-        self._tc_plain = os.environ.get("KIMI_DECODE_TC_PLAIN", "1") == "1"  # plain projections on tensor cores too
+        self._tc_rows = (cute_common.env_int("KIMI_DECODE_TC_MIN_ROWS", TC_MIN_ROWS, 1, FAST_MAX_ROWS, "rows"),
+                         cute_common.env_int("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS, 0, FAST_MAX_ROWS, "rows"))
+        self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
         self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)

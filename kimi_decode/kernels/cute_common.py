@@ -67,7 +67,7 @@ def _sm_count(index: int) -> int:
 PDL_SETTINGS = ("auto", "0", "1")
 PDL_TRIGGERS = ("wait", "start")
 # GEMV loop iterations of weights asked of L2 before the wait (`SmallBatchGemv.project`): none by default, since on the
-# H200 at TP16 batch 1 4 / 8 iterations made the layer 1.4 / 5.5 us slower (TP8: within 0.7 us; NOTES, v14)
+# H200 at TP16 batch 1 4 / 8 iterations made the layer 1.4-1.5 / 3.5-4.1 us slower (TP8: within 1 us; NOTES, v14)
 PDL_PREFETCH_ITERS = 0
 # kernels launched without PDL by default: the w13 expert kernel with the shared experts' gate/up CTAs (the
 # `KIMI_DECODE_SHARED_GLU_IN=w13` placement). The plain w13 kernel was on this list from v14 (its CTAs, launched early,
@@ -84,6 +84,11 @@ def env_choice(name: str, default: str, allowed: tuple) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
     return value
+
+
+def env_flag(name: str, default: str) -> bool:
+    """The on/off environment variable `name`: "1" on, "0" off (`default` when unset), anything else refused by name."""
+    return env_choice(name, default, ("0", "1")) == "1"
 
 
 def env_int(name: str, default: int, lo: int, hi: int, what: str) -> int:
@@ -109,8 +114,8 @@ def mx_alu() -> bool:
     are bound at batches 8 to 64, to the multiply-add pipe ("1"): the dequantisation's right shift as a `mul.hi`
     (`moe_mxfp4._DEQUANT`), and each ue8m0 scale byte taken out of its word and turned into an fp32 by one mask and
     one `mad` (`moe_mxfp4.mx_scale_of`) instead of a shift, a mask, an add and a shift. The same bits either way.
-    "0", the default, keeps the ALU forms: on the H200 "1" measured 2-5 us slower per layer at batches 8 and 64 and
-    even at batch 1 (benchmarks/NOTES.md, item 40)."""
+    "0", the default, keeps the ALU forms: on the H200 "1" measured slower per layer above batch 1 (+2.1 / +2.3 us at
+    batch 8, +5.2 / +0.6 at batch 64, TP16 / TP8) and even at batch 1 (benchmarks/NOTES.md, item 40)."""
     return env_choice("KIMI_DECODE_MX_ALU", "0", MX_ALU) == "1"
 
 
@@ -162,7 +167,7 @@ def pdl_skipped() -> frozenset:
 def pdl_prefetch_iters() -> int:
     """GEMV weight iterations asked of L2 before the PDL wait (KIMI_DECODE_PDL_PREFETCH_ITERS, default
     PDL_PREFETCH_ITERS)."""
-    return int(os.environ.get("KIMI_DECODE_PDL_PREFETCH_ITERS", PDL_PREFETCH_ITERS))
+    return env_int("KIMI_DECODE_PDL_PREFETCH_ITERS", PDL_PREFETCH_ITERS, 0, 1024, "loop iterations")
 
 
 def pdl_reads_ahead() -> bool:

@@ -19,11 +19,11 @@ cost more than they saved (benchmarks/NOTES.md, v16).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
+                          signature)
 
 if HAVE_CUTE:
     from .cute_common import (copy_async_16, gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2,
@@ -322,7 +322,7 @@ def _kernel_tensors(y, addend, row_scale) -> tuple:
 def compile_gemv(w, x, y, accumulate: bool = False, addend=None, row_scale=None, glu: bool = False):
     extra, ssq = _kernel_tensors(y, addend, row_scale)
     eps = float(row_scale[1]) if row_scale is not None else 0.0
-    epi_early = accumulate and os.environ.get("KIMI_DECODE_GEMV_EPI_EARLY", "1") == "1"
+    epi_early = accumulate and env_flag("KIMI_DECODE_GEMV_EPI_EARLY", "1")
     preload = preload_setting()
     after = row_scale is not None and norm_after()
     key = ("gemv", accumulate, addend is not None, row_scale is not None, glu, eps, epi_early, preload, after,

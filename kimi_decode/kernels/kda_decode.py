@@ -32,7 +32,8 @@ import os
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
+                          signature)
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait, sigmoid
@@ -270,7 +271,7 @@ def inputs_first() -> bool:
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,
                        f_col: int = -1):
     B, H, D, _ = S.shape
-    state_first = os.environ.get("KIMI_DECODE_KDA_STATE_FIRST", "1") == "1"
+    state_first = env_flag("KIMI_DECODE_KDA_STATE_FIRST", "1")
     rank = f.shape[1] if f_col >= 0 else 0
     split = kda_split(D, rank, y.shape[0])
     late = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late")) == "late"

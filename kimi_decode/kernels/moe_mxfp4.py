@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, mx_alu, mx_packed,
-                          norm_weight_first, signature, sm_count)
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, mx_alu,
+                          mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -1019,9 +1019,11 @@ def rider_split(shared_inter: int, warps: int) -> int:
     """Warps per (gate, up) row pair for the shared experts' CTAs in the w13 kernel: all of a CTA's warps (split-K)
     with few row pairs (`few_shared_rows`), else one (`KIMI_DECODE_SHARED_RIDER_SPLIT` sets it, a divisor of the
     CTA's warps, for A/B). On the H200 at TP16 batch 1, 7 against 1: 96.3 against 100.0 us per KDA layer."""
-    env = os.environ.get("KIMI_DECODE_SHARED_RIDER_SPLIT")
-    if env:
-        return int(env)
+    if os.environ.get("KIMI_DECODE_SHARED_RIDER_SPLIT"):
+        split = env_int("KIMI_DECODE_SHARED_RIDER_SPLIT", 1, 1, warps, "warps per row pair")
+        if warps % split:
+            raise ValueError(f"KIMI_DECODE_SHARED_RIDER_SPLIT must divide the CTA's {warps} warps, not {split}")
+        return split
     return warps if few_shared_rows(shared_inter) else 1
 
 

@@ -18,9 +18,9 @@ Step 2 has two forms (`KIMI_DECODE_TOPK_FORM`): "redux", the default, takes each
 reductions (`redux.sync`) over the keys as int32 that order as the floats do, the winning lane then taking its next
 best; "shuffle" finds it with 5 butterfly steps of (score, expert) pairs after a scan of each lane's keys.
 Rows are routed one after another (a row's routing takes ~4 us alone on the H200), so the backend uses this kernel at
-batch 1 only. From 2 to 16 rows the router projection writes the logits and `route_topk` routes them: the same steps
+batch 1 only. From 2 rows on the router projection writes the logits and `route_topk` routes them: the same steps
 in a kernel of one CTA per row, every row at once (5.1-5.4 us per launch alone, the generic Triton top-k 8.3-8.5;
-benchmarks/NOTES.md item 49).
+benchmarks/NOTES.md item 49), up to 64 rows by default (item 64; `KIMI_DECODE_CUTE_TOPK`).
 """
 from __future__ import annotations
 
