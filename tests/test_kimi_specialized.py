@@ -483,28 +483,21 @@ def test_kernel_settings_with_a_bad_value_are_refused_by_name(monkeypatch):
 
 
 @needs_cute
-def test_kernel_switches_with_a_bad_value_are_refused_by_name_before_compiling(monkeypatch):
+@pytest.mark.parametrize("name, bad, allowed", [("KIMI_DECODE_KDA_STATE_FIRST", "yes", "0, 1"),
+                                                ("KIMI_DECODE_KDA_TRIGGER", "early", "wait, late"),
+                                                ("KIMI_DECODE_GEMV_EPI_EARLY", "late", "0, 1")])
+def test_kernel_switches_with_a_bad_value_are_refused_by_name_before_compiling(monkeypatch, name, bad, allowed):
     from kimi_decode.kernels.gemv import compile_gemv
     from kimi_decode.kernels.kda_decode import compile_kda_decode
 
     s = shard("k3", tp=16)
-    monkeypatch.setenv("KIMI_DECODE_KDA_STATE_FIRST", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_STATE_FIRST must be one of 0, 1, not 'yes'"):
-        compile_kda_decode(*_kda_args(s, 1), b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
-    monkeypatch.setenv("KIMI_DECODE_GEMV_EPI_EARLY", "late")
-    with pytest.raises(ValueError, match="KIMI_DECODE_GEMV_EPI_EARLY must be one of 0, 1, not 'late'"):
-        compile_gemv(torch.empty(7168, 3584, dtype=torch.bfloat16), torch.empty(1, 3584, dtype=torch.bfloat16),
-                     torch.empty(1, 7168), accumulate=True)
-
-
-@needs_cute
-def test_kda_trigger_setting_is_refused_by_name(monkeypatch):
-    from kimi_decode.kernels.kda_decode import compile_kda_decode
-
-    s = shard("k3", tp=16)
-    monkeypatch.setenv("KIMI_DECODE_KDA_TRIGGER", "early")
-    with pytest.raises(ValueError, match="KIMI_DECODE_KDA_TRIGGER must be one of wait, late"):
-        compile_kda_decode(*_kda_args(s, 1), b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name} must be one of {allowed}, not '{bad}'"):
+        if name == "KIMI_DECODE_GEMV_EPI_EARLY":
+            compile_gemv(torch.empty(7168, 3584, dtype=torch.bfloat16), torch.empty(1, 3584, dtype=torch.bfloat16),
+                         torch.empty(1, 7168), accumulate=True)
+        else:
+            compile_kda_decode(*_kda_args(s, 1), b_col=s.kda_in_proj_layout["b"][0], eps=1e-5, lower_bound=-5.0)
 
 
 @needs_cute
