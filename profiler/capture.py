@@ -372,6 +372,8 @@ def capture_workload(options: WorkloadOptions, profiler: str, output: Path, comm
     if options.world == 1:
         check_output(output)
     check_backend(options)
+    if options.device.startswith("cuda"):  # first: without a GPU, what the profiler lacks is beside the point
+        check_cuda()
     env = child_env()
     nsys = None
     try:
@@ -385,8 +387,6 @@ def capture_workload(options: WorkloadOptions, profiler: str, output: Path, comm
             raise CaptureError(f"unknown profiler {profiler!r}; choose one of {', '.join(PROFILERS)}")
     except RecorderError as exc:
         raise CaptureError(str(exc)) from None
-    if options.device.startswith("cuda"):
-        check_cuda()
     if options.world > 1:
         return _capture_ranks(options, profiler, output, env, command_line, progress)
 
@@ -493,6 +493,7 @@ def capture_script(command: list[str], profiler: str, output: Path, command_line
     if profiler == "torch":
         raise CaptureError("--profiler torch needs kprof's own workload; record a program with --profiler cupti "
                            "or --profiler nsys")
+    check_cuda()
     nsys = cupti_lib = None
     try:
         if profiler == "cupti":
@@ -506,7 +507,6 @@ def capture_script(command: list[str], profiler: str, output: Path, command_line
             raise CaptureError(f"unknown profiler {profiler!r}; choose one of {', '.join(PROFILERS)}")
     except RecorderError as exc:
         raise CaptureError(str(exc)) from None
-    check_cuda()
     started_at = now()
     stem = output.parent / f".{output.name}.{os.getpid()}"
     name = os.path.basename(command[0])

@@ -75,9 +75,18 @@ def one_error_line(result):
     return lines[0]
 
 
-def test_no_cuda_device_is_one_line_and_exit_2(tmp_path, monkeypatch):
+@pytest.mark.parametrize("profiler", ["torch", "cupti", "nsys"])
+@pytest.mark.parametrize("script", [False, True], ids=["workload", "script"])
+def test_no_cuda_device_is_one_line_and_exit_2(tmp_path, monkeypatch, profiler, script):
+    """Said before anything about the profiler: on a machine without a GPU, installing cupti-python or Nsight
+    Systems would not help."""
+    if script and profiler == "torch":
+        pytest.skip("--profiler torch records only kprof's own workload")
     monkeypatch.setattr(capture, "cuda_available", lambda: False)
-    result = runner.invoke(app, ["capture", "--profiler", "torch", "-o", str(tmp_path / "a.kprof")])
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nsys
+    monkeypatch.setattr(capture, "cupti_library", lambda *a: pytest.fail("the profiler was checked first"))
+    tail = ["--", sys.executable, "-c", "pass"] if script else []
+    result = runner.invoke(app, ["capture", "--profiler", profiler, "-o", str(tmp_path / "a.kprof"), *tail])
     assert result.exit_code == 2
     assert "no CUDA device" in one_error_line(result)
     assert list(tmp_path.iterdir()) == []
@@ -96,6 +105,7 @@ def test_unknown_backend_names_the_available_ones(tmp_path):
 
 
 def test_missing_nsys_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(capture, "cuda_available", lambda: True)
     monkeypatch.setenv("PATH", str(tmp_path))
     result = runner.invoke(app, ["capture", "--profiler", "nsys", "-o", str(tmp_path / "a.kprof")])
     assert result.exit_code == 2
