@@ -407,8 +407,7 @@ def _diff_table(result: dict, color: bool = False) -> str:
         table.add_column(header, justify="left" if header == "kind" else "right")
     for k in result["kinds"]:
         cells = [(k[s] or {}).get(f) for f in ("kernels_per_layer", "us_per_layer") for s in ("base", "new")]
-        table.add_row((k["kind"] or "all").upper(), *("–" if c is None else f"{c:g}" for c in cells),
-                      "–" if k["speedup"] is None else f"{k['speedup']:.2f}x")
+        table.add_row((k["kind"] or "all").upper(), *_diff_cells(cells, k["speedup"]))
     console.print(table)
     if result["ranks"]:
         ranks = Table(title="per rank (the tables above are the merged run: slowest rank per layer and stage)")
@@ -418,17 +417,14 @@ def _diff_table(result: dict, color: bool = False) -> str:
             for k in row["kinds"]:
                 cells = [k["base_kernels_per_layer"], k["new_kernels_per_layer"], k["base_us_per_layer"],
                          k["new_us_per_layer"]]
-                ranks.add_row(str(row["rank"]), (k["kind"] or "all").upper(),
-                              *("–" if c is None else f"{c:g}" for c in cells),
-                              "–" if k["speedup"] is None else f"{k['speedup']:.2f}x")
+                ranks.add_row(str(row["rank"]), (k["kind"] or "all").upper(), *_diff_cells(cells, k["speedup"]))
         console.print(ranks)
     stages = Table(title="per stage (per layer of the kind)")
     for header in ("kind", "stage", f"{b} kernels", f"{n} kernels", f"{b} µs", f"{n} µs", "speed-up"):
         stages.add_column(header, justify="left" if header in ("kind", "stage") else "right")
     for s in result["stages"]:
         cells = [s["base_kernels"], s["new_kernels"], s["base_us"], s["new_us"]]
-        stages.add_row(s["kind"] or "", s["stage"], *("–" if c is None else f"{c:g}" for c in cells),
-                       "–" if s["speedup"] is None else f"{s['speedup']:.2f}x")
+        stages.add_row(s["kind"] or "", s["stage"], *_diff_cells(cells, s["speedup"]))
     console.print(stages)
     ov = result["overlap"]
     console.print(f"communication hidden under compute: {b} {_pct_text(ov['base']['comm_hidden_pct'])}, "
@@ -436,6 +432,14 @@ def _diff_table(result: dict, color: bool = False) -> str:
     pf = result["prefetch"]
     console.print(f"prefetch exposed per step: {b} {pf['base']['exposed_us']:g} µs, {n} {pf['new']['exposed_us']:g} µs")
     return buffer.getvalue()
+
+
+def _diff_cells(cells: list, speedup) -> list[str]:
+    """A diff table row's cells: the two kernel counts as they are, the two times to 0.1 µs, the speed-up; "–" where
+    a side has none."""
+    counts, times = cells[:2], cells[2:]
+    return [*("–" if c is None else f"{c:g}" for c in counts), *("–" if t is None else f"{t:.1f}" for t in times),
+            "–" if speedup is None else f"{speedup:.2f}x"]
 
 
 def _pct_text(value) -> str:

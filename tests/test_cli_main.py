@@ -35,6 +35,16 @@ def test_diff_help_shows_the_defaults_that_depend_on_other_options():
         assert default in text
 
 
+def test_diff_table_rounds_times_to_a_tenth_of_a_microsecond():
+    base, new = f"{EXAMPLES}/auto_tp16_b1.kprof", f"{EXAMPLES}/latency_specialized_tp16_b1.kprof"
+    out = kprof("diff", base, new, "-f", "table", env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    kda = next(line for line in out.stdout.splitlines() if line.strip("│ ").startswith("KDA"))
+    assert [c.strip() for c in kda.strip("│ ").split("│")] == ["KDA", "29", "8", "188.9", "69.6", "2.71x"]
+    stage = next(line for line in out.stdout.splitlines() if "routed_experts" in line)
+    assert [c.strip() for c in stage.strip("│ ").split("│")][2:] == ["7", "3", "87.8", "31.2", "2.82x"]
+
+
 def test_a_file_of_another_kind_exits_2(tmp_path):
     bad = tmp_path / "notes.txt"
     bad.write_text("not a trace\n")
