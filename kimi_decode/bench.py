@@ -208,18 +208,30 @@ def check_args(args, tps) -> None:
             check_slice(shard, batch, args.first_layer, args.layers)
 
 
+def add_run_args(p: argparse.ArgumentParser, backends: list[str], copies: int, replays: int, warmup: int) -> None:
+    """The options `python -m kimi_decode.bench` and `kimi_decode.dist_bench` share, with these defaults."""
+    from .backends import BACKENDS
+
+    p.add_argument("--backend", nargs="+", default=backends, metavar="NAME",
+                   help=f"backends to time, in one process: {', '.join(sorted(BACKENDS))}")
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64], metavar="N",
+                   help="sequences decoded per step, 1 to 64")
+    p.add_argument("--first-layer", type=int, default=1, help="index of the slice's first layer")
+    p.add_argument("--layers", type=int, default=4, help="consecutive layers in the slice")
+    p.add_argument("--context", type=int, default=8192, help="tokens in the MLA layers' caches")
+    p.add_argument("--copies", type=int, default=copies,
+                   help="slices with their own weights, rotated between replays (cold L2)")
+    p.add_argument("--replays", type=int, default=replays, help="CUDA-graph replays per measurement (median)")
+    p.add_argument("--warmup", type=int, default=warmup, help="replays of every graph before timing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and states")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kimi_decode.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", nargs="+", default=["auto"])
-    p.add_argument("--tp", nargs="+", type=int, default=[16, 8])
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
-    p.add_argument("--first-layer", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--copies", type=int, default=3, help="weight copies rotated between replays (cold L2)")
-    p.add_argument("--replays", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(prog="python -m kimi_decode.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tp", nargs="+", type=int, default=[16, 8], metavar="N",
+                   help="tensor-parallel shards to time (one rank of each)")
+    add_run_args(p, ["auto"], copies=3, replays=200, warmup=10)
     p.add_argument("--json", help="also write every row to this JSON file")
     args = p.parse_args(argv)
     try:

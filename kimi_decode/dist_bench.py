@@ -167,23 +167,16 @@ def run_ranks(target, world: int, extra: tuple, out_dir: str, deadline_s: float)
 
 
 def main(argv=None) -> int:
-    from kimi_decode.bench import _print_table, check_args, write_json
+    from kimi_decode.bench import _print_table, add_run_args, check_args, write_json
 
-    p = argparse.ArgumentParser(prog="python -m kimi_decode.dist_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kimi_decode.dist_bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="GPUs = ranks = tensor-parallel size")
-    p.add_argument("--backend", nargs="+", default=["auto", "latency_specialized"])
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
-    p.add_argument("--first-layer", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--copies", type=int, default=2, help="weight copies rotated between replays (cold L2)")
-    p.add_argument("--replays", type=int, default=100)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    add_run_args(p, ["auto", "latency_specialized"], copies=2, replays=100, warmup=5)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a peer")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--trace-dir", help="also record per-rank Kineto traces and .kprof captures here")
-    p.add_argument("--trace-steps", type=int, default=20)
+    p.add_argument("--trace-steps", type=int, default=20, help="decode steps in each trace")
     p.add_argument("--json", help="write every rank's results to this JSON file")
     args = p.parse_args(argv)
     try:

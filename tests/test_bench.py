@@ -97,6 +97,19 @@ def test_a_configuration_that_cannot_run_is_refused_before_anything_runs(module,
     assert err.startswith(f"kimi_decode.{module}: error:") and message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("module, copies", [("bench", 3), ("dist_bench", 2)])
+def test_help_says_what_each_option_is_and_its_default(module, copies, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(f"kimi_decode.{module}").main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "backends to time, in one process: auto, latency_specialized" in text
+    assert f"rotated between replays (cold L2) (default: {copies})" in text
+    assert "sequences decoded per step, 1 to 64 (default: [1, 8, 64])" in text
+
+
 def test_the_json_is_written_whole_or_not_at_all(tmp_path, capsys):
     from kimi_decode.bench import write_json
 
