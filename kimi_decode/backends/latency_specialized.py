@@ -151,7 +151,7 @@ def routed_norm_on() -> bool:
     """KIMI_DECODE_ROUTED_NORM ("1", the default, or "0"): whether the MoE tail after the grouped experts sums their
     per-pair outputs inside its RMSNorm kernel (`rmsnorm.routed_norm`); "0" keeps the reduce-then-norm tail, for
     A/B runs."""
-    return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM", "1", ("0", "1")) == "1"
+    return cute_common.env_flag("KIMI_DECODE_ROUTED_NORM", "1")
 
 
 TC_FORMS = ("rows", "split")
@@ -170,7 +170,7 @@ def pairs_bf16() -> bool:
     before the sum, as vLLM's fused MoE rounds its per-expert outputs) instead of fp32. Not with the split norm,
     which takes fp32. Off by default: on the H200 it took 1.3-1.6 us off the norm kernel at batch 64 and 1-2 us off a
     layer at batches 16 and 64 (benchmarks/NOTES.md, item 46), not worth the extra rounding."""
-    return cute_common.env_choice("KIMI_DECODE_PAIRS_BF16", "0", ("0", "1")) == "1"
+    return cute_common.env_flag("KIMI_DECODE_PAIRS_BF16", "0")
 
 
 def routed_norm_split() -> bool:
@@ -178,7 +178,7 @@ def routed_norm_split() -> bool:
     `rmsnorm.split_ctas` CTAs that copy the pair rows into shared memory, all of a thread's in flight at once
     (`rmsnorm.RoutedNormSplit`), instead of one CTA of 1024 threads per token, whose loads ptxas keeps one or two in
     flight at a time (benchmarks/NOTES.md, item 43)."""
-    return cute_common.env_choice("KIMI_DECODE_ROUTED_NORM_SPLIT", "0", ("0", "1")) == "1"
+    return cute_common.env_flag("KIMI_DECODE_ROUTED_NORM_SPLIT", "0")
 
 
 # bf16 x bf16 -> fp32 accumulated into an fp32 C by one cuBLAS GEMM (torch's `addmm(..., out_dtype=)`, torch 2.9+)
@@ -299,11 +299,11 @@ class LatencySpecializedBackend(AutoBackend):
         self._copies: dict[tuple[str, int], tuple] = {}
         # the expert kernels' MXFP4 codes in quad-major order (`moe_mxfp4.quad_major`: no word exchange between
         # lanes); KIMI_DECODE_QUAD_MAJOR=0 reads the natural rows, for A/B
-        self._quad_major_on = cute_common.env_choice("KIMI_DECODE_QUAD_MAJOR", "1", ("0", "1")) == "1"
+        self._quad_major_on = cute_common.env_flag("KIMI_DECODE_QUAD_MAJOR", "1")
         # that copy of w2 without the zero columns a padded shard stores past the used ones (TP16: 128-byte rows of
         # which 96 are used; measured 2.4 / 6.6 us faster per layer at batch 16 / 64, benchmarks/NOTES.md item 38);
         # KIMI_DECODE_W2_COMPACT=0 keeps the stored width, for A/B
-        self._w2_compact = cute_common.env_choice("KIMI_DECODE_W2_COMPACT", "1", ("0", "1")) == "1"
+        self._w2_compact = cute_common.env_flag("KIMI_DECODE_W2_COMPACT", "1")
         self._overlap = False  # this layer forks the router and the shared experts off the main stream
         self._fused_router = cute_common.env_flag("KIMI_DECODE_FUSED_ROUTER", "1")  # 0: GEMV + top-k (A/B)
         # the most rows `route_topk` routes, the generic path's Triton top-k above (`ROUTE_TOPK_ROWS`)
@@ -338,7 +338,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._glu_in_entry = cute_common.env_choice("KIMI_DECODE_SHARED_GLU_IN", "entry", ("entry", "w13")) == "entry"
         # 1: the entry kernel's down-projection CTAs also ask L2 for the selected experts' w13 rows once the router
         # has chosen them (`moe_entry`'s prefetch), for the w13 kernel after it; off: 0.6-1.8 us slower (NOTES, item 41)
-        self._entry_prefetch = cute_common.env_choice("KIMI_DECODE_ENTRY_PREFETCH", "0", ("0", "1")) == "1"
+        self._entry_prefetch = cute_common.env_flag("KIMI_DECODE_ENTRY_PREFETCH", "0")
         self._pending_shared = None  # (gate_up, x, act, down, out) of those, until routed_experts
         self._pending_route = None  # (x, logits, ids, weights) of that router, until routed_experts
         # 0: the output projection and the AttnRes after it as two kernels (A/B)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait
@@ -47,7 +47,7 @@ def plan(hidden: int) -> tuple[int, int]:
 def blocks_early() -> bool:
     """Whether the AttnRes kernel under PDL reads the committed blocks before its wait (`KIMI_DECODE_ATTN_RES_EARLY`:
     "1", the default, or "0": after it, with the partial)."""
-    return env_choice("KIMI_DECODE_ATTN_RES_EARLY", "1", ("0", "1")) == "1"
+    return env_flag("KIMI_DECODE_ATTN_RES_EARLY", "1")
 
 
 def loads_first() -> bool:
@@ -57,7 +57,7 @@ def loads_first() -> bool:
     the committed block) may alias the delta's next slice, so in the "0" form each slice's delta load is issued
     only once the slice before it is stored, which waits for that slice's loads: one L2 round trip per slice (4 at
     H = 7168), one after another."""
-    return env_choice("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0", ("0", "1")) == "1"
+    return env_flag("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0")
 
 
 def _next_pow2(n: int) -> int:

@@ -106,9 +106,6 @@ def pdl_setting() -> str:
     return env_choice("KIMI_DECODE_PDL", "auto", PDL_SETTINGS)
 
 
-MX_ALU = ("0", "1")
-
-
 def mx_alu() -> bool:
     """KIMI_DECODE_MX_ALU: whether the MXFP4 expert kernels move integer work from the ALU pipe, where their mma loops
     are bound at batches 8 to 64, to the multiply-add pipe ("1"): the dequantisation's right shift as a `mul.hi`
@@ -116,10 +113,7 @@ def mx_alu() -> bool:
     one `mad` (`moe_mxfp4.mx_scale_of`) instead of a shift, a mask, an add and a shift. The same bits either way.
     "0", the default, keeps the ALU forms: on the H200 "1" measured slower per layer above batch 1 (+2.1 / +2.3 us at
     batch 8, +5.2 / +0.6 at batch 64, TP16 / TP8) and even at batch 1 (benchmarks/NOTES.md, item 40)."""
-    return env_choice("KIMI_DECODE_MX_ALU", "0", MX_ALU) == "1"
-
-
-MX_PACKED = ("0", "1")
+    return env_flag("KIMI_DECODE_MX_ALU", "0")
 
 
 def mx_packed() -> bool:
@@ -127,7 +121,7 @@ def mx_packed() -> bool:
     whose copy then also moves each byte's two codes into the fields the dequantisation wants) in 9 instructions per
     word of 8 codes ("1", the default: on the H200 0 to 8 us faster per layer at batches 1 to 64, benchmarks/NOTES.md
     item 56) or in 11 ("0", for A/B runs). The same values either way."""
-    return env_choice("KIMI_DECODE_MX_PACKED", "1", MX_PACKED) == "1"
+    return env_flag("KIMI_DECODE_MX_PACKED", "1")
 
 
 def norm_weight_first() -> bool:
@@ -139,7 +133,7 @@ def norm_weight_first() -> bool:
     the weight, so there every weight load is issued only after the store before it: one round trip per value (4
     per thread in the routed forms, 14 in the row form at the latent width, 2 in the w2 kernels), one after
     another."""
-    return env_choice("KIMI_DECODE_NORM_W_FIRST", "0", ("0", "1")) == "1"
+    return env_flag("KIMI_DECODE_NORM_W_FIRST", "0")
 
 
 def set_layer_pdl(on: bool) -> None:

@@ -19,11 +19,9 @@ cost more than they saved (benchmarks/NOTES.md, v16).
 """
 from __future__ import annotations
 
-
 import torch
 
-from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          signature)
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, env_int, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import (copy_async_16, gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2,
@@ -270,7 +268,7 @@ def norm_after() -> bool:
     adds its partial sums of squares after the weight loop ("1", the default; loaded before it) or before ("0"), where
     the adding waits for their loads and the loop's first weight loads wait for the adding. On the H200 "1" was
     0.7-1.1 us per KDA layer faster at TP16 and 1.1-1.8 at TP8 (benchmarks/NOTES.md item 80)."""
-    return env_choice("KIMI_DECODE_GEMV_NORM_AFTER", "1", ("0", "1")) == "1"
+    return env_flag("KIMI_DECODE_GEMV_NORM_AFTER", "1")
 
 
 def split_for(N: int, K: int, warps: int = WARPS) -> int:

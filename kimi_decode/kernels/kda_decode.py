@@ -265,7 +265,7 @@ def inputs_first() -> bool:
     it is used: the second conv part's input (2 thread groups: from 17 sequences on) after the first part's
     conv-state stores, the f_a words or f after all of them. A load after a store that may alias it (as far as the
     compiler knows) waits for it, so in "0" those are L2 round trips one after another."""
-    return env_choice("KIMI_DECODE_KDA_INPUTS_FIRST", "0", ("0", "1")) == "1"
+    return env_flag("KIMI_DECODE_KDA_INPUTS_FIRST", "0")
 
 
 def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out, *, b_col, eps, lower_bound,

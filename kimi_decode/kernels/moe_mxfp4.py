@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, mx_alu,
-                          mx_packed, norm_weight_first, signature, sm_count)
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
+                          mx_alu, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -895,7 +895,7 @@ def w13_prefetch() -> bool:
     """Whether the per-pair w13 kernel asks L2 for each lane's quads once the expert id is known
     (`KIMI_DECODE_W13_PREFETCH`: "0", the default, or "1"). On the H200 (NOTES, v19) "1" was slower: the kernel's
     own time 9.0 -> 9.8 us at TP16 and 12.7 -> 15.8 at TP8, batch 1."""
-    return env_choice("KIMI_DECODE_W13_PREFETCH", "0", ("0", "1")) == "1"
+    return env_flag("KIMI_DECODE_W13_PREFETCH", "0")
 
 
 def w13_first(tokens: int, quads: int) -> int:

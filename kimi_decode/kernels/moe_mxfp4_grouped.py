@@ -38,8 +38,8 @@ import os
 
 import torch
 
-from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_int, fake_like, launch, signature,
-                          sm_count)
+from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
+                          signature, sm_count)
 from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
                         quad_major_offset, quad_split, w2_scales)
 
@@ -123,15 +123,12 @@ def w13_seg_div(pairs: int) -> int:
     return int(raw)
 
 
-W2_AHEAD = ("0", "1")
-
-
 def w2_ahead() -> bool:
     """KIMI_DECODE_W2_AHEAD: whether the grouped w2 kernel takes its segments' table from lanes and loads each
     segment's first pairs during the segment before (`MoEW2Grouped`, "1", the default: measured 2.4-9.2 us faster per
     layer on the H200 at batches 16 and 64, most at TP8; benchmarks/NOTES.md, item 37), or loads both at the
     segment's start ("0", for A/B runs)."""
-    return env_choice("KIMI_DECODE_W2_AHEAD", "1", W2_AHEAD) == "1"
+    return env_flag("KIMI_DECODE_W2_AHEAD", "1")
 
 
 def _tiles(n: int, most: int) -> int:
