@@ -25,9 +25,9 @@ import sys
 import torch
 
 from .model import decode_layer
-from .backends import backend_class
+from .backends import BACKENDS, backend_class
 from .config import shard as make_shard
-from .slice import DecodeSlice, check_slice
+from .slice import MAX_BATCH, DecodeSlice, check_slice
 from .state import KDAState, MLACache
 from .weights import DenseMLPWeights, LayerWeights, MoEWeights
 
@@ -210,12 +210,10 @@ def check_args(args, tps) -> None:
 
 def add_run_args(p: argparse.ArgumentParser, backends: list[str], copies: int, replays: int, warmup: int) -> None:
     """The options `python -m kimi_decode.bench` and `kimi_decode.dist_bench` share, with these defaults."""
-    from .backends import BACKENDS
-
     p.add_argument("--backend", nargs="+", default=backends, metavar="NAME",
                    help=f"backends to time, in one process: {', '.join(sorted(BACKENDS))}")
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64], metavar="N",
-                   help="sequences decoded per step, 1 to 64")
+                   help=f"sequences decoded per step, 1 to {MAX_BATCH}")
     p.add_argument("--first-layer", type=int, default=1, help="index of the slice's first layer")
     p.add_argument("--layers", type=int, default=4, help="consecutive layers in the slice")
     p.add_argument("--context", type=int, default=8192, help="tokens in the MLA layers' caches")

@@ -181,6 +181,18 @@ def routed_norm_split() -> bool:
     return cute_common.env_flag("KIMI_DECODE_ROUTED_NORM_SPLIT", "0")
 
 
+def prefetch_mb() -> float:
+    """KIMI_DECODE_PREFETCH_MB: MB of the next projection's weights asked of L2 (default PREFETCH_MB: none)."""
+    raw = os.environ.get("KIMI_DECODE_PREFETCH_MB", str(PREFETCH_MB))
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb < 1024:
+        raise ValueError(f"KIMI_DECODE_PREFETCH_MB must be a number of MB in 0..1024, not {raw!r}")
+    return mb
+
+
 # bf16 x bf16 -> fp32 accumulated into an fp32 C by one cuBLAS GEMM (torch's `addmm(..., out_dtype=)`, torch 2.9+)
 _ADDMM_FP32_OUT = "out_dtype" in (torch.addmm.__doc__ or "")
 
@@ -196,18 +208,6 @@ TC_MAX_ROWS = 16
 # L2 prefetch per streaming projection, in MB: off by default, since on the H200 12 / 24 / 40 MB made the TP16 batch-1
 # KDA layer 1.1 / 3.3 / 5.9 us slower (benchmarks/NOTES.md, v6); KIMI_DECODE_PREFETCH_MB turns it on
 PREFETCH_MB = 0
-
-
-def prefetch_mb() -> float:
-    """KIMI_DECODE_PREFETCH_MB: MB of the next projection's weights asked of L2 (default PREFETCH_MB: none)."""
-    raw = os.environ.get("KIMI_DECODE_PREFETCH_MB", str(PREFETCH_MB))
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not 0 <= mb < 1024:
-        raise ValueError(f"KIMI_DECODE_PREFETCH_MB must be a number of MB in 0..1024, not {raw!r}")
-    return mb
 # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
 # and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
 GLU_MAX_ROWS = 1
