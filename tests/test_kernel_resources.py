@@ -137,7 +137,8 @@ def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
         L = s.model.moe_latent
         compile_moe(*_moe_args(s, 1), scaled=(torch.empty(L), torch.empty(1, L, dtype=torch.bfloat16)))
         x, out = torch.empty(8 * 16, L), torch.empty(8, L, dtype=torch.bfloat16)
-        cc.compile_kernel(("rn",), RoutedNorm(L, 1e-5, 16, 7168), *(cc.fake_like(t, align=16 if t is x else 4) for t in
+        cc.compile_kernel(("rn",), RoutedNorm(L, 1e-5, 16, 7168, cc.norm_weight_first(8)),
+                          *(cc.fake_like(t, align=16 if t is x else 4) for t in
                           (x, torch.empty(L), out, torch.empty(8, 7168), torch.empty(8, 7168, dtype=torch.bfloat16))))
     """).replace("TESTS", str(ROOT / "tests"))
     counts = {}

@@ -867,8 +867,9 @@ def test_shared_mlp_refuses_bad_shapes():
 @needs_cute
 def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch):
     """KIMI_DECODE_NORM_W_FIRST: the row norm, both routed norm forms and the w2 expert kernels that write the norm's
-    scaled input compile with the weight loaded first ("1") and as before ("0", the default); other values are
-    refused by name."""
+    scaled input compile with the weight loaded first and as before; "auto", the default, takes the first at one
+    token and the second above it, "1" and "0" the one they name at every batch; other values are refused by
+    name."""
     from kimi_decode.kernels import cute_common as cc
     from kimi_decode.kernels.moe_mxfp4 import compile_moe
     from kimi_decode.kernels.cute_common import norm_weight_first
@@ -879,36 +880,39 @@ def test_norm_weight_first_is_a_variant_of_its_own_for_sm90a(sm90a, monkeypatch)
     out, res, add = torch.empty(8, L, dtype=torch.bfloat16), torch.empty(8, 7168), torch.empty(8, 7168,
                                                                                                   dtype=torch.bfloat16)
     counters, parts = routed_norm_scratch(L, torch.device("cpu"))
+    args = ((x, w, out), (xs, w, out, res, add), (xs, w, out, res, add, counters, parts))
+    for first in (False, True):
+        ops = (RMSNormRows(L, 1e-5, first), RoutedNorm(L, 1e-5, 16, 7168, first),
+               RoutedNormSplit(L, 1e-5, 16, 7168, 64, first))
+        assert all(op.w_first == first for op in ops)
+        assert all(cc.compile_kernel(("norm_w_first", first, i), op, *(cc.fake_like(t, align=16 if t is xs else 4)
+                                                                       for t in a)) is not None
+                   for i, (op, a) in enumerate(zip(ops, args)))
 
-    def compiled(tag):
-        ops = (RMSNormRows(L, 1e-5), RoutedNorm(L, 1e-5, 16, 7168), RoutedNormSplit(L, 1e-5, 16, 7168, 64))
-        assert all(op.w_first == (tag == "1") for op in ops)
-        args = ((x, w, out), (xs, w, out, res, add), (xs, w, out, res, add, counters, parts))
-        return [cc.compile_kernel(("norm_w_first", tag, i), op, *(cc.fake_like(t, align=16 if t is xs else 4)
-                                                                  for t in a))
-                for i, (op, a) in enumerate(zip(ops, args))]
-
-    def w2_kernels():  # the per-pair w2 kernel writing the norm's scaled input: plain, with the shared experts
+    def w2_kernels(batch):  # the per-pair w2 kernel writing the norm's scaled input: plain, with the shared experts
         s = shard("k3", tp=8)
-        a = _moe_args(s, 1)
-        scaled = (torch.empty(L), torch.empty(1, L, dtype=torch.bfloat16))
-        shared = _shared_args(s)
-        return [compile_moe(*a, scaled=scaled)[1], compile_moe(*a, scaled=scaled, shared=shared)[1],
-                compile_moe(*a)[1]]
+        a = _moe_args(s, batch)
+        scaled = (torch.empty(L), torch.empty(batch, L, dtype=torch.bfloat16))
+        shared = _shared_args(s) if batch == 1 else None
+        return [compile_moe(*a, scaled=scaled)[1], compile_moe(*a, scaled=scaled, shared=shared)[1] if shared
+                else None, compile_moe(*a)[1]]
 
-    monkeypatch.delenv("KIMI_DECODE_NORM_W_FIRST", raising=False)
-    assert not norm_weight_first()
-    assert all(f is not None for f in compiled("0"))
-    w2_base = w2_kernels()
-    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
-    assert norm_weight_first() and all(f is not None for f in compiled("1"))
-    w2_first = w2_kernels()
-    assert all(f is not None for f in w2_first)
-    # a variant of its own where the kernel writes the scaled input, the same kernel where it does not
-    assert w2_first[0] is not w2_base[0] and w2_first[1] is not w2_base[1] and w2_first[2] is w2_base[2]
+    picked, one, two = {}, {}, {}  # the w2 kernels at one and at two tokens, per setting
+    for setting in ("auto", "0", "1"):
+        monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", setting)
+        picked[setting] = [norm_weight_first(b) for b in (1, 2, 8, 64)]
+        one[setting], two[setting] = w2_kernels(1), w2_kernels(2)
+        assert all(f is not None for f in one[setting]) and two[setting][0] is not None
+    monkeypatch.delenv("KIMI_DECODE_NORM_W_FIRST")
+    assert [norm_weight_first(b) for b in (1, 2, 8, 64)] == picked["auto"]  # the default
+    assert picked == {"auto": [True, False, False, False], "0": [False] * 4, "1": [True] * 4}
+    # auto is "1" at one token and "0" above; the two forms are variants of their own where the kernel writes the
+    # scaled input, the same kernel where it does not
+    assert one["auto"] == one["1"] and two["auto"][0] is two["0"][0] and two["1"][0] is not two["0"][0]
+    assert one["0"][0] is not one["1"][0] and one["0"][1] is not one["1"][1] and one["0"][2] is one["1"][2]
     monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_NORM_W_FIRST must be one of 0, 1"):
-        norm_weight_first()
+    with pytest.raises(ValueError, match="KIMI_DECODE_NORM_W_FIRST must be one of auto, 0, 1"):
+        norm_weight_first(1)
 
 
 @needs_cute
@@ -1249,7 +1253,7 @@ def test_attn_res_compiles_for_sm90a(sm90a_pdl, batch):
 
 @needs_cute
 def test_attn_res_loads_first_is_a_variant_of_its_own(sm90a_pdl, monkeypatch):
-    """KIMI_DECODE_ATTN_RES_LOADS_FIRST: "0" (the default) and "1" compile apart, in the AttnRes kernel and in the
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST: "1" (the default) and "0" compile apart, in the AttnRes kernel and in the
     output projection's "last" form, which runs its body ("split" does not, so it is the same kernel either way);
     other values are refused by name."""
     from kimi_decode.kernels.attn_res import compile_attn_res, loads_first
@@ -1265,12 +1269,13 @@ def test_attn_res_loads_first_is_a_variant_of_its_own(sm90a_pdl, monkeypatch):
                                       *args[3:], torch.zeros(1, dtype=torch.int32), n_blocks=4, delta_mode=1,
                                       eps=1e-5, ctas=132, parts=torch.zeros(132 * 32))[0]
 
-    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", raising=False)
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0")
     assert not loads_first()
     base = [compile_attn_res(*_attn_res_args(1, delta=True), **flags)[0],
             compile_attn_res(*_attn_res_args(1, delta=False), n_blocks=2, commit=True, delta_mode=0,
                              use_partial=False, eps=1e-5)[0], oproj("last"), oproj("split")]
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
+    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST")
+    assert loads_first()
     new = [compile_attn_res(*_attn_res_args(1, delta=True), **flags)[0],
            compile_attn_res(*_attn_res_args(1, delta=False), n_blocks=2, commit=True, delta_mode=0,
                             use_partial=False, eps=1e-5)[0], oproj("last"), oproj("split")]

@@ -965,11 +965,13 @@ def test_norm_kernels_with_the_weight_first_match_float64(monkeypatch, batch, k,
         test_rmsnorm_rows_matches_float64(batch)
 
 
-@pytest.mark.parametrize("tp, pad, batch", [(16, True, 1), (8, True, 1), (16, False, 3), (8, True, 8)])
-def test_moe_w2_with_the_norm_weight_first_matches_float64(monkeypatch, tp, pad, batch):
-    """KIMI_DECODE_NORM_W_FIRST=1 in the per-pair w2 kernels that write the norm's scaled input (the norm weight
-    loaded before their stores): the two-kernel and the one-kernel forms, as the tests above."""
-    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
+@pytest.mark.parametrize("tp, pad, batch, setting", [(16, True, 1, "1"), (8, True, 1, "1"), (16, False, 3, "1"),
+                                                     (8, True, 8, "1"), (16, True, 1, "0"), (8, False, 1, "0")])
+def test_moe_w2_with_the_norm_weight_first_matches_float64(monkeypatch, tp, pad, batch, setting):
+    """KIMI_DECODE_NORM_W_FIRST in the per-pair w2 kernels that write the norm's scaled input: "1" (the norm weight
+    loaded before their stores) above one token, where "auto", the default, does not take it, and "0" at one token,
+    where it does; the two-kernel and the one-kernel forms, as the tests above."""
+    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", setting)
     _check_moe_mxfp4(tp, pad, batch)
     test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, batch)
 
@@ -981,6 +983,12 @@ def test_specialized_layer_with_the_norm_weight_first_matches_reference(monkeypa
     experts' pairs go through the routed norm (on the tensor-core tail, and with the residual update inside at batch
     64)."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_NORM_W_FIRST", "1", tp, batch, 5340)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_layer_with_the_norm_weight_beside_its_stores_matches_reference(monkeypatch, tp):
+    """KIMI_DECODE_NORM_W_FIRST=0 in whole batch-1 layers, where "auto", the default, loads the norm weight first."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_NORM_W_FIRST", "0", tp, 1, 5350)
 
 
 def _check_routed_norm(pairs, w, out, res, res0, add, with_residual: bool) -> None:
@@ -1218,28 +1226,28 @@ def test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, earl
 @pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("batch, hidden, strided", [(1, 7168, False), (8, 7168, True), (64, 7168, False),
                                                     (1, 256, False)])
-def test_attn_res_with_its_loads_first_matches_float64(monkeypatch, batch, hidden, strided, pdl):
-    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=1 (every slice of the partial and the delta loaded before the first store):
-    every AttnRes form, as `test_attn_res_matches_float64`."""
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
+def test_attn_res_with_its_loads_slice_by_slice_matches_float64(monkeypatch, batch, hidden, strided, pdl):
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=0 (each slice's loads, add and store in turn; the default, "1", loads every
+    slice first): every AttnRes form, as `test_attn_res_matches_float64`."""
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0")
     test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, "1")
 
 
 @pytest.mark.parametrize("K", [768, 1536])
 @pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1)])
-def test_oproj_attn_res_last_with_the_loads_first_matches_float64(monkeypatch, K, n_blocks, delta_mode):
-    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=1 in the output projection's "last" form (its last CTA runs the AttnRes
+def test_oproj_attn_res_last_with_the_loads_slice_by_slice_matches_float64(monkeypatch, K, n_blocks, delta_mode):
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=0 in the output projection's "last" form (its last CTA runs the AttnRes
     body), with and without PDL: as `test_oproj_attn_res_matches_float64`."""
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0")
     for pdl in ("0", "1"):
         test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pdl, "1", "last")
 
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_specialized_layer_with_the_attn_res_loads_first_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=1 in whole layers (under PDL at batch 1)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1", tp, batch, 5330)
+def test_specialized_layer_with_the_attn_res_loads_slice_by_slice_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_ATTN_RES_LOADS_FIRST=0 in whole layers (under PDL at batch 1)."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0", tp, batch, 5330)
 
 
 def _checked_runs(run, poison, check, *, graph: bool) -> None:

@@ -52,12 +52,13 @@ def blocks_early() -> bool:
 
 def loads_first() -> bool:
     """Whether the AttnRes kernel issues all of a thread's loads of the partial and the delta (written by the kernels
-    just before it) ahead of its first store (`KIMI_DECODE_ATTN_RES_LOADS_FIRST`: "1"; "0", the default until
-    measured: each slice's loads, add and store in turn). As far as the compiler knows, a store to the partial (or
-    the committed block) may alias the delta's next slice, so in the "0" form each slice's delta load is issued
-    only once the slice before it is stored, which waits for that slice's loads: one L2 round trip per slice (4 at
-    H = 7168), one after another."""
-    return env_flag("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "0")
+    just before it) ahead of its first store (`KIMI_DECODE_ATTN_RES_LOADS_FIRST`: "1", the default; "0": each
+    slice's loads, add and store in turn). As far as the compiler knows, a store to the partial (or the committed
+    block) may alias the delta's next slice, so in the "0" form each slice's delta load is issued only once the
+    slice before it is stored, which waits for that slice's loads: one L2 round trip per slice (4 at H = 7168), one
+    after another. On the H200 "1" was 0.2-0.6 us faster per KDA layer at TP16 batches 1 and 8, and even elsewhere
+    (benchmarks/NOTES.md, item 86)."""
+    return env_flag("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
 
 
 def _next_pow2(n: int) -> int:

@@ -124,16 +124,19 @@ def mx_packed() -> bool:
     return env_flag("KIMI_DECODE_MX_PACKED", "1")
 
 
-def norm_weight_first() -> bool:
+def norm_weight_first(tokens: int) -> bool:
     """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`rmsnorm.RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`), and
-    the w2 expert kernels that write the norm's scaled input (`moe_mxfp4.MoEW2Sum`, `scaled`), load the norm weight:
-    "1" into registers before their first store (the split and row forms and the w2 kernels before their PDL wait,
-    the 1024-thread `RoutedNorm`, whose registers its pair loads need, after those); "0" (the default until
-    measured) next to the stores that use it, as before. As far as the compiler knows each output store may alias
-    the weight, so there every weight load is issued only after the store before it: one round trip per value (4
-    per thread in the routed forms, 14 in the row form at the latent width, 2 in the w2 kernels), one after
-    another."""
-    return env_flag("KIMI_DECODE_NORM_W_FIRST", "0")
+    the w2 expert kernels that write the norm's scaled input (`moe_mxfp4.MoEW2Sum`, `scaled`), load the norm weight
+    for a batch of `tokens`: "1" into registers before their first store (the split and row forms and the w2 kernels
+    before their PDL wait, the 1024-thread `RoutedNorm`, whose registers its pair loads need, after those); "0" next
+    to the stores that use it. As far as the compiler knows each output store may alias the weight, so with "0"
+    every weight load is issued only after the store before it: one round trip per value (4 per thread in the routed
+    forms, 14 in the row form at the latent width, 2 in the w2 kernels), one after another. "auto", the default:
+    "1" at one token, else "0". On the H200 "1" was 0.7-1.1 us faster per KDA layer at batch 1 at TP16 and
+    1.6-1.7 at TP8, even at batch 64 and at TP8 batch 8, and 2.3-2.8 us slower at TP16 batch 8, where the per-pair
+    w2 kernel writes the scaled input for 8 tokens (benchmarks/NOTES.md, item 86)."""
+    raw = env_choice("KIMI_DECODE_NORM_W_FIRST", "auto", ("auto", "0", "1"))
+    return tokens == 1 if raw == "auto" else raw == "1"
 
 
 def set_layer_pdl(on: bool) -> None:

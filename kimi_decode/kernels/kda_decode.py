@@ -261,10 +261,12 @@ def inputs_first() -> bool:
     """KIMI_DECODE_KDA_INPUTS_FIRST: where each thread loads what it reads of the input projection's output (written
     by the kernel before): "1" all of it right after the PDL wait, before the conv-state stores, so that the L2 round
     trips overlap: every conv part's input, and the decay gate's f_a words (with f_b applied here, `f_col`, then
-    its part of f_b . f_a formed at once) or the gate input f; "0" (the default until measured) as before, each where
-    it is used: the second conv part's input (2 thread groups: from 17 sequences on) after the first part's
-    conv-state stores, the f_a words or f after all of them. A load after a store that may alias it (as far as the
-    compiler knows) waits for it, so in "0" those are L2 round trips one after another."""
+    its part of f_b . f_a formed at once) or the gate input f; "0", the default, each where it is used: the second
+    conv part's input (2 thread groups: from 17 sequences on) after the first part's conv-state stores, the f_a
+    words or f after all of them. A load after a store that may alias it (as far as the compiler knows) waits for
+    it, so in "0" those are L2 round trips one after another. On the H200 the two were even (within 0.3 us per KDA
+    layer at batches 1, 8 and 64, both shards, benchmarks/NOTES.md item 86): the round trips are not on the
+    layer's critical path, and "0" stays, the form measured longer."""
     return env_flag("KIMI_DECODE_KDA_INPUTS_FIRST", "0")
 
 

@@ -496,17 +496,19 @@ if HAVE_CUTE:
         between."""
 
         def __init__(self, used: int, topk: int, scaled: bool = False, warps: int = WARPS, early: bool = True,
-                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, pre_wait: str = "auto"):
+                     chunk: int = 1, scale_words: bool = False, quad_major: int = 0, pre_wait: str = "auto",
+                     norm_first: bool = False):
             """A warp's items are (expert slot, `chunk` consecutive MX groups), each row's chunk one load per lane
             (`chunk_load`: 4, 8 or 16 bytes); with `scale_words` (chunk 4) `w_scale` comes as int32 words and a
             chunk's four scale bytes are one load. `quad_major`: as `MoEW13Act`'s. `pre_wait` (`w2_pre_wait`): what
-            else the warp does before the PDL wait where its first weight words come before it (`early`)."""
+            else the warp does before the PDL wait where its first weight words come before it (`early`).
+            `norm_first` (`norm_weight_first`): with `scaled`, the norm weight loaded with the tile's first loads."""
             if pre_wait not in W2_PRE_WAIT:
                 raise ValueError(f"MoEW2Sum: pre_wait must be one of {', '.join(W2_PRE_WAIT)}, not {pre_wait!r}")
             self.topk = topk
             self.qm = quad_major
             self.scaled = scaled
-            self.norm_first = scaled and norm_weight_first()  # the norm weight for `scaled` loaded first
+            self.norm_first = scaled and norm_first
             self.warps = warps
             # under PDL, the weight words loaded before the wait: with the wait between them and the rest the kernel
             # takes 138 registers against 62 (TP8, sm_90a), so 1 CTA per SM instead of 4, which costs more than the
@@ -688,9 +690,9 @@ if HAVE_CUTE:
 
         def __init__(self, used: int, topk: int, scaled: bool, latent: int, hidden: int, shared_inter: int,
                      early: bool = True, chunk: int = 1, scale_words: bool = False, row_lanes: int = 32,
-                     quad_major: int = 0, pre_wait: str = "auto"):
+                     quad_major: int = 0, pre_wait: str = "auto", norm_first: bool = False):
             super().__init__(used, topk, scaled, early=early, chunk=chunk, scale_words=scale_words,
-                             quad_major=quad_major, pre_wait=pre_wait)
+                             quad_major=quad_major, pre_wait=pre_wait, norm_first=norm_first)
             self.shared = SmallBatchGemv(1, hidden, shared_inter, accumulate=False, addend=False, warps=self.warps,
                                          row_lanes=row_lanes)
             self.tiles = latent // ROWS2
@@ -731,10 +733,11 @@ if HAVE_CUTE:
         stage. counter[2 + b] counts token b's finished w13 CTAs, counter[1] the finished w2 CTAs."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool,
-                     chunk: int = 1, scale_words: bool = False, x_once: bool = False, qm: tuple[int, int] = (0, 0)):
+                     chunk: int = 1, scale_words: bool = False, x_once: bool = False, qm: tuple[int, int] = (0, 0),
+                     norm_first: bool = False):
             self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once, quad_major=qm[0])
             self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words,
-                               quad_major=qm[1])
+                               quad_major=qm[1], norm_first=norm_first)
             self.B, self.topk = batch, topk
             self.tiles13, self.tiles2 = used // ROWS13, latent // ROWS2
             self.n13, self.n2 = self.tiles13 * batch * topk, self.tiles2 * batch
@@ -965,7 +968,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
-    norm_first = scaled is not None and norm_weight_first()  # as the w2 kernels' `norm_first`
+    norm_first = scaled is not None and norm_weight_first(B)  # the w2 kernels' `norm_first`
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
@@ -990,12 +993,12 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, pre,
                              norm_first, *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
-                                           qm2, pre),
+                                           qm2, pre, norm_first),
                             *(fake_like(t, align=16) for t in a2))
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
-        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2))
+        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2), norm_first)
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, norm_first,
                                *signature(*args)),
                               op,
@@ -1004,7 +1007,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     f2 = compile_kernel(("moe_w2_sum", used, scaled is not None, early, chunk, qm2, pre, norm_first,
                          *signature(*w2_args)),
                         MoEW2Sum(used, k, scaled is not None, early=early, chunk=chunk, scale_words=scale_words,
-                                 quad_major=qm2, pre_wait=pre),
+                                 quad_major=qm2, pre_wait=pre, norm_first=norm_first),
                         *(fake_like(t, align=16) for t in w2_args))
     return plain_w13(), f2
 

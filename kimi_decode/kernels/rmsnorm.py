@@ -59,10 +59,11 @@ if HAVE_CUTE:
         return cute.math.rsqrt(block_sum(ss, tidx, threads, red) / Float32(width) + Float32(eps))
 
     class RMSNormRows:
-        def __init__(self, width: int, eps: float):
+        def __init__(self, width: int, eps: float, w_first: bool = False):
+            """`w_first`: the weight loaded before the first store (`norm_weight_first`)."""
             self.W, self.eps = width, eps
             self.per_thread = -(-width // THREADS)
-            self.w_first = norm_weight_first()
+            self.w_first = w_first
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, stream):
@@ -103,12 +104,13 @@ if HAVE_CUTE:
     class RoutedNorm:
         """out[b] = RMSNorm(sum_j x[b * terms + j]) * w, and with `hidden` > 0 also res[b, :hidden] += add[b]."""
 
-        def __init__(self, width: int, eps: float, terms: int, hidden: int):
+        def __init__(self, width: int, eps: float, terms: int, hidden: int, w_first: bool = False):
+            """`w_first`: the weight loaded before the first store (`norm_weight_first`)."""
             self.W, self.eps, self.terms, self.H = width, eps, terms, hidden
             self.groups = width // 4  # 16-byte groups of a row
             self.per_thread = -(-self.groups // ROUTED_THREADS)
             self.per_thread_h = -(-hidden // ROUTED_THREADS)
-            self.w_first = norm_weight_first()
+            self.w_first = w_first
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add: cute.Tensor,
@@ -176,13 +178,14 @@ if HAVE_CUTE:
         groups s * SPLIT_THREADS .. and the residual's columns s * ceil(H / CTAs) ..; `counters` [2 cap] int32 (the
         arrivals of token b at b, its departures at cap + b), `parts` [cap * CTAs] fp32 (the CTAs' sums of squares)."""
 
-        def __init__(self, width: int, eps: float, terms: int, hidden: int, cap: int):
+        def __init__(self, width: int, eps: float, terms: int, hidden: int, cap: int, w_first: bool = False):
+            """`w_first`: the weight loaded before the first store (`norm_weight_first`)."""
             self.W, self.eps, self.terms, self.H, self.cap = width, eps, terms, hidden, cap
             self.groups = width // 4
             self.S = split_ctas(width)
             self.cols_h = -(-hidden // self.S)  # residual columns per CTA
             self.per_thread_h = -(-self.cols_h // SPLIT_THREADS)
-            self.w_first = norm_weight_first()
+            self.w_first = w_first
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add: cute.Tensor,
@@ -302,8 +305,9 @@ def routed_norm(pairs: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, ep
     x = pairs.view(B * k, W)
     if split is not None:
         return _routed_norm_split(x, weight, out, res, add, float(eps), k, hidden, split)
-    key = ("routed_norm", float(eps), k, hidden, norm_weight_first(), *signature(x, weight, out, res, add))
-    fn = compile_kernel(key, RoutedNorm(W, float(eps), k, hidden),
+    first = norm_weight_first(B)
+    key = ("routed_norm", float(eps), k, hidden, first, *signature(x, weight, out, res, add))
+    fn = compile_kernel(key, RoutedNorm(W, float(eps), k, hidden, first),
                         *(fake_like(t, align=16 if t is x else 4) for t in (x, weight, out, res, add)))
     launch(fn, x, weight, out, res, add, align=lambda t: 16 if t is x else 4)
     return out
@@ -319,9 +323,9 @@ def _routed_norm_split(x, weight, out, res, add, eps: float, k: int, hidden: int
     if B * S > SPLIT_MAX_CTAS_PER_SM * sm_count(out.device):
         raise ValueError(f"routed_norm: {B} rows need {B * S} CTAs resident at once, more than "
                          f"{SPLIT_MAX_CTAS_PER_SM} per SM on this GPU")
-    key = ("routed_norm_split", eps, k, hidden, norm_weight_first(),
-           *signature(x, weight, out, res, add, counters, parts))
-    fn = compile_kernel(key, RoutedNormSplit(W, eps, k, hidden, counters.numel() // 2),
+    first = norm_weight_first(B)
+    key = ("routed_norm_split", eps, k, hidden, first, *signature(x, weight, out, res, add, counters, parts))
+    fn = compile_kernel(key, RoutedNormSplit(W, eps, k, hidden, counters.numel() // 2, first),
                         *(fake_like(t, align=16 if t is x else 4) for t in (x, weight, out, res, add, counters, parts)))
     launch(fn, x, weight, out, res, add, counters, parts, align=lambda t: 16 if t is x else 4)
     return out
@@ -333,7 +337,8 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: 
         raise ValueError("rmsnorm_rows: fp32 x and weight, bf16 out expected")
     if out.shape != x.shape or weight.shape != (x.shape[1],) or not (x.is_contiguous() and out.is_contiguous()):
         raise ValueError("rmsnorm_rows: contiguous x and out of one shape, weight of the row width expected")
-    key = ("rmsnorm_rows", float(eps), norm_weight_first(), *signature(x, weight, out))
-    fn = compile_kernel(key, RMSNormRows(x.shape[1], float(eps)), *(fake_like(t, align=4) for t in (x, weight, out)))
+    first = norm_weight_first(x.shape[0])
+    key = ("rmsnorm_rows", float(eps), first, *signature(x, weight, out))
+    fn = compile_kernel(key, RMSNormRows(x.shape[1], float(eps), first), *(fake_like(t, align=4) for t in (x, weight, out)))
     launch(fn, x, weight, out, align=4)
     return out
