@@ -56,7 +56,7 @@ def loads_first() -> bool:
     slice's loads, add and store in turn). As far as the compiler knows, a store to the partial (or the committed
     block) may alias the delta's next slice, so in the "0" form each slice's delta load is issued only once the
     slice before it is stored, which waits for that slice's loads: one L2 round trip per slice (4 at H = 7168), one
-    after another. On the H200 "1" was 0.2-0.6 us faster per KDA layer at TP16 batches 1 and 8, and even elsewhere
+    after another. On the H200 "1" was 0.3-1.0 us faster per KDA layer at TP16 batches 1 and 8, and even elsewhere
     (benchmarks/NOTES.md, item 86)."""
     return env_flag("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
 

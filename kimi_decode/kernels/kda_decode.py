@@ -265,8 +265,8 @@ def inputs_first() -> bool:
     conv part's input (2 thread groups: from 17 sequences on) after the first part's conv-state stores, the f_a
     words or f after all of them. A load after a store that may alias it (as far as the compiler knows) waits for
     it, so in "0" those are L2 round trips one after another. On the H200 the two were even (within 0.3 us per KDA
-    layer at batches 1, 8 and 64, both shards, benchmarks/NOTES.md item 86): the round trips are not on the
-    layer's critical path, and "0" stays, the form measured longer."""
+    layer at batches 1, 8 and 64, both shards, benchmarks/NOTES.md item 86), so those round trips are not what
+    the layer waits for, and "0" stays, the form measured longer."""
     return env_flag("KIMI_DECODE_KDA_INPUTS_FIRST", "0")
 
 
