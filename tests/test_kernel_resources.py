@@ -156,3 +156,42 @@ def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
     assert set(counts["0"]) == set(counts["1"]) == names
     assert all(counts["0"][n] > 0 for n in names), counts
     assert all(counts["1"][n] == 0 for n in names), counts
+
+
+def test_uniform_warps_give_the_w2_kernel_with_the_norm_weight_first_its_registers_back(tmp_path):
+    """KIMI_DECODE_WARP_UNIFORM "1" (every kernel) and "w2" (the per-pair w2 kernels) mark each thread's warp index as
+    warp-uniform (one broadcast shuffle more in the PTX). In the TP16 batch-8 w2 expert kernel with the norm weight
+    loaded first (`KIMI_DECODE_NORM_W_FIRST=1`), where ptxas does not find that on its own, the mark lets it keep the
+    warp's item and address arithmetic in uniform registers: fewer registers per thread (benchmarks/NOTES.md item
+    88)."""
+    pytest.importorskip("cutlass")
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, "TESTS")
+        from kimi_decode.config import shard
+        from kimi_decode.kernels.moe_mxfp4 import compile_moe
+        s = shard("k3", tp=16)
+        m, B, used = s.model, 8, s.expert_inter_used
+        E, L, I, k = m.num_experts, m.moe_latent, s.expert_inter, m.top_k
+        u8, bf = torch.uint8, torch.bfloat16
+        compile_moe(torch.empty(B, L, dtype=bf), torch.empty(B, k, dtype=torch.int32), torch.empty(B, k),
+                    torch.empty(E, 2 * I, L // 2, dtype=u8), torch.empty(E, 2 * I, L // 32, dtype=u8),
+                    torch.empty(E, L, used // 2, dtype=u8), torch.empty(E, L, I // 32, dtype=u8),
+                    torch.empty(B * k, used, dtype=torch.float16), torch.empty(B, L), torch.empty(B, L // 16), used,
+                    scaled=(torch.empty(L), torch.empty(B, L, dtype=bf)), quad_major=True)
+    """).replace("TESTS", str(ROOT / "tests"))
+    ptx = {}
+    for setting in ("0", "1", "w2"):
+        where = tmp_path / setting
+        where.mkdir()
+        env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(where), KIMI_DECODE_CUTE_ARCH="sm_90a",
+                   KIMI_DECODE_NORM_W_FIRST="1", KIMI_DECODE_WARP_UNIFORM=setting,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, "-c", script], cwd=where, env=env, check=True, capture_output=True)
+        (ptx[setting],) = where.glob("*MoEW2Sum*.ptx")
+    shuffles = {s: p.read_text().count("shfl.sync.idx") for s, p in ptx.items()}
+    assert shuffles["1"] == shuffles["w2"] == shuffles["0"] + 1, shuffles
+    if kr.ptxas() is None:
+        pytest.skip("no ptxas on this machine for the register counts")
+    regs = {s: kr.resources(str(p), kr.ptxas())["registers"] for s, p in ptx.items()}
+    assert regs["1"] < regs["0"] and regs["w2"] < regs["0"], regs
