@@ -1585,9 +1585,9 @@ def test_expert_kernels_with_their_integer_work_off_the_alu_pipe_compile_for_sm9
         monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
         for quad in (False, True):
             assert all(f is not None for f in compile_grouped(*_grouped_args(s, 64), quad_major=quad))
-    # the compile key ends with (mx_alu(), mx_packed(), warp_uniform())
+    # the compile key ends with (mx_alu(), mx_packed())
     grouped = [key for key in cute_common._cache if key[0].startswith("moe_w") and "grouped" in key[0]]
-    assert grouped and all(key[-3] is True for key in grouped)
+    assert grouped and all(key[-2] is True for key in grouped)
 
 
 @needs_cute
@@ -1856,35 +1856,6 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
                            shared_act_ready=True, quad_major=True)
         assert all(f is not None for f in fns) and not seen & {id(f) for f in fns}
         seen |= {id(f) for f in fns}
-
-
-@needs_cute
-def test_uniform_warps_are_variants_of_their_own_for_sm90a(sm90a, monkeypatch):
-    """KIMI_DECODE_WARP_UNIFORM: "0" (the default), "1" and "w2" compile the kernels that take their warp from
-    `warp_of` as variants of their own (the compile key carries the setting; the PTX check is in
-    tests/test_kernel_resources.py); other values are refused by name."""
-    from kimi_decode.kernels import cute_common as cc
-    from kimi_decode.kernels.gemv import compile_gemv
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe
-
-    s = shard("k3", tp=16)
-    L, bf = s.model.moe_latent, torch.bfloat16
-    w, x, y = torch.empty(3216, 7168, dtype=bf), torch.empty(1, 7168, dtype=bf), torch.empty(1, 3216, dtype=bf)
-    fns = {}
-    for setting in ("0", "1", "w2"):
-        monkeypatch.setenv("KIMI_DECODE_WARP_UNIFORM", setting)
-        assert cc.warp_uniform() == setting
-        f13, f2 = compile_moe(*_moe_args(s, 8), scaled=(torch.empty(L), torch.empty(8, L, dtype=bf)),
-                              quad_major=True)
-        fns[setting] = (compile_gemv(w, x, y), f13, f2)
-    assert all(f is not None for f in (*fns["0"], *fns["1"], *fns["w2"]))
-    assert all(f is not g for f, g in zip(fns["0"], fns["1"]))
-    assert fns["w2"][2] is not fns["0"][2] and fns["w2"][2] is not fns["1"][2]
-    monkeypatch.delenv("KIMI_DECODE_WARP_UNIFORM")
-    assert cc.warp_uniform() == "0"
-    monkeypatch.setenv("KIMI_DECODE_WARP_UNIFORM", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_WARP_UNIFORM must be one of 0, 1, w2"):
-        cc.warp_uniform()
 
 
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):

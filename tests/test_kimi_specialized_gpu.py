@@ -991,33 +991,6 @@ def test_specialized_layer_with_the_norm_weight_beside_its_stores_matches_refere
     _layer_matches_with(monkeypatch, "KIMI_DECODE_NORM_W_FIRST", "0", tp, 1, 5350)
 
 
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 8), (16, 64), (8, 64)])
-def test_specialized_layer_with_uniform_warps_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_WARP_UNIFORM=1 (each thread's warp index marked as the same across its warp) in whole layers: the
-    GEMVs, AttnRes, the output projection with AttnRes, the router and top-k, the alignment and every expert kernel
-    (per pair at batches 1 and 8, grouped at 64 and at TP8 batch 8) compute their warps' rows and items from it."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_WARP_UNIFORM", "1", tp, batch, 5360)
-
-
-@pytest.mark.parametrize("tp, pad, batch, setting", [(16, True, 8, "w2"), (16, False, 3, "w2"), (8, True, 1, "1")])
-def test_moe_w2_with_uniform_warps_and_the_norm_weight_first_matches_float64(monkeypatch, tp, pad, batch, setting):
-    """KIMI_DECODE_WARP_UNIFORM ("w2": the per-pair w2 kernels only; "1") with KIMI_DECODE_NORM_W_FIRST=1 in the
-    per-pair expert kernels, the pairing whose registers the switch was made for (benchmarks/NOTES.md item 88):
-    two-kernel and one-kernel forms, as above, on natural rows and on the backend's quad-major copies."""
-    monkeypatch.setenv("KIMI_DECODE_WARP_UNIFORM", setting)
-    test_moe_w2_with_the_norm_weight_first_matches_float64(monkeypatch, tp, pad, batch, "1")
-    _check_moe_mxfp4(tp, pad, batch, quad=True, compact=True)  # the copies the backend reads
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 8), (8, 8), (16, 1)])
-def test_specialized_layer_with_w2_uniform_warps_and_the_norm_weight_first_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_WARP_UNIFORM=w2 with KIMI_DECODE_NORM_W_FIRST=1 in whole layers: at TP16 batch 8 the per-pair w2
-    kernel writing the norm's scaled input, at TP8 batch 8 the routed norm after the grouped experts, at batch 1 the
-    w2 kernel with the shared experts' down-projection under PDL."""
-    monkeypatch.setenv("KIMI_DECODE_NORM_W_FIRST", "1")
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_WARP_UNIFORM", "w2", tp, batch, 5370)
-
-
 def _check_routed_norm(pairs, w, out, res, res0, add, with_residual: bool) -> None:
     """`routed_norm`'s output against float64 (none of it left poisoned), and the residual updated by the addend, or
     left as it was (`res0`)."""

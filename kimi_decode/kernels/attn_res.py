@@ -28,7 +28,7 @@ import torch
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait, warp_of
+    from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait
 
 VEC = 4  # fp32 per 16-byte access
 MAX_THREADS = 512
@@ -230,7 +230,7 @@ if HAVE_CUTE:
             memory, so that another kernel's last CTA can run it); with `pdl` it waits for the previous kernel after
             loading the weights."""
             lane = tidx % 32
-            warp = warp_of(tidx)
+            warp = tidx // 32
             K, T, NC, P = self.K, self.T, self.NC, self.P
 
             # weights first: they do not depend on the previous kernel

@@ -124,21 +124,6 @@ def mx_packed() -> bool:
     return env_flag("KIMI_DECODE_MX_PACKED", "1")
 
 
-WARP_UNIFORM_SETTINGS = ("0", "1", "w2")
-
-
-def warp_uniform() -> str:
-    """KIMI_DECODE_WARP_UNIFORM: which kernels mark each thread's warp index (`warp_of`) as the same in every lane of
-    the warp, so that ptxas computes what follows from it (a warp's rows, items and their addresses) once per warp
-    in uniform registers instead of leaving that to its own analysis, which does not always find it: "0" none (the
-    default until measured), "1" every kernel that takes its warp from `warp_of` or `mma_lanes`, "w2" only the
-    per-pair w2 expert kernels. In the TP16 batch-8 w2 kernel with the norm weight loaded first ptxas did not find it,
-    and the kernel took 60 registers and ~110 more vector integer instructions than the form that loads the weight
-    later (44); marked, 48. Elsewhere the mark moves registers either way (the grouped w2 kernel at TP8 128 -> 174;
-    benchmarks/NOTES.md item 88). The same results in every form."""
-    return env_choice("KIMI_DECODE_WARP_UNIFORM", "0", WARP_UNIFORM_SETTINGS)
-
-
 def norm_weight_first(tokens: int) -> bool:
     """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`rmsnorm.RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`), and
     the w2 expert kernels that write the norm's scaled input (`moe_mxfp4.MoEW2Sum`, `scaled`), load the norm weight
@@ -215,12 +200,11 @@ def compile_kernel(key: tuple, op, *fake_args):
     """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
     from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
     trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`; the
-    key carries `mx_alu()` and `mx_packed()`, which the expert kernels' instruction forms follow, and
-    `warp_uniform()`."""
+    key carries `mx_alu()` and `mx_packed()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed(), warp_uniform())
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()
@@ -269,17 +253,10 @@ if HAVE_CUTE:
         gate = F(4.0) * cute.math.tanh(g * F(0.25)) / (F(1.0) + cute.math.exp(F(0.0) - g))
         return gate * (F(25.0) * cute.math.tanh(u * F(0.04)))
 
-    def warp_of(tidx, kind: str = ""):
-        """Thread `tidx`'s warp, marked as the same in all of its lanes where `warp_uniform()` asks for it: "1", or
-        the `kind` of kernel calling ("w2")."""
+    def mma_lanes(tidx):
+        """Thread `tidx`'s warp and lane and its place in an `mma.sync` fragment: (warp, lane, g, t) with g = lane // 4
+        (rows g and g + 8 of A, column g of B) and t = lane % 4 (its k-slots)."""
         warp = tidx // 32
-        setting = warp_uniform()
-        return cute.arch.make_warp_uniform(warp) if setting == "1" or (kind and setting == kind) else warp
-
-    def mma_lanes(tidx, kind: str = ""):
-        """Thread `tidx`'s warp (`warp_of`, for a kernel of `kind`) and lane and its place in an `mma.sync` fragment:
-        (warp, lane, g, t) with g = lane // 4 (rows g and g + 8 of A, column g of B) and t = lane % 4 (its k-slots)."""
-        warp = warp_of(tidx, kind)
         lane = tidx % 32
         return warp, lane, lane // 4, lane % 4
 

@@ -25,7 +25,7 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, env
 
 if HAVE_CUTE:
     from .cute_common import (copy_async_16, gemv_prefetch_iters, pdl_launch_dependents, pdl_wait, prefetch_l2,
-                              situ_glu, warp_of)
+                              situ_glu)
 
 VEC = 8  # bf16 per 16-byte load
 WARPS = 4
@@ -130,7 +130,7 @@ if HAVE_CUTE:
             (`allocate_preload`), which the caller allocates: kernels that do more after the GEMV own one
             allocator)."""
             lane = tidx % 32
-            warp = warp_of(tidx)
+            warp = tidx // 32
             RL = self.row_lanes
             rl = lane  # the lane's place in its row's lanes
             if cutlass.const_expr(RL == 32):

@@ -30,7 +30,7 @@ MAX_BINS = 8  # experts per scan thread: two int32 per expert of shared memory, 
 if HAVE_CUTE:
     from cutlass import Int32
 
-    from .cute_common import atomic_add_u32, pdl_launch_dependents, pdl_wait, warp_of
+    from .cute_common import atomic_add_u32, pdl_launch_dependents, pdl_wait
     from .moe_mxfp4 import select_i32, store_operands
 
     class MoEAlign:
@@ -74,7 +74,7 @@ if HAVE_CUTE:
         def align(self, ids: cute.Tensor, order: cute.Tensor, seg_start: cute.Tensor, seg_len: cute.Tensor,
                   seg_expert: cute.Tensor, count: cute.Tensor, first: cute.Tensor, placed: cute.Tensor,
                   warp_sums: cute.Tensor, tidx):
-            warp, lane = warp_of(tidx), tidx % 32
+            warp, lane = tidx // 32, tidx % 32
             for j in cutlass.range_constexpr(self.bins):
                 count[tidx * self.bins + j] = Int32(0)
             inside = tidx < self.P

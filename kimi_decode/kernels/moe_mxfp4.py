@@ -564,7 +564,7 @@ if HAVE_CUTE:
             late = target < 0 and self.pdl and pdl_reads_ahead() and self.early
             if cutlass.const_expr(target < 0 and not late):
                 pdl_wait(self.pdl)
-            warp, lane, g, t = mma_lanes(tidx, "w2")
+            warp, lane, g, t = mma_lanes(tidx)
             ra = bx * ROWS2 + g
             rb = ra + ROWS2 // 2
             # `norm_first` (KIMI_DECODE_NORM_W_FIRST): the norm weight at the tile's rows now, not after the output

@@ -37,7 +37,7 @@ if HAVE_CUTE:
     from cutlass import BFloat16, Float32, Int32
 
     from .attn_res import AttnRes, _load4
-    from .cute_common import copy_async_16, last_cta, pdl_launch_dependents, pdl_reads_ahead, pdl_wait, warp_of
+    from .cute_common import copy_async_16, last_cta, pdl_launch_dependents, pdl_reads_ahead, pdl_wait
 
 VEC = 8  # bf16 per 16-byte load
 ROWS_AT_ONCE = 2  # output rows a warp streams together
@@ -124,7 +124,7 @@ if HAVE_CUTE:
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             lane = tidx % 32
-            warp = warp_of(tidx)
+            warp = tidx // 32
             pdl_launch_dependents(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red, sW, red2 = self.res.allocate(smem)

@@ -32,7 +32,7 @@ from .gemv import MAX_ROWS, VEC, WARPS
 if HAVE_CUTE:
     from cutlass import Float32, Int32
 
-    from .cute_common import last_cta, pdl_launch_dependents, pdl_wait, sigmoid, warp_of
+    from .cute_common import last_cta, pdl_launch_dependents, pdl_wait, sigmoid
     from .gemv import SmallBatchGemv
 
 THREADS = 32 * WARPS
@@ -98,7 +98,7 @@ if HAVE_CUTE:
         def route(self, mL: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
                   cand_v: cute.Tensor, cand_i: cute.Tensor, chosen: cute.Tensor, m: Int32, tidx: Int32):
             lane = tidx % 32
-            warp = warp_of(tidx)
+            warp = tidx // 32
             key = cute.make_rmem_tensor((self.per,), Float32)
             for i in cutlass.range_constexpr(self.per):
                 e = tidx + THREADS * i
