@@ -339,6 +339,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: 
         raise ValueError("rmsnorm_rows: contiguous x and out of one shape, weight of the row width expected")
     first = norm_weight_first(x.shape[0])
     key = ("rmsnorm_rows", float(eps), first, *signature(x, weight, out))
-    fn = compile_kernel(key, RMSNormRows(x.shape[1], float(eps), first), *(fake_like(t, align=4) for t in (x, weight, out)))
+    fn = compile_kernel(key, RMSNormRows(x.shape[1], float(eps), first),
+                        *(fake_like(t, align=4) for t in (x, weight, out)))
     launch(fn, x, weight, out, align=4)
     return out
