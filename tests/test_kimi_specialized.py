@@ -2559,3 +2559,159 @@ def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "rocblas")
     with pytest.raises(ValueError, match="KIMI_DECODE_CUBLAS_LIB"):
         cublas_library()
+
+
+def _tail_args(H=7168, K=3584, parts=224, num_blocks=8):
+    """`compile_tail_attn_res`'s tensors: up-projection, scaled routed sum, its sums of squares, shared output, then
+    AttnRes's blocks, partial, query, key_norm, input_norm, out, and the counter."""
+    bf = torch.bfloat16
+    return (torch.empty(H, K, dtype=bf), torch.empty(1, K, dtype=bf), torch.empty(1, parts), torch.empty(1, H, dtype=bf),
+            torch.empty(1, num_blocks, H), torch.empty(1, H), torch.empty(H), torch.empty(H), torch.empty(H),
+            torch.empty(1, H, dtype=bf), torch.zeros(1, dtype=torch.int32))
+
+
+@needs_cute
+def test_tail_attn_res_compiles_for_sm90a(sm90a_pdl):
+    """The MoE tail + next AttnRes kernel at the K3 shapes (the up-projection [7168, 3584], the expert kernel's 224
+    partial sums of squares; the same at every shard) compiles for sm_90a for 1, 4 and 9 candidates, each a kernel of
+    its own."""
+    from kimi_decode.kernels.tail_attn_res import compile_tail_attn_res
+
+    fns = [compile_tail_attn_res(*_tail_args(), n_blocks=n, eps_norm=1e-5, eps=1e-5, parts=torch.zeros(132 * 32),
+                                 ctas=132)[0] for n in (0, 3, 8)]
+    assert all(f is not None for f in fns) and len({id(f) for f in fns}) == 3
+
+
+@needs_cute
+@pytest.mark.parametrize("change, match", [
+    (lambda a: (a[0], torch.empty(2, 3584, dtype=torch.bfloat16), *a[2:]), "one sequence"),
+    (lambda a: (torch.empty(7168, 3592, dtype=torch.bfloat16), torch.empty(1, 3592, dtype=torch.bfloat16), *a[2:]),
+     "multiple of 256"),
+    (lambda a: (a[0], a[1].float(), *a[2:]), "bf16 W"),
+    (lambda a: (*a[:2], torch.empty(1, 224, dtype=torch.bfloat16), *a[3:]), "sums of squares"),
+    (lambda a: (*a[:10], torch.zeros(1)), "counter"),
+    (lambda a: (*a[:9], torch.empty(1, 7168), a[10]), "attn_res"),
+])
+def test_tail_attn_res_refuses_what_it_cannot_take(sm90a, change, match):
+    from kimi_decode.kernels.tail_attn_res import compile_tail_attn_res
+
+    with pytest.raises(ValueError, match=match):
+        compile_tail_attn_res(*change(_tail_args()), n_blocks=3, eps_norm=1e-5, eps=1e-5,
+                              parts=torch.zeros(132 * 32), ctas=132)
+    with pytest.raises(ValueError, match="scratch|parts"):  # too small a scratch for the score sums
+        compile_tail_attn_res(*_tail_args(), n_blocks=3, eps_norm=1e-5, eps=1e-5, parts=torch.zeros(64), ctas=132)
+
+
+def test_fused_tail_res_setting_is_off_by_default_and_checked(monkeypatch):
+    from kimi_decode.kernels.tail_attn_res import fused_tail_res
+
+    monkeypatch.delenv("KIMI_DECODE_FUSED_TAIL_RES", raising=False)
+    assert not fused_tail_res()
+    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
+    assert fused_tail_res()
+    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "on")
+    with pytest.raises(ValueError, match="KIMI_DECODE_FUSED_TAIL_RES"):
+        fused_tail_res()
+
+
+def _tail_spy(monkeypatch, setting: str):
+    """A latency_specialized backend (on the CPU) in the state its batch-1 MoE tail takes on the GPU, with the
+    kernels' launchers replaced by records: ("gemv", W) for the tail's GEMV, ("fused", W, n_blocks) for the tail
+    inside the AttnRes kernel, ("attn_res", commit) for the AttnRes kernel."""
+    from kimi_decode.kernels import attn_res as attn_res_mod
+    from kimi_decode.kernels import tail_attn_res as tail_mod
+
+    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", setting)
+    backend = get_backend("latency_specialized")
+    calls = []
+    monkeypatch.setattr(backend, "_project", lambda w, x, y, **kw: calls.append(("gemv", w)))
+    monkeypatch.setattr(tail_mod, "tail_attn_res", lambda w, *a, n_blocks, **kw: calls.append(("fused", w, n_blocks))
+                        or a[8])
+    monkeypatch.setattr(attn_res_mod, "attn_res", lambda *a, commit, **kw: calls.append(("attn_res", commit)) or a[6])
+    backend._mlp_fast = backend._fused_norm = backend._res_fast = True
+    monkeypatch.setattr(backend, "_cute_rows", lambda rows: True)
+    return backend, calls
+
+
+def _tail_call(backend, res, defer: bool):
+    """One batch-1 MoE tail on `backend` (the expert kernel's outputs set as it leaves them)."""
+    from types import SimpleNamespace
+
+    s = shard("tiny")
+    L, H = s.model.moe_latent, s.model.hidden
+    backend._scaled, backend._ssq = torch.zeros(1, L, dtype=torch.bfloat16), torch.zeros(1, L // 16)
+    w = SimpleNamespace(up=torch.zeros(H, L, dtype=torch.bfloat16))
+    backend.moe_tail(torch.zeros(1, L), torch.zeros(1, H, dtype=torch.bfloat16), w, res, s, defer=defer)
+    return w.up
+
+
+def test_a_deferred_moe_tail_runs_inside_the_next_attn_res(monkeypatch):
+    """KIMI_DECODE_FUSED_TAIL_RES=1 at batch 1: a deferred tail launches nothing until the next AttnRes call, which
+    runs it in its kernel (one launch); before a block commit, with another residual state, or when flushed, it runs
+    as its own GEMV first; not deferred, or with the setting at 0, it runs at once."""
+    from kimi_decode.weights import AttnResWeights
+
+    backend, calls = _tail_spy(monkeypatch, "1")
+    H = shard("tiny").model.hidden
+    res = init_residual(shard("tiny"), 1, 1, seed=1)
+    aw = AttnResWeights(query=torch.zeros(H), key_norm=torch.zeros(H), input_norm=torch.zeros(H))
+    flags = dict(delta=None, delta_mode=0, use_partial=True, eps=1e-5)
+
+    up = _tail_call(backend, res, defer=True)
+    assert calls == []
+    backend.attn_res(res, aw, n_blocks=2, commit=False, **flags)
+    assert calls == [("fused", up, 2)]
+
+    calls.clear()
+    up = _tail_call(backend, res, defer=True)
+    backend.attn_res(res, aw, n_blocks=2, commit=True, **flags)
+    assert calls == [("gemv", up), ("attn_res", True)]
+
+    calls.clear()
+    up = _tail_call(backend, res, defer=True)
+    backend.attn_res(res.clone(), aw, n_blocks=2, commit=False, **flags)
+    assert calls == [("gemv", up), ("attn_res", False)]
+
+    calls.clear()
+    up = _tail_call(backend, res, defer=True)
+    backend.flush_deferred()
+    backend.flush_deferred()
+    assert calls == [("gemv", up)]
+
+    calls.clear()
+    up = _tail_call(backend, res, defer=False)
+    assert calls == [("gemv", up)]
+
+    backend, calls = _tail_spy(monkeypatch, "0")
+    up = _tail_call(backend, res, defer=True)
+    assert calls == [("gemv", up)]
+
+
+def test_a_step_lets_every_layer_but_its_last_defer_its_tail():
+    """`DecodeSlice.step` passes `defer_tail` to every layer but the step's last (also for a prefix of the step), and
+    `check_layers` (the chained float64 check) passes for the generic path, which runs every tail at once, also
+    across a block commit."""
+    from kimi_decode.backends.auto import AutoBackend
+    from kimi_decode.slice import DecodeSlice
+    from kimi_decode.testing import check_layers
+
+    class Spy(AutoBackend):
+        def __init__(self):
+            super().__init__()
+            self.deferred = []
+
+        def moe_tail(self, routed, shared, w, res, shard, defer=False):
+            self.deferred.append(defer)
+            super().moe_tail(routed, shared, w, res, shard, defer)
+
+    sl = DecodeSlice(model="tiny", tp=1, batch=1, first_layer=1, num_layers=3, context=8, device="cpu", seed=2)
+    sl.backend = Spy()
+    sl.step()
+    assert sl.backend.deferred == [True, True, False]
+    sl.backend.deferred.clear()
+    sl.step(layers=2)
+    assert sl.backend.deferred == [True, False]
+    check_layers(Spy(), sl.layers, sl.input, sl.states, sl.shard).assert_within(BF16_TOL)
+    across = DecodeSlice(model="tiny", tp=1, batch=1, first_layer=3, num_layers=2, context=8, device="cpu", seed=2)
+    assert across.shard.model.starts_block(4)  # the chained check across a block commit
+    check_layers(Spy(), across.layers, across.input, across.states, across.shard).assert_within(BF16_TOL)

@@ -1600,3 +1600,76 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
+
+
+@pytest.mark.parametrize("n_blocks", [0, 3, 8])
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
+    """The MoE tail + next AttnRes kernel at the K3 shapes against float64: the updated partial (the routed sum's
+    RMSNorm through its partial sums of squares, the up-projection and the shared output added) and the AttnRes
+    output, with out and the score-sum scratch poisoned first and the partial reset; run twice (the completion
+    counter resets itself) and replayed in a CUDA graph; without PDL and under it."""
+    from kimi_decode.kernels.tail_attn_res import tail_attn_res
+    from kimi_decode.weights import AttnResWeights
+
+    monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
+    H, K, eps = 7168, 3584, 1e-5
+    g = torch.Generator(device="cuda").manual_seed(7000 + 10 * n_blocks + int(pdl))
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    w_up = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+    ssq = torch.rand(1, K // 16, device="cuda", generator=g) * 40  # a mean square of about 0.1
+    shared = torch.randn(1, H, device="cuda", generator=g).bfloat16()
+    blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
+    partial0 = torch.randn(1, H, device="cuda", generator=g) * 2
+    w = AttnResWeights(query=torch.randn(H, device="cuda", generator=g) * (8 / H ** 0.5),
+                       key_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g),
+                       input_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g))
+    rstd = torch.rsqrt(ssq.double().sum() / K + eps)
+    want_a = rstd * (x.double() @ w_up.double().T) + shared.double()
+    _, want_partial, want_out = _attn_res_float64(blocks, partial0.double() + want_a, None, w, n_blocks, False, 0,
+                                                  True, eps)
+    out = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
+    partial = partial0.clone()
+    parts = torch.empty(132 * 32, device="cuda")
+
+    def reset():
+        out.fill_(float("nan"))
+        parts.fill_(float("nan"))
+        partial.copy_(partial0)
+
+    def run():
+        tail_attn_res(w_up, x, ssq, shared, blocks, partial, w.query, w.key_norm, w.input_norm, out, counter,
+                      n_blocks=n_blocks, eps_norm=eps, eps=eps, parts=parts)
+
+    def check():
+        torch.cuda.synchronize()
+        errs = {"partial": rel_err(partial, want_partial), "out": rel_err(out, want_out)}
+        assert errs["partial"] < 1e-3 and errs["out"] < BF16_TOL, errs
+        assert counter.item() == 0
+
+    eager_then_graphed(run, reset, check)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("layers", [(1, 2), (2, 3), (3, 4), (11, 12)])
+def test_layers_with_the_tail_in_the_next_attn_res_match_reference(monkeypatch, tp, layers):
+    """KIMI_DECODE_FUSED_TAIL_RES=1: two layers chained as a decode step chains them, at batch 1, against the float64
+    reference (outputs poisoned): KDA into KDA, KDA into MLA, MLA into KDA (the tail inside the next AttnRes kernel),
+    and layer 11 into 12, which commits a block first (the tail as its own kernel)."""
+    from kimi_decode.testing import check_layers
+
+    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
+    s = shard("k3", tp=tp)
+    cases = [layer_case(s, i, 1, seed=7100 + tp + i, device="cuda") for i in layers]
+    res = cases[0][1]
+    check_layers(get_backend("latency_specialized", poison=True), [c[0] for c in cases], res,
+                 [c[2] for c in cases], s).assert_within(BF16_TOL)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_steps_with_the_tail_in_the_next_attn_res_replay_in_a_graph_like_eager(monkeypatch, tp):
+    """KIMI_DECODE_FUSED_TAIL_RES=1 (PDL on at batch 1, its default): graph replays of a two-layer step give the eager
+    steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
+    _check_graph_replays_like_eager(tp)

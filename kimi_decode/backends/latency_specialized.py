@@ -83,6 +83,11 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   projection's CTAs, each also doing the AttnRes step's per-element part for its rows, then the last one the
   softmax and the mix (`KIMI_DECODE_OPROJ_RES=last`: all of the step in the last CTA); the kernel launches under the
   `attn_res` stage, so the `o_proj` stage has no kernel of its own there; `KIMI_DECODE_FUSED_O_RES=0`: two kernels);
+- with `KIMI_DECODE_FUSED_TAIL_RES=1` (off until measured), at batch 1 where the caller chains the layers
+  (`decode_layer(defer_tail=True)`, as a `DecodeSlice` step does), a layer's MoE tail inside the next layer's first
+  AttnRes kernel (`kernels/tail_attn_res.py`: the up-projection's CTAs add their rows into the partial and do the
+  AttnRes step's per-element part there, the last one the softmax and the mix); it launches under the next layer's
+  `attn_res` stage, so the layer's `moe_tail` stage has no kernel there; before a block commit the two stay apart;
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
@@ -265,7 +270,7 @@ EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: 
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
-COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
+COUNTERS = ("router", "o_proj", "tail_res")  # kernels whose last CTA finishes the stage, each with a counter of its own
 # the tensor-core projection's counters (one per row group), one set per stream it may run on at the same time
 TC_COUNTERS = 1024
 # the two-stage expert kernel's counters: ticket, finished w2 CTAs, finished w13 CTAs per token
@@ -345,6 +350,14 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_o_res_on = cute_common.env_flag("KIMI_DECODE_FUSED_O_RES", "1")
         self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
         self._pending_o = None  # (o, W, a) of that projection, a its output, until the AttnRes call
+        # 1: at batch 1 a layer's MoE tail runs inside the next layer's first AttnRes kernel where the caller chains
+        # the two (`decode_layer(defer_tail=True)`; `kernels/tail_attn_res.py`); "0" (the default until measured)
+        from ..kernels.tail_attn_res import fused_tail_res
+
+        self._fused_tail_res_on = fused_tail_res()
+        # (res, up-projection, scaled routed sum, its sums of squares, shared output, eps) of a deferred MoE tail,
+        # until the next layer's first AttnRes call (or `flush_deferred`)
+        self._pending_tail = None
         self._tc_rows = (cute_common.env_int("KIMI_DECODE_TC_MIN_ROWS", TC_MIN_ROWS, 1, FAST_MAX_ROWS, "rows"),
                          cute_common.env_int("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS, 0, FAST_MAX_ROWS, "rows"))
         self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
@@ -362,6 +375,7 @@ class LatencySpecializedBackend(AutoBackend):
             for name in COUNTERS:
                 self._counter(name, device)
             self._o_proj_parts(device)
+            self._o_proj_parts(device, "tail_res.parts")
             self._counter("experts", device, EXPERT_COUNTERS)
             self._counter("shared", device, SHARED_COUNTERS)
             self._counter("entry_prefetch", device, 2)
@@ -468,13 +482,14 @@ class LatencySpecializedBackend(AutoBackend):
             self._counters[key] = routed_norm_scratch(width, device)
         return self._counters[key]
 
-    def _o_proj_parts(self, device: torch.device) -> torch.Tensor:
-        """Scratch for the output projection + AttnRes kernel's per-CTA score sums (`KIMI_DECODE_OPROJ_RES=split`):
-        32 fp32 per SM, enough for 16 candidates. Made with the counters, outside any capture."""
+    def _o_proj_parts(self, device: torch.device, name: str = "o_proj.parts") -> torch.Tensor:
+        """Scratch for the per-CTA score sums of the output projection + AttnRes kernel (`KIMI_DECODE_OPROJ_RES=split`)
+        or, `name` "tail_res.parts", of the MoE tail + AttnRes kernel: 32 fp32 per SM, enough for 16 candidates. Made
+        with the counters, outside any capture."""
         from ..kernels.cute_common import sm_count
         from ..kernels.oproj_attn_res import parts_width
 
-        key = (device, "o_proj.parts")
+        key = (device, name)
         if key not in self._counters:
             self._counters[key] = torch.zeros(sm_count(device) * parts_width(15), dtype=torch.float32, device=device)
         return self._counters[key]
@@ -569,6 +584,19 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w, *, n_blocks: int, commit: bool, delta, delta_mode: int,
                  use_partial: bool, eps: float) -> torch.Tensor:
+        tail, self._pending_tail = self._pending_tail, None
+        if tail is not None:  # the previous layer's MoE tail, deferred to here
+            if (tail[0] is res and self._res_fast and delta is None and delta_mode == 0 and not commit
+                    and use_partial):
+                from ..kernels.tail_attn_res import tail_attn_res
+
+                _, w_up, scaled, ssq, shared, eps_norm = tail
+                out = self._empty(*res.partial.shape, device=res.partial.device)
+                return tail_attn_res(w_up, scaled, ssq, shared, res.blocks, res.partial, w.query, w.key_norm,
+                                     w.input_norm, out, self._counter("tail_res", scaled.device), n_blocks=n_blocks,
+                                     eps_norm=eps_norm, eps=eps,
+                                     parts=self._o_proj_parts(scaled.device, "tail_res.parts"))
+            self._run_tail(tail)  # a block commit (or another state) comes first: the tail as its own kernel
         pending, self._pending_o = self._pending_o, None
         if pending is not None:
             if delta is not pending[2] or commit or not use_partial or delta_mode not in (1, 2):
@@ -806,19 +834,34 @@ class LatencySpecializedBackend(AutoBackend):
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
                          counters=counters, shared=shared, shared_act_ready=glu_in_entry, quad_major=quad)
 
-    def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
+    def _run_tail(self, tail) -> None:
+        """A batch-1 MoE tail (as `moe_tail` keeps it) as its own kernel: the up-projection GEMV with the routed sum's
+        1/rms and the shared output in its epilogue, accumulated into the partial."""
+        res, w_up, scaled, ssq, shared, eps = tail
+        self._project(w_up, scaled, res.partial, accumulate=True, addend=shared, row_scale=(ssq, eps))
+
+    def flush_deferred(self) -> None:
+        tail, self._pending_tail = self._pending_tail, None
+        if tail is not None:
+            self._run_tail(tail)
+
+    def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig,
+                 defer: bool = False) -> None:
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)
             return self._pairs_tail(routed, shared, w, res, shard)
         if not self._mlp_fast or routed.dtype != torch.float32:
-            return super().moe_tail(routed, shared, w, res, shard)
+            return super().moe_tail(routed, shared, w, res, shard, defer)
         if not self._cute_rows(routed.shape[0]):  # more rows than the tensor-core tail takes: norm kernel + cuBLAS
             return self._pairs_tail(routed.unsqueeze(1), shared, w, res, shard)
         from ..kernels.rmsnorm import rmsnorm_rows
 
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
-            self._project(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
-                          row_scale=(self._ssq, shard.model.rms_eps))
+            tail = (res, w.up, self._scaled, self._ssq, shared, shard.model.rms_eps)
             self._scaled = self._ssq = None
+            if defer and self._fused_tail_res_on and self._res_fast and routed.shape[0] == 1:
+                self._pending_tail = tail  # the next layer's first AttnRes kernel runs it (`attn_res`)
+                return
+            self._run_tail(tail)
             return
         normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
                               shard.model.rms_eps)

@@ -236,6 +236,16 @@ if HAVE_CUTE:
         _llvm.inline_asm(None, [tensor.iterator.toint().ir_value()], "prefetch.global.L2 [$0];", "l",
                          has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
 
+    def opaque_zero(smem_zero: cute.Tensor):
+        """smem_zero[0], an int32 of shared memory that holds 0, read with `ld.volatile`: a 0 the compilers cannot
+        see through. Added to the addresses of a loop's shared-memory loads, it keeps them in the loop: ptxas moves
+        loop-invariant loads out of loops however many registers their values then hold across it."""
+        addr = smem_zero.iterator.toint()
+        space, width = ("shared.", "r") if isinstance(addr, cutlass.Int32) else ("", "l")  # as `atomic_add_u32`
+        return cutlass.Int32(_llvm.inline_asm(
+            cutlass.Int32.mlir_type, [addr.ir_value()], f"ld.volatile.{space}u32 $0, [$1];", f"=r,{width}",
+            has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT))
+
     def bulk_prefetch_l2(tensor, nbytes) -> None:
         """Ask L2 for `nbytes` (a multiple of 16) from `tensor`'s first element on (global memory, 16-byte aligned),
         as one bulk request to the SM's copy engine; nothing comes back to the thread."""

@@ -90,6 +90,7 @@ if HAVE_CUTE:
             # "split" needs a lane per output row of a warp (every GPU with 8 SMs or more, at H = 7168)
             self.split = bool(split) and self.per_warp <= 32
             self.rest = rest  # KIMI_DECODE_OPROJ_REST
+            self.round_delta = True  # "split": the residual update adds a as stored (bf16); `tail_attn_res`: fp32
 
         def rest_ahead(self) -> bool:
             """Whether the rows after the first pass are loaded into registers of their own right after the wait,
@@ -236,7 +237,9 @@ if HAVE_CUTE:
             """"split", every CTA: the residual update at the lane's row (lane < rows per warp), then the CTA's totals
             of the score sums (dots at [0, P/2), sums of squares at [P/2, P)) into mParts[bidx]."""
             NB, NC, P = self.res.NB, self.res.NC, self.res.P
-            a = mine.to(BFloat16).to(Float32)  # a as stored (bf16), as the "last" form reads it
+            a = mine
+            if cutlass.const_expr(self.round_delta):
+                a = mine.to(BFloat16).to(Float32)  # a as stored (bf16), as the "last" form reads it
             if cutlass.const_expr(self.res.delta_mode == 1):
                 cs[NB] = cs[NB] + a
             else:
