@@ -2565,9 +2565,9 @@ def _tail_args(H=7168, K=3584, parts=224, num_blocks=8):
     """`compile_tail_attn_res`'s tensors: up-projection, scaled routed sum, its sums of squares, shared output, then
     AttnRes's blocks, partial, query, key_norm, input_norm, out, and the counter."""
     bf = torch.bfloat16
-    return (torch.empty(H, K, dtype=bf), torch.empty(1, K, dtype=bf), torch.empty(1, parts), torch.empty(1, H, dtype=bf),
-            torch.empty(1, num_blocks, H), torch.empty(1, H), torch.empty(H), torch.empty(H), torch.empty(H),
-            torch.empty(1, H, dtype=bf), torch.zeros(1, dtype=torch.int32))
+    return (torch.empty(H, K, dtype=bf), torch.empty(1, K, dtype=bf), torch.empty(1, parts),
+            torch.empty(1, H, dtype=bf), torch.empty(1, num_blocks, H), torch.empty(1, H), torch.empty(H),
+            torch.empty(H), torch.empty(H), torch.empty(1, H, dtype=bf), torch.zeros(1, dtype=torch.int32))
 
 
 @needs_cute

@@ -1618,7 +1618,7 @@ def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     w_up = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
-    ssq = torch.rand(1, K // 16, device="cuda", generator=g) * 40  # a mean square of about 0.1
+    ssq = torch.rand(1, K // 16, device="cuda", generator=g) * 40  # a mean square of order one (sum / K ~ 1.25)
     shared = torch.randn(1, H, device="cuda", generator=g).bfloat16()
     blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
     partial0 = torch.randn(1, H, device="cuda", generator=g) * 2

@@ -374,8 +374,8 @@ class LatencySpecializedBackend(AutoBackend):
                 self._stream(name, device)
             for name in COUNTERS:
                 self._counter(name, device)
-            self._o_proj_parts(device)
-            self._o_proj_parts(device, "tail_res.parts")
+            self._split_parts(device, "o_proj")
+            self._split_parts(device, "tail_res")
             self._counter("experts", device, EXPERT_COUNTERS)
             self._counter("shared", device, SHARED_COUNTERS)
             self._counter("entry_prefetch", device, 2)
@@ -482,14 +482,15 @@ class LatencySpecializedBackend(AutoBackend):
             self._counters[key] = routed_norm_scratch(width, device)
         return self._counters[key]
 
-    def _o_proj_parts(self, device: torch.device, name: str = "o_proj.parts") -> torch.Tensor:
-        """Scratch for the per-CTA score sums of the output projection + AttnRes kernel (`KIMI_DECODE_OPROJ_RES=split`)
-        or, `name` "tail_res.parts", of the MoE tail + AttnRes kernel: 32 fp32 per SM, enough for 16 candidates. Made
-        with the counters, outside any capture."""
+    def _split_parts(self, device: torch.device, kernel: str) -> torch.Tensor:
+        """Scratch for the per-CTA score sums of a kernel that runs the AttnRes step in the "split" form: `kernel`
+        "o_proj" (the output projection + AttnRes kernel, `KIMI_DECODE_OPROJ_RES=split`) or "tail_res" (the MoE tail +
+        AttnRes kernel), one each: 32 fp32 per SM, enough for 16 candidates. Made with the counters, outside any
+        capture."""
         from ..kernels.cute_common import sm_count
         from ..kernels.oproj_attn_res import parts_width
 
-        key = (device, name)
+        key = (device, f"{kernel}.parts")
         if key not in self._counters:
             self._counters[key] = torch.zeros(sm_count(device) * parts_width(15), dtype=torch.float32, device=device)
         return self._counters[key]
@@ -595,7 +596,7 @@ class LatencySpecializedBackend(AutoBackend):
                 return tail_attn_res(w_up, scaled, ssq, shared, res.blocks, res.partial, w.query, w.key_norm,
                                      w.input_norm, out, self._counter("tail_res", scaled.device), n_blocks=n_blocks,
                                      eps_norm=eps_norm, eps=eps,
-                                     parts=self._o_proj_parts(scaled.device, "tail_res.parts"))
+                                     parts=self._split_parts(scaled.device, "tail_res"))
             self._run_tail(tail)  # a block commit (or another state) comes first: the tail as its own kernel
         pending, self._pending_o = self._pending_o, None
         if pending is not None:
@@ -608,7 +609,7 @@ class LatencySpecializedBackend(AutoBackend):
             out = self._empty(*res.partial.shape, device=res.partial.device)
             return oproj_attn_res(w_o, o, a, res.blocks, res.partial, w.query, w.key_norm, w.input_norm, out,
                                   self._counter("o_proj", o.device), n_blocks=n_blocks, delta_mode=delta_mode,
-                                  eps=eps, parts=self._o_proj_parts(o.device))
+                                  eps=eps, parts=self._split_parts(o.device, "o_proj"))
         if not self._res_fast:
             return super().attn_res(res, w, n_blocks=n_blocks, commit=commit, delta=delta, delta_mode=delta_mode,
                                     use_partial=use_partial, eps=eps)

@@ -14,14 +14,17 @@ RMSNorm with the next layer's input_norm. So the AttnRes kernel's launch, its wa
 own reads of the candidates and the partial go, and the residual update is not stored and loaded back in between.
 
 Layout of the projection: one CTA per SM of the T threads AttnRes uses (448 at H = 7168); each warp takes output rows
-warp, warp + all warps, ... one row per pass, each lane streaming K / 256 16-byte weight slices of the row (14 at
-K = 3584, all in flight at once). x is K wide (the latent, 3584), too wide to keep in every thread's registers as the
-output projection keeps its K = 768 / 1536: the CTA stages it once in shared memory as fp32, laid out so that each
-lane's two 16-byte reads of a slice are contiguous across the warp (no bank conflicts). Under PDL the first row's
-weights (they do not depend on the kernels before) and the lane's AttnRes candidates (written two or more kernels
-back: the blocks, and the partial, last stored by the output projection + AttnRes kernel of this layer) are loaded
-before the wait; x, the partial sums of squares and the shared experts' output (all three written by the w2 expert
-kernel just before) after it.
+warp, warp + all warps, ... one row per pass, each lane loading its K / 256 16-byte weight slices of the row at once
+(14 at K = 3584), the next row's after the current one's dot product. x is K wide (the latent, 3584), too wide to keep
+in every thread's registers as the output projection keeps its K = 768 / 1536: the CTA copies it once into shared
+memory (bf16, `cp.async`), and each pass reads a lane's slices of it again. Those reads do not change from pass to
+pass, so ptxas would move them out of the row loop and hold all of x, converted to fp32, in registers across it (232
+registers; under 448 threads that collapses into spills): their addresses carry a 0 read with `ld.volatile`
+(`cute_common.opaque_zero`), which keeps them in the loop (128 registers with cutlass-dsl 4.8.1). Under PDL the
+first row's weights (they do not depend on the kernels before) and the lane's AttnRes candidates (written two or more
+kernels back: the blocks, and the partial, last stored by the output projection + AttnRes kernel of this layer) are
+loaded before the wait; x, the partial sums of squares and the shared experts' output (all three written by the w2
+expert kernel just before) after it.
 
 The fp32 sums: each row's dot product is one warp reduction, times r, plus the shared output, then added to the old
 partial, so the updated partial matches the GEMV's (old + r * dot) + shared to fp32 rounding (the order of the
