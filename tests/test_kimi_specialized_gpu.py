@@ -1469,6 +1469,19 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 
+def _one_sequence_attn_res_case(g: torch.Generator, H: int):
+    """(blocks [1, 8, H], partial [1, H], AttnRes weights) for one sequence: candidates of order 2 and a query large
+    enough for a peaked softmax, drawn from `g` in that order."""
+    from kimi_decode.weights import AttnResWeights
+
+    blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
+    partial0 = torch.randn(1, H, device="cuda", generator=g) * 2
+    w = AttnResWeights(query=torch.randn(H, device="cuda", generator=g) * (8 / H ** 0.5),
+                       key_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g),
+                       input_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g))
+    return blocks, partial0, w
+
+
 @pytest.mark.parametrize("K", [768, 1536])
 @pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1), (8, 1)])
 @pytest.mark.parametrize("pdl, early, res", [("0", "smem", "last"), ("1", "smem", "last"), ("1", "1", "last"),
@@ -1481,7 +1494,6 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
     with the weights copied into shared memory before the wait, the first rows loaded into registers, or all loaded
     after it; the AttnRes step all in the last CTA, or split between every CTA and the last."""
     from kimi_decode.kernels.oproj_attn_res import oproj_attn_res
-    from kimi_decode.weights import AttnResWeights
 
     monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
     monkeypatch.setenv("KIMI_DECODE_OPROJ_EARLY", early)
@@ -1491,11 +1503,7 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     w_o = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     o = torch.randn(1, K, device="cuda", generator=g).bfloat16()
-    blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
-    partial0 = torch.randn(1, H, device="cuda", generator=g) * 2
-    w = AttnResWeights(query=torch.randn(H, device="cuda", generator=g) * (8 / H ** 0.5),
-                       key_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g),
-                       input_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g))
+    blocks, partial0, w = _one_sequence_attn_res_case(g, H)
     want_a = o.double() @ w_o.double().T
     _, want_partial, want_out = _attn_res_float64(blocks, partial0, want_a.bfloat16(), w, n_blocks, False,
                                                   delta_mode, True, eps)
@@ -1610,7 +1618,6 @@ def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
     output, with out and the score-sum scratch poisoned first and the partial reset; run twice (the completion
     counter resets itself) and replayed in a CUDA graph; without PDL and under it."""
     from kimi_decode.kernels.tail_attn_res import tail_attn_res
-    from kimi_decode.weights import AttnResWeights
 
     monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
     H, K, eps = 7168, 3584, 1e-5
@@ -1620,11 +1627,7 @@ def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
     x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
     ssq = torch.rand(1, K // 16, device="cuda", generator=g) * 40  # a mean square of order one (sum / K ~ 1.25)
     shared = torch.randn(1, H, device="cuda", generator=g).bfloat16()
-    blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
-    partial0 = torch.randn(1, H, device="cuda", generator=g) * 2
-    w = AttnResWeights(query=torch.randn(H, device="cuda", generator=g) * (8 / H ** 0.5),
-                       key_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g),
-                       input_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g))
+    blocks, partial0, w = _one_sequence_attn_res_case(g, H)
     rstd = torch.rsqrt(ssq.double().sum() / K + eps)
     want_a = rstd * (x.double() @ w_up.double().T) + shared.double()
     _, want_partial, want_out = _attn_res_float64(blocks, partial0.double() + want_a, None, w, n_blocks, False, 0,
