@@ -240,10 +240,9 @@ if HAVE_CUTE:
         """smem_zero[0], an int32 of shared memory that holds 0, read with `ld.volatile`: a 0 the compilers cannot
         see through. Added to the addresses of a loop's shared-memory loads, it keeps them in the loop: ptxas moves
         loop-invariant loads out of loops however many registers their values then hold across it."""
-        addr = smem_zero.iterator.toint()
-        space, width = ("shared.", "r") if isinstance(addr, cutlass.Int32) else ("", "l")  # as `atomic_add_u32`
+        addr, space, width = _address(smem_zero)
         return cutlass.Int32(_llvm.inline_asm(
-            cutlass.Int32.mlir_type, [addr.ir_value()], f"ld.volatile.{space}u32 $0, [$1];", f"=r,{width}",
+            cutlass.Int32.mlir_type, [addr], f"ld.volatile.{space}.u32 $0, [$1];", f"=r,{width}",
             has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT))
 
     def bulk_prefetch_l2(tensor, nbytes) -> None:
@@ -313,13 +312,19 @@ if HAVE_CUTE:
         """A pointer to `tensor`'s element `index` (its iterator itself for a constant 0)."""
         return tensor.iterator if isinstance(index, int) and index == 0 else tensor.iterator + index
 
-    def atomic_add_u32(tensor, value, index=0):
-        """atom.add.u32 on `tensor`'s element `index`, in global or shared memory as the tensor lies (a shared
-        address is 32 bits wide); returns the old value."""
+    def _address(tensor, index=0):
+        """(the address of `tensor`'s element `index` as an inline-asm operand, its state space "shared" or "global"
+        as the tensor lies, the operand's constraint: a shared address is 32 bits wide)."""
         addr = _element(tensor, index).toint()
         space, width = ("shared", "r") if isinstance(addr, cutlass.Int32) else ("global", "l")
+        return addr.ir_value(), space, width
+
+    def atomic_add_u32(tensor, value, index=0):
+        """atom.add.u32 on `tensor`'s element `index`, in global or shared memory as the tensor lies; returns the old
+        value."""
+        addr, space, width = _address(tensor, index)
         return cutlass.Int32(_llvm.inline_asm(
-            cutlass.Int32.mlir_type, [addr.ir_value(), cutlass.Int32(value).ir_value()],
+            cutlass.Int32.mlir_type, [addr, cutlass.Int32(value).ir_value()],
             f"atom.{space}.add.u32 $0, [$1], $2;", f"=r,{width},r", has_side_effects=True, is_align_stack=False,
             asm_dialect=_llvm.AsmDialect.AD_ATT))
 
