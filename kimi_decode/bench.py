@@ -100,6 +100,13 @@ class _Captured:
             self.prefix_graphs.append(g)
         self.prefix_graphs.append(self.step_graph)
         self.layer_graphs = []
+        # each layer once eagerly first: its own graph may take kernel forms that the chained step's warm-up never
+        # launched (with KIMI_DECODE_FUSED_TAIL_RES=1 a layer's first AttnRes runs there inside the tail's kernel),
+        # and those are compiled and loaded here rather than inside the capture
+        sl.res.partial_empty = sl.input.partial_empty
+        for lw, st in zip(sl.layers, sl.states):
+            decode_layer(sl.backend, lw, sl.res, st, sl.shard, sl.group)
+        torch.cuda.synchronize()
         sl.res.partial_empty = sl.input.partial_empty
         for lw, st in zip(sl.layers, sl.states):
             g = torch.cuda.CUDAGraph()

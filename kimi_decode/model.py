@@ -31,7 +31,8 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
     `defer_tail`: the next layer runs at once on the same backend and `res` (its `decode_layer` call is the next
     thing the backend does), so the backend may run this layer's MoE tail inside the next layer's first AttnRes
     kernel (`latency_specialized`, KIMI_DECODE_FUSED_TAIL_RES=1). `res` is then complete only after that call, or
-    after `backend.flush_deferred()`.
+    after `backend.flush_deferred()`. A layer that raises drops whatever the backend kept (`discard_deferred`): `res`
+    is then no step's result.
     """
     m = shard.model
     eps = m.rms_eps
@@ -89,5 +90,8 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
             with rng("moe_tail"):
                 backend.moe_tail(routed, shared, lw.mlp, res, shard, defer=defer_tail)
             backend.join("prefetch")  # a backend's L2 prefetches (hints, nothing reads their output)
+    except BaseException:
+        backend.discard_deferred()
+        raise
     finally:
         backend.end_layer()

@@ -69,6 +69,7 @@ class DecodeSlice:
         if not 0 <= n <= len(self.layers):
             raise ValueError(f"a step of {n} layers: the slice has {len(self.layers)}")
         with rng(DECODE_STEP):
+            self.backend.discard_deferred()  # nothing a failed step left may reach this one's residual state
             self.res.blocks.copy_(self.input.blocks)
             self.res.partial.copy_(self.input.partial)
             self.res.partial_empty = self.input.partial_empty

@@ -2600,6 +2600,8 @@ def test_tail_attn_res_refuses_what_it_cannot_take(sm90a, change, match):
                               parts=torch.zeros(132 * 32), ctas=132)
     with pytest.raises(ValueError, match="scratch|parts"):  # too small a scratch for the score sums
         compile_tail_attn_res(*_tail_args(), n_blocks=3, eps_norm=1e-5, eps=1e-5, parts=torch.zeros(64), ctas=132)
+    with pytest.raises(ValueError, match="32 per warp"):  # 7168 rows over 8 CTAs of 14 warps: 64 rows a warp
+        compile_tail_attn_res(*_tail_args(), n_blocks=3, eps_norm=1e-5, eps=1e-5, parts=torch.zeros(8 * 32), ctas=8)
 
 
 def test_fused_tail_res_setting_is_off_by_default_and_checked(monkeypatch):
@@ -2633,12 +2635,13 @@ def _tail_spy(monkeypatch, setting: str):
     return backend, calls
 
 
-def _tail_call(backend, res, defer: bool):
-    """One batch-1 MoE tail on `backend` (the expert kernel's outputs set as it leaves them)."""
+def _tail_call(backend, res, defer: bool, latent: int = 256):
+    """One batch-1 MoE tail on `backend` (the expert kernel's outputs set as it leaves them), its latent `latent`
+    wide: a whole number of the fused kernel's warp slices (256) by default, unlike the tiny model's 128."""
     from types import SimpleNamespace
 
     s = shard("tiny")
-    L, H = s.model.moe_latent, s.model.hidden
+    L, H = latent, s.model.hidden
     backend._scaled, backend._ssq = torch.zeros(1, L, dtype=torch.bfloat16), torch.zeros(1, L // 16)
     w = SimpleNamespace(up=torch.zeros(H, L, dtype=torch.bfloat16))
     backend.moe_tail(torch.zeros(1, L), torch.zeros(1, H, dtype=torch.bfloat16), w, res, s, defer=defer)
@@ -2685,6 +2688,64 @@ def test_a_deferred_moe_tail_runs_inside_the_next_attn_res(monkeypatch):
     backend, calls = _tail_spy(monkeypatch, "0")
     up = _tail_call(backend, res, defer=True)
     assert calls == [("gemv", up)]
+
+
+def test_a_deferred_tail_is_never_lost_or_applied_twice(monkeypatch):
+    """Where the fused kernel cannot take the shapes (a latent that is no whole number of its 256-wide warp slices, as
+    the tiny model's 128; more than 16 AttnRes candidates) the next AttnRes call runs the deferred tail as its own
+    GEMV first; a second deferral runs the first tail before it keeps the new one; a layer that raises drops what was
+    kept, and so does the start of a step, so that no later call applies a stale tail."""
+    from kimi_decode.model import decode_layer
+    from kimi_decode.weights import AttnResWeights
+
+    backend, calls = _tail_spy(monkeypatch, "1")
+    H = shard("tiny").model.hidden
+    res = init_residual(shard("tiny"), 1, 1, seed=1)
+    aw = AttnResWeights(query=torch.zeros(H), key_norm=torch.zeros(H), input_norm=torch.zeros(H))
+    flags = dict(commit=False, delta=None, delta_mode=0, use_partial=True, eps=1e-5)
+
+    up = _tail_call(backend, res, defer=True, latent=128)
+    backend.attn_res(res, aw, n_blocks=2, **flags)
+    assert calls == [("gemv", up), ("attn_res", False)]
+
+    calls.clear()
+    up = _tail_call(backend, res, defer=True)
+    backend.attn_res(res, aw, n_blocks=16, **flags)  # 17 candidates
+    assert calls == [("gemv", up), ("attn_res", False)]
+
+    calls.clear()
+    first = _tail_call(backend, res, defer=True)
+    second = _tail_call(backend, res, defer=True)
+    backend.attn_res(res, aw, n_blocks=2, **flags)
+    assert calls == [("gemv", first), ("fused", second, 2)]
+
+    class Boom(Exception):
+        pass
+
+    def boom(*a, **kw):
+        raise Boom
+
+    calls.clear()
+    _tail_call(backend, res, defer=True)
+    monkeypatch.setattr(backend, "begin_layer", lambda *a, **kw: None)
+    monkeypatch.setattr(backend, "attn_res", boom)
+    lw = init_layer(shard("tiny"), 1, seed=1)
+    with pytest.raises(Boom):
+        decode_layer(backend, lw, res, None, shard("tiny"))
+    assert backend._pending_tail is None
+    monkeypatch.undo()
+
+    from kimi_decode.slice import DecodeSlice
+
+    backend, calls = _tail_spy(monkeypatch, "1")
+    sl = DecodeSlice(model="tiny", tp=1, batch=1, first_layer=1, num_layers=1, context=8, device="cpu", seed=2)
+    _tail_call(backend, sl.res, defer=True)  # left by a step that failed
+    seen = []
+    monkeypatch.setattr(backend, "attn_res", lambda *a, **kw: seen.append(backend._pending_tail) or boom())
+    sl.backend = backend
+    with pytest.raises(Boom):
+        sl.step()
+    assert seen == [None] and calls == []
 
 
 def test_a_step_lets_every_layer_but_its_last_defer_its_tail():

@@ -1617,10 +1617,13 @@ def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
     RMSNorm through its partial sums of squares, the up-projection and the shared output added) and the AttnRes
     output, with out and the score-sum scratch poisoned first and the partial reset; run twice (the completion
     counter resets itself) and replayed in a CUDA graph; without PDL and under it."""
+    from kimi_decode.kernels.cute_common import sm_count
     from kimi_decode.kernels.tail_attn_res import tail_attn_res
 
     monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
-    H, K, eps = 7168, 3584, 1e-5
+    # the routed sum's norm epsilon of the order of its mean square (sum / K ~ 1.25 below), so that dropping it, or
+    # taking AttnRes's instead, shows
+    H, K, eps, eps_norm = 7168, 3584, 1e-5, 0.5
     g = torch.Generator(device="cuda").manual_seed(7000 + 10 * n_blocks + int(pdl))
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     w_up = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
@@ -1628,13 +1631,14 @@ def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
     ssq = torch.rand(1, K // 16, device="cuda", generator=g) * 40  # a mean square of order one (sum / K ~ 1.25)
     shared = torch.randn(1, H, device="cuda", generator=g).bfloat16()
     blocks, partial0, w = _one_sequence_attn_res_case(g, H)
-    rstd = torch.rsqrt(ssq.double().sum() / K + eps)
+    rstd = torch.rsqrt(ssq.double().sum() / K + eps_norm)
     want_a = rstd * (x.double() @ w_up.double().T) + shared.double()
     _, want_partial, want_out = _attn_res_float64(blocks, partial0.double() + want_a, None, w, n_blocks, False, 0,
                                                   True, eps)
     out = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
     partial = partial0.clone()
-    parts = torch.empty(132 * 32, device="cuda")
+    parts = torch.empty(sm_count() * 32, device="cuda")
+    blocks0 = blocks.clone()
 
     def reset():
         out.fill_(float("nan"))
@@ -1643,13 +1647,13 @@ def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
 
     def run():
         tail_attn_res(w_up, x, ssq, shared, blocks, partial, w.query, w.key_norm, w.input_norm, out, counter,
-                      n_blocks=n_blocks, eps_norm=eps, eps=eps, parts=parts)
+                      n_blocks=n_blocks, eps_norm=eps_norm, eps=eps, parts=parts)
 
     def check():
         torch.cuda.synchronize()
         errs = {"partial": rel_err(partial, want_partial), "out": rel_err(out, want_out)}
         assert errs["partial"] < 1e-3 and errs["out"] < BF16_TOL, errs
-        assert counter.item() == 0
+        assert counter.item() == 0 and torch.equal(blocks, blocks0)  # no commit: the blocks are only read
 
     eager_then_graphed(run, reset, check)
 
@@ -1660,14 +1664,19 @@ def test_layers_with_the_tail_in_the_next_attn_res_match_reference(monkeypatch, 
     """KIMI_DECODE_FUSED_TAIL_RES=1: two layers chained as a decode step chains them, at batch 1, against the float64
     reference (outputs poisoned): KDA into KDA, KDA into MLA, MLA into KDA (the tail inside the next AttnRes kernel),
     and layer 11 into 12, which commits a block first (the tail as its own kernel)."""
+    from kimi_decode.kernels import tail_attn_res as fused
     from kimi_decode.testing import check_layers
 
     monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
+    launched = []
+    kernel = fused.tail_attn_res
+    monkeypatch.setattr(fused, "tail_attn_res", lambda *a, **kw: launched.append(1) or kernel(*a, **kw))
     s = shard("k3", tp=tp)
     cases = [layer_case(s, i, 1, seed=7100 + tp + i, device="cuda") for i in layers]
     res = cases[0][1]
     check_layers(get_backend("latency_specialized", poison=True), [c[0] for c in cases], res,
                  [c[2] for c in cases], s).assert_within(BF16_TOL)
+    assert len(launched) == (0 if s.model.starts_block(layers[1]) else 1)  # the fused kernel ran where it should
 
 
 @pytest.mark.parametrize("tp", [16, 8])

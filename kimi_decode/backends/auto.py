@@ -67,6 +67,10 @@ class AutoBackend:
     def flush_deferred(self) -> None:
         """Runs what a `defer` call left for the next one (`moe_tail`); the generic path leaves nothing."""
 
+    def discard_deferred(self) -> None:
+        """Drops what a `defer` call left, unrun: after a layer that raised, or before a step starts, so that no later
+        call applies it to a residual state it no longer belongs to."""
+
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w: AttnResWeights, *, n_blocks: int, commit: bool,
                  delta: torch.Tensor | None, delta_mode: int, use_partial: bool, eps: float) -> torch.Tensor:

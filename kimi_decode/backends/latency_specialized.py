@@ -587,17 +587,19 @@ class LatencySpecializedBackend(AutoBackend):
                  use_partial: bool, eps: float) -> torch.Tensor:
         tail, self._pending_tail = self._pending_tail, None
         if tail is not None:  # the previous layer's MoE tail, deferred to here
-            if (tail[0] is res and self._res_fast and delta is None and delta_mode == 0 and not commit
-                    and use_partial):
-                from ..kernels.tail_attn_res import tail_attn_res
+            from ..kernels import tail_attn_res as fused
 
-                _, w_up, scaled, ssq, shared, eps_norm = tail
+            _, w_up, scaled, ssq, shared, eps_norm = tail
+            if (tail[0] is res and self._res_fast and delta is None and delta_mode == 0 and not commit
+                    and use_partial and fused.fits(*w_up.shape, n_blocks, cute_common.sm_count(scaled.device))):
                 out = self._empty(*res.partial.shape, device=res.partial.device)
-                return tail_attn_res(w_up, scaled, ssq, shared, res.blocks, res.partial, w.query, w.key_norm,
-                                     w.input_norm, out, self._counter("tail_res", scaled.device), n_blocks=n_blocks,
-                                     eps_norm=eps_norm, eps=eps,
-                                     parts=self._split_parts(scaled.device, "tail_res"))
-            self._run_tail(tail)  # a block commit (or another state) comes first: the tail as its own kernel
+                return fused.tail_attn_res(w_up, scaled, ssq, shared, res.blocks, res.partial, w.query, w.key_norm,
+                                           w.input_norm, out, self._counter("tail_res", scaled.device),
+                                           n_blocks=n_blocks, eps_norm=eps_norm, eps=eps,
+                                           parts=self._split_parts(scaled.device, "tail_res"))
+            # a block commit (or another state, or shapes the fused kernel does not take) comes first: the tail as
+            # its own kernel
+            self._run_tail(tail)
         pending, self._pending_o = self._pending_o, None
         if pending is not None:
             if delta is not pending[2] or commit or not use_partial or delta_mode not in (1, 2):
@@ -846,6 +848,9 @@ class LatencySpecializedBackend(AutoBackend):
         if tail is not None:
             self._run_tail(tail)
 
+    def discard_deferred(self) -> None:
+        self._pending_tail = None
+
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig,
                  defer: bool = False) -> None:
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)
@@ -859,6 +864,7 @@ class LatencySpecializedBackend(AutoBackend):
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
             tail = (res, w.up, self._scaled, self._ssq, shared, shard.model.rms_eps)
             self._scaled = self._ssq = None
+            self.flush_deferred()  # a tail left by a layer whose next `attn_res` never came: it goes first
             if defer and self._fused_tail_res_on and self._res_fast and routed.shape[0] == 1:
                 self._pending_tail = tail  # the next layer's first AttnRes kernel runs it (`attn_res`)
                 return

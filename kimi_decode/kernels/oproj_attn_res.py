@@ -87,7 +87,7 @@ if HAVE_CUTE:
             if early == "smem" and self.rows_pre * self.iters * 32 * VEC * 2 * self.W > SMEM_BUDGET:
                 early = "1"
             self.early = early  # KIMI_DECODE_OPROJ_EARLY, "smem" where it fits
-            # "split" needs a lane per output row of a warp (every GPU with 8 SMs or more, at H = 7168)
+            # "split" needs a lane per output row of a warp (every GPU with 16 SMs or more, at H = 7168)
             self.split = bool(split) and self.per_warp <= 32
             self.rest = rest  # KIMI_DECODE_OPROJ_REST
             self.round_delta = True  # "split": the residual update adds a as stored (bf16); `tail_attn_res`: fp32

@@ -40,6 +40,18 @@ from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, fak
 VEC = 8  # bf16 per 16-byte load
 
 
+def fits(hidden: int, K: int, n_blocks: int, ctas: int | None = None) -> bool:
+    """Whether the kernel takes an up-projection [hidden, K] and an AttnRes step over `n_blocks` committed blocks and
+    the partial on `ctas` CTAs (None: one per SM of the current GPU): K a whole number of warp slices (256), at most
+    32 output rows per warp (one lane each, the "split" form) and at most 16 candidates (`attn_res`). Where it does
+    not, the backend runs the tail as its own GEMV."""
+    from .attn_res import plan
+
+    warps = plan(hidden)[0] // 32
+    return (K % (32 * VEC) == 0 and hidden % VEC == 0 and -(-hidden // ((ctas or sm_count()) * warps)) <= 32
+            and n_blocks + 1 <= 16)
+
+
 def fused_tail_res() -> bool:
     """KIMI_DECODE_FUSED_TAIL_RES: whether `latency_specialized` at batch 1 runs a layer's MoE tail inside the next
     layer's first AttnRes kernel (this module) where the caller chains the two (`decode_layer(defer_tail=True)`):
@@ -62,7 +74,8 @@ if HAVE_CUTE:
             self.round_delta = False  # a is fp32 here: the GEMV adds it to the partial unrounded
             self.parts, self.eps_norm = parts, float(eps_norm)
             self.slices = K // VEC  # 16-byte slices of x
-            assert self.split, "one lane per output row of a warp: at most 32 rows per warp"
+            if not self.split:  # `compile_tail_attn_res` refuses these shapes first (`fits`)
+                raise ValueError("tail_attn_res: one lane per output row of a warp: at most 32 rows per warp")
 
         @cute.jit
         def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mAdd: cute.Tensor,
@@ -192,7 +205,9 @@ def compile_tail_attn_res(w, x, ssq, add, blocks, partial, query, key_norm, inpu
 
     _check(w, x, ssq, add, partial, counter)
     check_res(blocks, partial, None, query, key_norm, input_norm, out, n_blocks, False, 0, True)
-    ctas = ctas or sm_count()
+    ctas = ctas or sm_count(w.device)
+    if not fits(w.shape[0], w.shape[1], n_blocks, ctas):
+        raise ValueError(f"tail_attn_res: {w.shape[0]} output rows on {ctas} CTAs is more than 32 per warp")
     op = TailAttnRes(w.shape[0], w.shape[1], ctas, n_blocks, ssq.shape[1], eps_norm, eps)
     args = (w, x, ssq, add, blocks, partial, query, key_norm, input_norm, out, counter,
             _parts_view(parts, ctas, n_blocks))
@@ -206,6 +221,9 @@ def tail_attn_res(w, x, ssq, add, blocks, partial, query, key_norm, input_norm, 
     query, key_norm, input_norm, out, n_blocks=n_blocks, commit=False, delta_mode=0, use_partial=True, eps=eps)`, in
     one kernel, for one sequence. `counter` is one int32 that is 0 (and left at 0) that no other kernel uses at the same
     time; `parts` the score sums' scratch (`compile_tail_attn_res`). Returns out."""
+    if not all(t.is_cuda and t.device == w.device for t in (w, x, ssq, add, blocks, partial, query, key_norm,
+                                                             input_norm, out, counter, parts)):
+        raise ValueError("tail_attn_res: CUDA tensors on one device expected")
     fn, args = compile_tail_attn_res(w, x, ssq, add, blocks, partial, query, key_norm, input_norm, out, counter,
                                      n_blocks=n_blocks, eps_norm=eps_norm, eps=eps, parts=parts)
     aligns = {id(t): al for t, al in zip(args, _aligns(args))}
