@@ -853,6 +853,7 @@ class LatencySpecializedBackend(AutoBackend):
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig,
                  defer: bool = False) -> None:
+        self.flush_deferred()  # a tail left by a layer whose next `attn_res` never came goes first
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)
             return self._pairs_tail(routed, shared, w, res, shard)
         if not self._mlp_fast or routed.dtype != torch.float32:
@@ -864,7 +865,6 @@ class LatencySpecializedBackend(AutoBackend):
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
             tail = (res, w.up, self._scaled, self._ssq, shared, shard.model.rms_eps)
             self._scaled = self._ssq = None
-            self.flush_deferred()  # a tail left by a layer whose next `attn_res` never came: it goes first
             if defer and self._fused_tail_res_on and self._res_fast and routed.shape[0] == 1:
                 self._pending_tail = tail  # the next layer's first AttnRes kernel runs it (`attn_res`)
                 return
