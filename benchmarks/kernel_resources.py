@@ -5,14 +5,14 @@ how many CTAs per SM those registers allow.
     python benchmarks/kernel_resources.py --ptx-dir DIR            # any machine: PTX files kept earlier
 
 The register count of a kernel depends on the cutlass-dsl version that emits its PTX: the grouped w13 expert kernel
-takes 74 registers under 4.3.5 (the GPU machine's) and 100 under 4.8.1 (CI's), 3 CTAs per SM against 2 (NOTES, v22).
-So the counts that explain a timing are the ones taken where it was timed. With `--tp` / `--batch` the script runs
-`kimi_decode.bench` for one replay in a subprocess that keeps each compiled kernel's PTX and cubin
-(`CUTE_DSL_KEEP_PTX` / `CUTE_DSL_KEEP_CUBIN`, which cutlass-dsl 4.3 reads and 4.8 still accepts). A kernel whose cubin
-was kept is read from it with `cuobjdump --dump-resource-usage` (the code that ran: registers, stack; spills are not
-listed there, "-"); otherwise its PTX is assembled with `ptxas -v` for sm_90a (on the H200 machine the installed
-ptxas refuses some of 4.3.5's PTX, hence the cubin). The tools are looked up on PATH, under CUDA_HOME,
-/usr/local/cuda and in triton's bundled CUDA tools.
+takes 74 registers under 4.3.5 (the GPU machine's) and 100 under 4.8.1 (CI's), 3 CTAs per SM against 2 (NOTES, v22). So
+the counts that explain a timing are the ones taken where it was timed. With `--tp` / `--batch` the script runs
+`kimi_decode.bench` for one replay in a subprocess that keeps each compiled kernel's PTX and cubin (`CUTE_DSL_KEEP_PTX`
+/ `CUTE_DSL_KEEP_CUBIN`, which cutlass-dsl 4.3 reads and 4.8 still accepts). A kernel whose cubin was kept is read from
+it with `cuobjdump --dump-resource-usage` (the code that ran: registers, stack; spills are not listed there, "-");
+otherwise its PTX is assembled with `ptxas -v` for sm_90a (on the H200 machine the installed ptxas refuses some of
+4.3.5's PTX, hence the cubin; the NUL byte 4.3.5 leaves at the end of a kept PTX file is taken out first). The tools are
+looked up on PATH, under CUDA_HOME, /usr/local/cuda and in triton's bundled CUDA tools.
 
 Where `nvdisasm` is found, each kernel's SASS is also read for global loads listed after a global store with no
 barrier, fence or atomic between them ("ld>st"; `--orders` lists them). The compiler keeps such a load behind the
@@ -115,6 +115,10 @@ def ptxas_usage(ptx_path: str, tool: str, arch: str, disasm: str | None = None) 
     assembled kernel's `loads_after_stores`."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
+        raw = Path(ptx_path).read_bytes()
+        if b"\0" in raw:  # cutlass-dsl 4.3.5 keeps its PTX with the C string's NUL at the end: ptxas stops there
+            ptx_path = os.path.join(tmp, Path(ptx_path).name)
+            Path(ptx_path).write_bytes(raw.replace(b"\0", b""))
         out = subprocess.run([tool, f"-arch={arch}", "-v", ptx_path, "-o", cubin], capture_output=True, text=True)
         orders = loads_after_stores(sass_of(cubin, disasm)) if disasm and not out.returncode else None
     if out.returncode:
