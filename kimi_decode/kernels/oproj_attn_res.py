@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .attn_res import _align as _res_align
-from .attn_res import _next_pow2
+from .attn_res import _next_pow2, plan
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
@@ -64,6 +64,12 @@ def rest_mode() -> str:
     return env_choice("KIMI_DECODE_OPROJ_REST", "ahead", REST_MODES)
 
 
+def rows_per_warp(hidden: int, ctas: int) -> int:
+    """Output rows per warp of `ctas` CTAs of the AttnRes step's threads (`attn_res.plan`) covering `hidden` rows: the
+    "split" form needs a lane per row, so at most 32."""
+    return -(-hidden // (ctas * (plan(hidden)[0] // 32)))
+
+
 def parts_width(n_blocks: int) -> int:
     """Score sums per CTA in "split" mode: a dot and a sum of squares per candidate, padded to a power of two."""
     return 2 * _next_pow2(n_blocks + 1)
@@ -82,7 +88,7 @@ if HAVE_CUTE:
             self.W = self.T // 32
             self.iters = -(-K // (32 * VEC))  # 16-byte slices of o per lane
             self.exact = self.iters * 32 * VEC == K
-            self.per_warp = -(-hidden // (ctas * self.W))  # output rows per warp
+            self.per_warp = rows_per_warp(hidden, ctas)
             self.rows_pre = -(-self.per_warp // ROWS_AT_ONCE) * ROWS_AT_ONCE  # the same, whole passes
             if early == "smem" and self.rows_pre * self.iters * 32 * VEC * 2 * self.W > SMEM_BUDGET:
                 early = "1"
