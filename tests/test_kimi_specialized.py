@@ -1585,9 +1585,9 @@ def test_expert_kernels_with_their_integer_work_off_the_alu_pipe_compile_for_sm9
         monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
         for quad in (False, True):
             assert all(f is not None for f in compile_grouped(*_grouped_args(s, 64), quad_major=quad))
-    # the compile key ends with (mx_alu(), mx_packed())
+    # the compile key ends with (mx_alu(), mx_packed(), mx_fp8())
     grouped = [key for key in cute_common._cache if key[0].startswith("moe_w") and "grouped" in key[0]]
-    assert grouped and all(key[-2] is True for key in grouped)
+    assert grouped and all(key[-3] is True for key in grouped)
 
 
 @needs_cute
@@ -1858,6 +1858,37 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
         seen |= {id(f) for f in fns}
 
 
+@needs_cute
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+def test_w13_kernel_on_e4m3_operands_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, pad):
+    """KIMI_DECODE_MX_FP8=1: the per-pair w13 kernel's forms (two-kernel at batches 1 and 8, with the shared
+    experts inside at one token, the one-kernel experts at batch 8) compile on e4m3 operands, each a variant of its
+    own; on natural rows they keep the fp16 operands, and the kernel refuses e4m3 on them."""
+    from kimi_decode.kernels.moe_mxfp4 import MoEW13Act, compile_moe
+
+    s = shard("k3", tp=tp, pad_experts=pad)
+    L, bf = s.model.moe_latent, torch.bfloat16
+    m = s.model
+
+    def forms(quad: bool) -> list:
+        fns = []
+        for batch in (1, 8):
+            fns.append(compile_moe(*_moe_args(s, batch), scaled=(torch.empty(L), torch.empty(batch, L, dtype=bf)),
+                                   quad_major=quad)[0])
+        fns.append(compile_moe(*_moe_args(s, 1), shared=_shared_args(s), quad_major=quad)[0])
+        fns.append(compile_moe(*_moe_args(s, 8), counters=torch.empty(10, dtype=torch.int32), quad_major=quad))
+        return fns
+
+    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "0")
+    plain = forms(True)
+    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "1")
+    e4m3 = forms(True)
+    assert all(f is not None for f in e4m3) and not {id(f) for f in plain} & {id(f) for f in e4m3}
+    assert all(f is not None for f in forms(False))
+    with pytest.raises(ValueError, match="quad-major codes only"):
+        MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, fp8=True)
+
+
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import SEG_CTAS_PER_SM, segment_ctas
 
@@ -2034,8 +2065,8 @@ def test_quad_major_puts_each_lanes_words_side_by_side_and_inverts(groups):
             assert [quad_major_offset(c + i, t, groups) for i in range(4)] == list(range(4 * c + 4 * t, 4 * c + 4 * t + 4))
 
 
-def _run_dequant_ptx(template: str, w: int) -> list[int]:
-    """The four 32-bit registers h0..h3 that a `moe_mxfp4` dequantisation template computes from word `w`, by
+def _run_dequant_ptx(template: str, w: int, outs: int = 4) -> list[int]:
+    """The 32-bit registers h0..h{outs-1} that a `moe_mxfp4` dequantisation template computes from word `w`, by
     interpreting its PTX (the few integer instructions it uses, on unsigned 32-bit values)."""
     import re
 
@@ -2055,7 +2086,7 @@ def _run_dequant_ptx(template: str, w: int) -> list[int]:
     for ins in re.findall(r"([a-z0-9.]+) ([^;]+);", template.format(w="w", h="h", shr="shr.u32 t1, w, 3")):
         op, args = ins[0], [a.strip() for a in ins[1].split(",")]
         regs[args[0]] = ops[op](*(val(a) for a in args[1:]))
-    return [regs[f"h{i}"] for i in range(4)]
+    return [regs[f"h{i}"] for i in range(outs)]
 
 
 def test_packed_dequantisation_gives_every_code_its_value():
@@ -2078,6 +2109,81 @@ def test_packed_dequantisation_gives_every_code_its_value():
             codes = [w >> 4 * i & 0xF for i in range(8)]
             want = [(-1 if c & 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -14 for c in codes]
             assert list(halves) == [want[i + 4 * j] for i in range(4) for j in range(2)]
+
+
+def test_fp8_dequantisation_gives_every_code_its_e4m3_value():
+    """`_DEQUANT_FP8` on a word of fp8-packed codes (`_pack_bytes_fp8`): h0's byte j is code 2j and h1's byte j code
+    2j + 1 of the natural word, each as the e4m3 value of its e2m1 code x 2**-6 (what `FP8_SHIFT` undoes), for words
+    covering every byte value in each of the four byte places."""
+    from kimi_decode.kernels.moe_mxfp4 import _DEQUANT_FP8, FP8_SHIFT, _pack_bytes_fp8
+    from kimi_decode.quant import E2M1_VALUES
+
+    assert FP8_SHIFT == 6
+    for b in range(256):
+        for place in range(4):
+            w = (b << 8 * place) | (((b * 37 + 11) & 0xFF) << 8 * ((place + 1) % 4))
+            nat = torch.tensor(list(w.to_bytes(4, "little")), dtype=torch.uint8)
+            packed = int.from_bytes(bytes(_pack_bytes_fp8(nat, inverse=False).tolist()), "little")
+            h = _run_dequant_ptx(_DEQUANT_FP8, packed, outs=2)
+            got = torch.tensor([list(r.to_bytes(4, "little")) for r in h], dtype=torch.uint8)
+            values = got.view(torch.float8_e4m3fn).double()  # [even / odd, byte j]
+            codes = [w >> 4 * i & 0xF for i in range(8)]
+            want = [(-1 if c & 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -6 for c in codes]
+            assert values.tolist() == [want[0::2], want[1::2]]
+
+
+def test_fp8_split_adds_up_to_the_bf16_activations():
+    """`fp8_split`, what the fp8 w13 kernel stages: per MX group a power of two that takes the group's largest
+    magnitude to [128, 256), the same bits as `fp8_group_scale` gives the kernel; high + low = the scaled activation
+    exactly down to 1/4 (at most half an e4m3 subnormal step, 2**-10, below), so a group's dot product with them is
+    the bf16 one but for the tiny elements' part (within 1e-5 of the sum of the products' magnitudes), at group
+    scales from 2**-20 to 2**20 and for an all-zero group."""
+    from kimi_decode.kernels.moe_mxfp4 import FP8_MIN_EXP, fp8_group_scale, fp8_split
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 40, 32, generator=g) * 2.0 ** torch.randint(-20, 21, (3, 40, 1), generator=g)
+    x[1, 5] = 0
+    x = x.reshape(3, 1280).bfloat16()
+    hi, lo, scale = fp8_split(x)
+    groups = x.float().reshape(3, 40, 32)
+    for (r, c), m in zip(torch.cartesian_prod(torch.arange(3), torch.arange(40)).tolist(),
+                         groups.abs().amax(-1).flatten().tolist()):
+        bits = torch.tensor([m], dtype=torch.float32).view(torch.int32).item()
+        factor, addend = fp8_group_scale(bits)
+        assert torch.tensor([factor], dtype=torch.int32).view(torch.float32).item() == scale[r, c].item()
+        b = max(bits >> 23, FP8_MIN_EXP)
+        assert addend == (b - 128) << 23
+        if m:
+            assert 128 <= m * scale[r, c].item() < 256
+    p = groups * scale.unsqueeze(-1)
+    parts = (hi.float() + lo.float()).reshape(3, 40, 32)
+    exact = p.abs() >= 0.25
+    assert exact.float().mean() > 0.98 and torch.equal(parts[exact], p[exact])  # (the zero group: 0.8%)
+    assert (parts - p).abs().max() <= 2.0 ** -10
+    assert torch.all(parts[1, 5] == 0)
+    w = torch.randn(1280, generator=g, dtype=torch.float64)
+    got = ((parts / scale.unsqueeze(-1)).double().reshape(3, 1280) * w).reshape(3, 40, 32).sum(-1)
+    want = (x.double() * w).reshape(3, 40, 32).sum(-1)
+    bound = w.abs().reshape(40, 32).sum(-1) * 2.0 ** -10 / scale.double()  # the tiny elements' error at most
+    assert torch.all((got - want).abs() <= bound) and torch.equal(got[1, 5], want[1, 5])
+    assert ((got - want).abs() <= 1e-5 * (x.double() * w).abs().reshape(3, 40, 32).sum(-1)).all()
+
+
+@pytest.mark.parametrize("groups", [4, 6, 12, 112])
+def test_quad_major_packs_fp8_fields_and_inverts(groups):
+    """`quad_major(packed="fp8")`: the quad-major words with every byte through `_pack_bytes_fp8` (a permutation of
+    the 256 byte values); `inverse` gives the natural rows back; other `packed` values are refused."""
+    from kimi_decode.kernels.moe_mxfp4 import _pack_bytes_fp8, quad_major
+
+    every = torch.arange(256, dtype=torch.uint8)
+    assert sorted(_pack_bytes_fp8(every, inverse=False).tolist()) == list(range(256))
+    assert torch.equal(_pack_bytes_fp8(_pack_bytes_fp8(every, inverse=False), inverse=True), every)
+    w = torch.randint(0, 256, (3, 5, 16 * groups), dtype=torch.uint8)
+    q = quad_major(w, packed="fp8")
+    assert torch.equal(q, _pack_bytes_fp8(quad_major(w, packed=False), inverse=False))
+    assert torch.equal(quad_major(q, inverse=True, packed="fp8"), w)
+    with pytest.raises(ValueError, match="packed must be"):
+        quad_major(w, packed="e4m3")
 
 
 @pytest.mark.parametrize("groups", [4, 6, 12, 112])
@@ -2127,6 +2233,9 @@ def test_expert_codes_are_quad_major_copies_made_once_unless_switched_off(monkey
     assert backend._expert_codes(w, 192)[0] is w13
     odd = SimpleNamespace(w13=w.w13, w2=torch.zeros(4, 8, 48, dtype=torch.uint8))
     assert backend._expert_codes(odd, 96) == (odd.w13, odd.w2, False)
+    e4m3 = backend._expert_codes(w, 192, fp8=True)  # the per-pair w13 kernel's e4m3 fields: a copy of its own
+    assert e4m3[2] and torch.equal(e4m3[0], quad_major(w.w13, packed="fp8")) and e4m3[1] is w2
+    assert backend._expert_codes(w, 192)[0] is w13 and backend._expert_codes(w, 192, fp8=True)[0] is e4m3[0]
     monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "0")
     assert get_backend("latency_specialized")._expert_codes(w, 192) == (w.w13, w.w2, False)
     monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "2")

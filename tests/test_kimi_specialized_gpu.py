@@ -540,13 +540,17 @@ def test_moe_mxfp4_at_each_w2_chunk_matches_float64(monkeypatch, tp, pad, batch,
     _check_moe_mxfp4(tp, pad, batch)
 
 
-def _codes(w, quad: bool, used: int | None = None):
-    """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies; with `used`,
-    w2's rows cut to their used columns (the backend's `KIMI_DECODE_W2_COMPACT` copy; the scales stay padded)."""
+def _codes(w, quad: bool, used: int | None = None, per_pair: bool = True):
+    """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies (for the
+    per-pair kernels under KIMI_DECODE_MX_FP8=1 w13's with its e4m3 fields); with `used`, w2's rows cut to their
+    used columns (the backend's `KIMI_DECODE_W2_COMPACT` copy; the scales stay padded)."""
+    from kimi_decode.kernels.cute_common import mx_fp8
     from kimi_decode.kernels.moe_mxfp4 import quad_major
 
     w2 = w.w2 if used is None else w.w2[..., :used // 2].contiguous()
-    return (quad_major(w.w13), quad_major(w2)) if quad else (w.w13, w2)
+    if not quad:
+        return w.w13, w2
+    return quad_major(w.w13, packed="fp8" if per_pair and mx_fp8() else None), quad_major(w2)
 
 
 @pytest.mark.parametrize("tp, pad, batch, chunk", [(16, True, 1, "auto"), (16, False, 1, "auto"),
@@ -566,14 +570,21 @@ def test_moe_mxfp4_on_quad_major_codes_matches_float64(monkeypatch, tp, pad, bat
             test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
 
 
-def _check_moe_mxfp4(tp, pad, batch, quad: bool = False, compact: bool = False):
+def _check_moe_mxfp4(tp, pad, batch, quad: bool = False, compact: bool = False, spread: bool = False):
+    """`spread`: each MX group of the latent at its own scale, 2**-20 to 2**20, and one group all zero."""
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
 
     s = shard("k3", tp=tp, pad_experts=pad)
     seed = 31 * tp + batch + pad
     w = init_layer(s, 1, seed=seed, device="cuda").mlp
     g = torch.Generator(device="cuda").manual_seed(seed)
-    latent = torch.randn(batch, s.model.moe_latent, device="cuda", generator=g).bfloat16()
+    latent = torch.randn(batch, s.model.moe_latent, device="cuda", generator=g)
+    if spread:
+        latent = latent.reshape(batch, -1, 32)
+        latent = latent * 2.0 ** torch.randint(-20, 21, (*latent.shape[:2], 1), device="cuda", generator=g)
+        latent[:, 3] = 0
+        latent = latent.reshape(batch, -1)
+    latent = latent.bfloat16()
     scores = torch.rand(batch, s.model.num_experts, device="cuda", generator=g)
     ids = torch.topk(scores, s.model.top_k, dim=-1).indices.int()
     weights = torch.softmax(torch.randn(batch, s.model.top_k, device="cuda", generator=g), dim=-1)
@@ -630,7 +641,7 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="trit
         x = latent if x is None else x
     act = torch.full((P, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
     pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda", dtype=pair_dtype)
-    w13, w2 = _codes(w, quad, s.expert_inter_used if compact else None)
+    w13, w2 = _codes(w, quad, s.expert_inter_used if compact else None, per_pair=False)
     out = moe_mxfp4_grouped(x, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, align,
                             act=act, pair_out=pair_out, quad_major=quad, x_operands=how == "operands")
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
@@ -762,6 +773,26 @@ def test_specialized_layer_with_the_grouped_w13_over_several_segments_matches_re
     """Whole layers with every segment slot on its own w13 CTA row (1; "auto" loops from batch 32) and with 4."""
     for div in ("1", "4"):
         _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_SEG_DIV", div, tp, batch, 4400 + batch + int(div))
+
+
+@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
+def test_moe_mxfp4_on_e4m3_operands_matches_float64(monkeypatch, tp, pad):
+    """KIMI_DECODE_MX_FP8=1: the per-pair w13 kernel on e4m3 operands (`quad_major(packed="fp8")` codes, the
+    activations as high and low e4m3 parts per MX group) against float64 with its outputs poisoned: two-kernel form
+    at 1, 3 and 8 tokens (TP8 at one token: 4 warps of 7 quads, a partial staging round), at 8 with every group of
+    the latent at its own scale and one all zero, the one-kernel form, and at one token the shared experts inside."""
+    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "1")
+    for batch in (1, 3, 8):
+        _check_moe_mxfp4(tp, pad, batch, quad=True)
+    _check_moe_mxfp4(tp, pad, 8, quad=True, spread=True)
+    test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, 8, quad=True)
+    test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, False, quad=True)
+    test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
+
+
+@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 8)])
+def test_specialized_layer_on_e4m3_operands_matches_reference(monkeypatch, tp, batch):
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_MX_FP8", "1", tp, batch, 4500)
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])

@@ -56,7 +56,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored), and
   each byte's two codes moved where a dequantisation of 9 instructions per word reads them instead of 11
-  (`KIMI_DECODE_MX_PACKED=0`: as stored);
+  (`KIMI_DECODE_MX_PACKED=0`: as stored); `KIMI_DECODE_MX_FP8=1` runs the per-pair w13 kernel's mma on e4m3
+  operands from a w13 copy of its own whose bytes hold the codes' e4m3 fields (4 ALU instructions per word of 8
+  codes instead of 8; the activations as high and low e4m3 parts that add up to them exactly), off by default;
 - the MoE tail, up to TC_MAX_ROWS rows (16; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: with
   the per-pair experts one projection over bf16(routed sum x norm weight), which the w2 expert kernel writes beside
   the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in
@@ -669,11 +671,13 @@ class LatencySpecializedBackend(AutoBackend):
                              "the decay gate's f_b first seen inside a CUDA-graph capture: its column-major copy is "
                              "made outside captures, so the f_b GEMV runs as its own kernel in this graph")
 
-    def _expert_codes(self, w: MoEWeights, used: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _expert_codes(self, w: MoEWeights, used: int, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13, w2, whether they are quad-major) for the expert kernels: copies in `moe_mxfp4.quad_major` order
         (`_copy_of`), else the natural rows. The w2 copy keeps only the `used` columns of each row
         (`KIMI_DECODE_W2_COMPACT=0`: all of them): a padded shard's zero columns share the rows' DRAM bursts with
-        the used ones, so they would be read too (TP16: a third more than the used bytes)."""
+        the used ones, so they would be read too (TP16: a third more than the used bytes). `fp8`: the w13 copy packed
+        for the per-pair kernel's e4m3 operands (`quad_major(packed="fp8")`, KIMI_DECODE_MX_FP8), a copy of its own
+        beside the grouped kernels' one."""
         from ..kernels.cute_common import mx_packed
         from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
@@ -682,7 +686,8 @@ class LatencySpecializedBackend(AutoBackend):
             why = ("expert weights first seen inside a CUDA-graph capture: their quad-major copies are made outside "
                    "captures, so the expert kernels read the natural rows in this graph")
             packed = mx_packed()  # the kernels compiled now read packed codes (KIMI_DECODE_MX_PACKED)
-            w13 = self._copy_of(w.w13, f"quad_major:packed={packed}", lambda t: quad_major(t, packed=packed), why)
+            p13 = "fp8" if fp8 else packed
+            w13 = self._copy_of(w.w13, f"quad_major:packed={p13}", lambda t: quad_major(t, packed=p13), why)
             w2 = self._copy_of(w.w2, f"quad_major:{cols}:packed={packed}",
                                lambda t: quad_major(t[..., :cols], packed=packed), why)
             if w13 is not None and w2 is not None:
@@ -788,7 +793,8 @@ class LatencySpecializedBackend(AutoBackend):
         # the shared experts' gate/up in the entry kernel, or (with their down-projection) in the expert kernels
         glu_in_entry = shared is not None and pending is not None and self._glu_in_entry
         used = shard.expert_inter_used
-        w13, w2, quad = self._expert_codes(w, used)
+        per_pair = ids.shape[0] < self._grouped_from
+        w13, w2, quad = self._expert_codes(w, used, fp8=per_pair and cute_common.mx_fp8())
         if pending is not None:  # the router and the latent down-projection in one kernel
             from ..kernels.moe_entry import moe_entry, prefetch_layout
 

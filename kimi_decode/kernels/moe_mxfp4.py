@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          mx_alu, mx_packed, norm_weight_first, signature, sm_count)
+                          mx_alu, mx_fp8, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -85,11 +85,13 @@ def _dequant(w: str, h: str, quad: bool = False) -> str:
     return _DEQUANT.format(w=w, h=h, shr=shr)
 
 
-def _scale_of_asm(i: int, word: str = "$1", out: str = "t") -> str:
-    """PTX of `mx_scale_of`'s multiply-add form: the fp32 bits of ue8m0 byte i of `word` times 2**14, into `out`."""
+def _scale_of_asm(i: int, word: str = "$1", out: str = "t", addend: str | None = None) -> str:
+    """PTX of `mx_scale_of`'s multiply-add form: the fp32 bits of ue8m0 byte i of `word` times 2**14, into `out`
+    (`addend`: a register added to the byte shifted into the exponent field instead of 14 << 23)."""
     pick = (f"and.b32 {out}, {word}, 0xFF", f"and.b32 {out}, {word}, 0xFF00", f"and.b32 {out}, {word}, 0xFF0000",
             f"mul.hi.u32 {out}, {word}, 0x100")[i]
-    return f"{pick}; mad.lo.u32 {out}, {out}, {(1 << 23, 1 << 15, 1 << 7, 1 << 23)[i]}, {F16_SHIFT << 23};"
+    add = F16_SHIFT << 23 if addend is None else addend
+    return f"{pick}; mad.lo.u32 {out}, {out}, {(1 << 23, 1 << 15, 1 << 7, 1 << 23)[i]}, {add};"
 
 
 # Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
@@ -136,6 +138,83 @@ def _operand_mma_asm(quad: bool = False) -> str:
 def _operands_asm(bf16_activations: bool) -> str:
     """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm`."""
     return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
+
+
+# e4m3 operands (`mx_fp8()`, the per-pair w13 kernel on `quad_major(packed="fp8")` codes). An e2m1 code's sign at an
+# e4m3 byte's bit 7 and its 3 magnitude bits at bits 2-4 make the e4m3 value code x 2**-6, exactly (code 1, 0.5,
+# lands on the subnormal 2**-7). Each byte of such a word holds its even code's fields there already (mask
+# 0x9C), and its odd code's magnitude bits 2 / 1 / 0 in bits 6 / 1 / 0 and its sign in bit 5, which one right shift
+# (bit 6 to 4) and one left shift (bits 5, 1, 0 to 7, 3, 2) put in place: h0 = the even codes 0, 2, 4, 6 and h1 =
+# the odd codes 1, 3, 5, 7 as e4m3 bytes, 6 instructions per word of 8 codes (4 on the ALU pipe: ptxas makes the
+# left shift a multiply), against `_DEQUANT_PACKED`'s 9 (8).
+_DEQUANT_FP8 = """
+    and.b32 {h}0, {w}, 0x9C9C9C9C;
+    shr.u32 t0, {w}, 2;  and.b32 t0, t0, 0x10101010;  shl.b32 t1, {w}, 2;  and.b32 t1, t1, 0x8C8C8C8C;  or.b32 {h}1, t0, t1;
+"""
+FP8_SHIFT = 6  # e4m3 value of a placed code = e2m1 value * 2**-6
+
+# One 16-row x 32-code group in one `mma.sync m16n8k32` on e4m3 operands: A = rows g (w1, $4) and g + 8 (w3, $5),
+# their even codes at k = 4t..4t+3 (a0, a1) and odd codes at k = 16 + 4t.. (a2, a3); B = $6 / $7, the activations of
+# those codes in column g (`fp8_split`: column 0 their high part, column 1 their low part). Outputs $0..$3 the fp32
+# fragment: (row g, column 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1).
+_FP8_MMA = ("{\n .reg .b32 t0, t1, ha<2>, hb<2>, z;\n mov.b32 z, 0;\n" + _DEQUANT_FP8.format(w="$4", h="ha")
+            + _DEQUANT_FP8.format(w="$5", h="hb")
+            + " mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {ha0, hb0, ha1, hb1}, {$6, $7},"
+              " {z, z, z, z};\n}")
+
+# Activations 8t..8t+7 of one MX group (four bf16x2 words, $4..$7) times the group's power of two ($8, fp32: its
+# largest magnitude to [128, 256)) -> $0 / $1 their high parts (e4m3, round to nearest) of the even / odd ones,
+# $2 / $3 the low parts (e4m3 of the rest, which has at most 4 significant bits: the two add up to the bf16 value
+# exactly down to 2**-9 of the scaled group's largest, past which the low part is an e4m3 subnormal).
+_FP8_SPLIT = """{
+ .reg .b32 f<8>, p<4>, q<4>;
+ .reg .b16 e<4>, m<4>;
+ shl.b32 f0, $4, 16; and.b32 f1, $4, 0xFFFF0000; shl.b32 f2, $5, 16; and.b32 f3, $5, 0xFFFF0000;
+ shl.b32 f4, $6, 16; and.b32 f5, $6, 0xFFFF0000; shl.b32 f6, $7, 16; and.b32 f7, $7, 0xFFFF0000;
+ mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; mul.f32 f2, f2, $8; mul.f32 f3, f3, $8;
+ mul.f32 f4, f4, $8; mul.f32 f5, f5, $8; mul.f32 f6, f6, $8; mul.f32 f7, f7, $8;
+ cvt.rn.f16x2.f32 p0, f2, f0; cvt.rn.f16x2.f32 p1, f6, f4; cvt.rn.f16x2.f32 p2, f3, f1; cvt.rn.f16x2.f32 p3, f7, f5;
+ cvt.rn.satfinite.e4m3x2.f16x2 e0, p0; cvt.rn.satfinite.e4m3x2.f16x2 e1, p1;
+ cvt.rn.satfinite.e4m3x2.f16x2 e2, p2; cvt.rn.satfinite.e4m3x2.f16x2 e3, p3;
+ cvt.rn.f16x2.e4m3x2 q0, e0; cvt.rn.f16x2.e4m3x2 q1, e1; cvt.rn.f16x2.e4m3x2 q2, e2; cvt.rn.f16x2.e4m3x2 q3, e3;
+ sub.rn.f16x2 q0, p0, q0; sub.rn.f16x2 q1, p1, q1; sub.rn.f16x2 q2, p2, q2; sub.rn.f16x2 q3, p3, q3;
+ cvt.rn.satfinite.e4m3x2.f16x2 m0, q0; cvt.rn.satfinite.e4m3x2.f16x2 m1, q1;
+ cvt.rn.satfinite.e4m3x2.f16x2 m2, q2; cvt.rn.satfinite.e4m3x2.f16x2 m3, q3;
+ mov.b32 $0, {e0, e1}; mov.b32 $1, {e2, e3}; mov.b32 $2, {m0, m1}; mov.b32 $3, {m2, m3};
+}"""
+
+# The largest magnitude of eight bf16 values (four bf16x2 words, $1..$4) as fp32 bits, into $0.
+_ABS_MAX8 = """{
+ .reg .b32 a, b;
+ shl.b32 a, $1, 16; and.b32 b, $1, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 $0, a, b;
+ shl.b32 a, $2, 16; and.b32 b, $2, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 a, a, b; max.u32 $0, $0, a;
+ shl.b32 a, $3, 16; and.b32 b, $3, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 a, a, b; max.u32 $0, $0, a;
+ shl.b32 a, $4, 16; and.b32 b, $4, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 a, a, b; max.u32 $0, $0, a;
+}"""
+FP8_MIN_EXP = 96  # groups whose largest magnitude is below 2**-31 are scaled as if it were 2**-31 (all-zero ones too)
+
+
+def fp8_group_scale(max_bits: int) -> tuple[int, int]:
+    """A group's largest activation magnitude as fp32 bits -> (the fp32 bits of the power of two 2**kx that takes
+    it to [128, 256), the int32 added to a ue8m0 scale byte shifted into an fp32's exponent field so that the
+    result is 2**(byte - 127) * 2**FP8_SHIFT * 2**-kx, what one mma's sum is multiplied by). With B the maximum's
+    biased exponent (clamped to FP8_MIN_EXP..254), kx = 134 - B: (261 - B) << 23 and (B - 128) << 23."""
+    b = min(max(max_bits >> 23, FP8_MIN_EXP), 254)
+    return (261 - b) << 23, (b - 128) << 23
+
+
+def fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the fp8 w13 kernel's staging computes, on the host (for tests): bf16 activations [..., K] (K a multiple of
+    32) -> (high, low, 2**kx per group): high = e4m3(fp16(x * 2**kx)), low = e4m3(fp16(x * 2**kx) - high), per MX
+    group of 32 (`fp8_group_scale`); high + low = x * 2**kx for every element down to 2**-9 (e4m3 subnormals)."""
+    g = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    bits = g.abs().amax(-1).view(torch.int32)
+    b = torch.clamp(bits >> 23, FP8_MIN_EXP, 254)
+    scale = ((261 - b) << 23).view(torch.float32)
+    p = (g * scale.unsqueeze(-1)).half()
+    hi = p.to(torch.float8_e4m3fn)
+    lo = (p - hi.half()).to(torch.float8_e4m3fn)
+    return hi.reshape(x.shape), lo.reshape(x.shape), scale
 
 
 def quad_split(latent: int, max_warps: int = WARPS) -> tuple[int, int]:
@@ -199,20 +278,41 @@ def _pack_bytes(b: torch.Tensor, inverse: bool, out: torch.Tensor | None = None)
     return out
 
 
-def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | None = None) -> torch.Tensor:
+def _pack_bytes_fp8(b: torch.Tensor, inverse: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each byte's two e2m1 codes moved into the fields `_DEQUANT_FP8` reads: the even code's sign to bit 7 and
+    magnitude to bits 2-4 (its e4m3 places), the odd code's magnitude bits 2 / 1 / 0 to bits 6 / 1 / 0 and its sign to
+    bit 5; `inverse` moves them back. As `_pack_bytes` otherwise."""
+    out = torch.empty_like(b) if out is None else out
+    src, dst = b.reshape(-1), out.view(-1)
+    for i in range(0, src.numel(), 1 << 24):
+        x = src[i:i + (1 << 24)]
+        if inverse:
+            y = (((x & 0x80) >> 4) | ((x & 0x1C) >> 2) | (x & 0x40) | ((x & 0x20) << 2) | ((x & 0x02) << 4)
+                 | ((x & 0x01) << 4))
+        else:
+            y = (((x & 0x08) << 4) | ((x & 0x07) << 2) | (x & 0x40) | ((x & 0x80) >> 2) | ((x & 0x20) >> 4)
+                 | ((x & 0x10) >> 4))
+        dst[i:i + (1 << 24)] = y
+    return out
+
+
+def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | str | None = None) -> torch.Tensor:
     """MXFP4 codes [..., row bytes] (uint8, 16 bytes per MX group, an even number of groups per row) in the order in
     which the expert kernels' lanes read them without exchanging words: within each quad of 4 groups (64 bytes) of
     a row, word t of group c moves to word 4t + c (a 4 x 4 transpose of words), in a row's last pair of groups (when
     the groups are not a multiple of 4) to 2t + c. Lane t of a quad then finds word t of every group of a chunk
     side by side, what `quad_transpose` / `pair_transpose` assemble from natural rows. With `packed` (None:
     `mx_packed()`) each byte's two codes also move into the fields the packed dequantisation reads (`_pack_bytes`).
-    A new tensor; `inverse` gives back the natural order. Made once per weight, outside the step
-    (`latency_specialized`)."""
+    `packed="fp8"`: into the e4m3 fields the fp8 w13 kernel reads instead (`_pack_bytes_fp8`, `mx_fp8`). A new
+    tensor; `inverse` gives back the natural order. Made once per weight, outside the step (`latency_specialized`)."""
     if not quad_major_fits(w):
         raise ValueError("quad_major: uint8 MXFP4 codes with an even number of 16-byte groups per row expected")
     packed = mx_packed() if packed is None else packed
+    if packed not in (True, False, "fp8"):
+        raise ValueError(f"quad_major: packed must be True, False, None or 'fp8', not {packed!r}")
+    pack = _pack_bytes_fp8 if packed == "fp8" else _pack_bytes
     if packed and inverse:
-        w = _pack_bytes(w, inverse=True)
+        w = pack(w, inverse=True)
     groups = w.shape[-1] // 16
     full = groups // QUAD * QUAD
     words = w.contiguous().view(torch.int32).reshape(-1, groups * 4)
@@ -225,7 +325,7 @@ def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | None = Non
         tail = words[:, full * 4:].reshape(rows, *((4, n) if inverse else (n, 4)))
         out[:, full * 4:] = tail.transpose(-1, -2).reshape(rows, -1)
     out = out.view(torch.uint8).view(w.shape)
-    return _pack_bytes(out, inverse=False, out=out) if packed and not inverse else out
+    return pack(out, inverse=False, out=out) if packed and not inverse else out
 
 
 def quad_major_offset(G, t, groups: int, select=None):
@@ -274,6 +374,13 @@ if HAVE_CUTE:
             r[i] = ops[i]
         cute.autovec_copy(r, dst)
 
+    def store4(vals, dst: cute.Tensor) -> None:
+        """Four 32-bit values into `dst` (four int32 words, 16-byte aligned) with one store."""
+        r = cute.make_rmem_tensor_like(dst)
+        for i in range(4):
+            r[i] = vals[i]
+        cute.autovec_copy(r, dst)
+
     def operand_mma(wa, wb, bs, quad: bool = False):
         """`group_mma_fragment` on operands from `mma_operands` (`quad`: the words come from a `quad_major` copy)."""
         res = llvm.inline_asm(
@@ -282,6 +389,50 @@ if HAVE_CUTE:
             _operand_mma_asm(quad), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
+
+    def fp8_mma(wa, wb, b0, b1):
+        """`_FP8_MMA`: one MX group of rows g (word `wa`) and g + 8 (`wb`) of `quad_major(packed="fp8")` codes against
+        e4m3 activation operands b0 (even codes) and b1 (odd codes) -> the fp32 fragment, before the group's scale."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+            [Int32(wa).ir_value(), Int32(wb).ir_value(), Int32(b0).ir_value(), Int32(b1).ir_value()],
+            _FP8_MMA, "=f,=f,=f,=f,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
+
+    def fp8_operands(xs, factor):
+        """`_FP8_SPLIT`: eight bf16 activations (four words) times `factor` (fp32 bits of a power of two) -> the high
+        parts of the even / odd ones and the low parts of the even / odd ones, as e4m3 operand words."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]),
+            [Int32(x).ir_value() for x in xs] + [Int32(factor).ir_value()],
+            _FP8_SPLIT, "=r,=r,=r,=r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
+
+    def abs_max8(xs):
+        """`_ABS_MAX8`: the largest magnitude of eight bf16 values (four words), as fp32 bits."""
+        return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value() for x in xs], _ABS_MAX8, "=r,r,r,r,r",
+                                     has_side_effects=False, is_align_stack=False,
+                                     asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def max_u32(a, b):
+        return Int32(llvm.inline_asm(T.i32(), [Int32(a).ir_value(), Int32(b).ir_value()], "max.u32 $0, $1, $2;",
+                                     "=r,r,r", has_side_effects=False, is_align_stack=False,
+                                     asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def clamp_s32(x, lo: int, hi: int):
+        return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value()], f"max.s32 $0, $1, {lo}; min.s32 $0, $0, {hi};",
+                                     "=r,r", has_side_effects=False, is_align_stack=False,
+                                     asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def mx_scale_fp8(word, i: int, addend):
+        """The fp32 that one `fp8_mma` group's sum is multiplied by: ue8m0 byte i of `word` shifted into the exponent
+        field plus `addend` (`fp8_group_scale`, from the activations' staging): one mask and one `mad`."""
+        asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i, addend="$2")
+        return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value(), Int32(addend).ir_value()], asm, "=f,r,r",
+                                       has_side_effects=False, is_align_stack=False,
+                                       asm_dialect=llvm.AsmDialect.AD_ATT))
 
     def select_i32(c, a, b):
         """c ? a : b on 32-bit integers (a select, not a branch)."""
@@ -369,7 +520,8 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0,
+                     fp8: bool = False):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -380,12 +532,17 @@ if HAVE_CUTE:
             row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
-            order; the others are loaded as the mma loop reaches them)."""
+            order; the others are loaded as the mma loop reaches them). `fp8` (`mx_fp8`): the mma on e4m3 operands,
+            codes from a `quad_major(packed="fp8")` copy, activations staged once as high and low e4m3 parts
+            (`fp8_split`) with each group's power of two (implies `x_once`; quad-major codes only)."""
+            if fp8 and not quad_major:
+                raise ValueError("MoEW13Act: e4m3 operands take quad-major codes only")
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
-            self.x_once = x_once
+            self.fp8 = bool(fp8)
+            self.x_once = x_once or self.fp8
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
             self.first = min(first, self.per_warp)
 
@@ -393,6 +550,8 @@ if HAVE_CUTE:
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
             when the activations are converted in registers)."""
             n = self.units * self.warps if self.x_once else 1
+            if self.fp8:  # then one column per quad of each warp: its four groups' scale addends
+                n += self.per_warp * self.warps
             return smem.allocate_tensor(Int32, cute.make_layout((4, n)), 16)
 
         @cute.jit
@@ -403,7 +562,9 @@ if HAVE_CUTE:
             Gw = warp * (self.per_warp * QUAD)
             for r in cutlass.range_constexpr(-(-self.units // 32)):
                 u = lane + 32 * r
-                if cutlass.const_expr((r + 1) * 32 <= self.units):
+                if cutlass.const_expr(self.fp8):
+                    self._stage_unit_fp8(gX, xbuf, b, Gw, warp, u, (r + 1) * 32 <= self.units)
+                elif cutlass.const_expr((r + 1) * 32 <= self.units):
                     self._stage_unit(gX, xbuf, b, Gw, warp * self.units + u, u)
                 else:
                     if u < self.units:
@@ -413,6 +574,27 @@ if HAVE_CUTE:
         @cute.jit
         def _stage_unit(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, slot, u):
             store_operands(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))], xbuf[None, slot])
+
+        @cute.jit
+        def _stage_unit_fp8(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, warp, u, full: cutlass.Constexpr):
+            """Unit u's e4m3 operands (`fp8_operands`: high even, high odd, low even, low odd) and, from its lane t = 0,
+            its group's scale addend (`fp8_group_scale`), the group's largest magnitude taken over the unit's quad of
+            lanes. Every lane takes part in the shuffles: in a round past the last unit a lane stages the last unit
+            again and keeps nothing."""
+            uc = u
+            if cutlass.const_expr(not full):
+                uc = select_i32(u < self.units, u, self.units - 1)
+            xs = load4(gX[(None, (b, (Gw + uc // 4) * 4 + uc % 4))])
+            m = abs_max8([xs[0], xs[1], xs[2], xs[3]])
+            m = max_u32(m, _bfly(m, 1))
+            m = max_u32(m, _bfly(m, 2))
+            e = clamp_s32(m >> 23, FP8_MIN_EXP, 254)
+            ops = fp8_operands([xs[0], xs[1], xs[2], xs[3]], (261 - e) << 23)
+            col = self.units * self.warps + warp * self.per_warp + uc // 16
+            if u < self.units:
+                store4(ops, xbuf[None, warp * self.units + uc])
+                if uc % 4 == 0:
+                    xbuf[(uc // 4) % 4, col] = (e - 128) << 23
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -454,19 +636,28 @@ if HAVE_CUTE:
                 self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
+            xpairs = cute.zipped_divide(xbuf, (2, 1))  # fp8: lanes g even take a unit's high parts, odd its low
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
                 u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
+                if cutlass.const_expr(self.fp8):
+                    adds = load4(xbuf[None, self.units * self.warps + warp * self.per_warp + it])
                 for i in cutlass.range_constexpr(QUAD):
-                    if cutlass.const_expr(self.x_once):
-                        bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
-                        c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0)
-                        d1, d3 = c[0], c[2]
+                    if cutlass.const_expr(self.fp8):  # column 0 the high parts' sums, column 1 the low parts'
+                        bs = load4(xpairs[(None, (g % 2, warp * self.units + (it * QUAD + i) * 4 + t))])
+                        c = fp8_mma(u1[i], u3[i], bs[0], bs[1])
+                        acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
+                        acc3 = acc3 + (c[2] + c[3]) * mx_scale_fp8(sw3, i, adds[i])
                     else:
-                        xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                        d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
-                    acc1 = acc1 + d1 * mx_scale_of(sw1, i)
-                    acc3 = acc3 + d3 * mx_scale_of(sw3, i)
+                        if cutlass.const_expr(self.x_once):
+                            bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
+                            c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0)
+                            d1, d3 = c[0], c[2]
+                        else:
+                            xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                            d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
+                        acc1 = acc1 + d1 * mx_scale_of(sw1, i)
+                        acc3 = acc3 + d3 * mx_scale_of(sw3, i)
             if t == 0:
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3
@@ -646,8 +837,10 @@ if HAVE_CUTE:
         leave."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
-                     split: int = 1, x_once: bool = False, prefetch: bool = False, quad_major: int = 0):
-            super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch, quad_major=quad_major)
+                     split: int = 1, x_once: bool = False, prefetch: bool = False, quad_major: int = 0,
+                     fp8: bool = False):
+            super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch, quad_major=quad_major,
+                             fp8=fp8)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
                                          warps=self.warps, split=split)
             self.tiles = used // ROWS13
@@ -734,8 +927,8 @@ if HAVE_CUTE:
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool,
                      chunk: int = 1, scale_words: bool = False, x_once: bool = False, qm: tuple[int, int] = (0, 0),
-                     norm_first: bool = False):
-            self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once, quad_major=qm[0])
+                     norm_first: bool = False, fp8: bool = False):
+            self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once, quad_major=qm[0], fp8=fp8)
             self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words,
                                quad_major=qm[1], norm_first=norm_first)
             self.B, self.topk = batch, topk
@@ -966,6 +1159,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch()
     qm13, qm2 = layout_groups(w13, w2, quad_major)
+    fp8 = mx_fp8() and qm13 != 0  # e4m3 operands: w13 then comes as a `quad_major(packed="fp8")` copy
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
     norm_first = scaled is not None and norm_weight_first(B)  # the w2 kernels' `norm_first`
@@ -973,7 +1167,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]))  # "all": a count
+        first = w13_first(B, quad_split(L, cap)[1])  # "all": a count
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, first, fp8)
         return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
                               *(fake_like(t, align=16) for t in a13))
 
@@ -986,7 +1181,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
             f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, pf, qm13, *signature(*a13)),
-                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13),
+                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13, fp8),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         lanes, pre = shared_down_lanes(), w2_pre_wait()
@@ -998,7 +1193,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
-        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2), norm_first)
+        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2), norm_first,
+                        fp8)
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, norm_first,
                                *signature(*args)),
                               op,
