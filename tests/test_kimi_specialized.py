@@ -1861,9 +1861,10 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
 @needs_cute
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 def test_w13_kernel_on_e4m3_operands_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, pad):
-    """KIMI_DECODE_MX_FP8=1: the per-pair w13 kernel's forms (two-kernel at batches 1 and 8, with the shared
-    experts inside at one token, the one-kernel experts at batch 8) compile on e4m3 operands, each a variant of its
-    own; on natural rows they keep the fp16 operands, and the kernel refuses e4m3 on them."""
+    """KIMI_DECODE_MX_FP8=1 / cvt: the per-pair w13 kernel's forms (two-kernel at batches 1 and 8, with the shared
+    experts inside at one token, the one-kernel experts at batch 8) compile on e4m3 operands and on e4m3 codes
+    converted to fp16, each a variant of its own; on natural rows they keep the fp16 dequantisation, and the kernel
+    refuses e4m3 on them; other settings are refused by name."""
     from kimi_decode.kernels.moe_mxfp4 import MoEW13Act, compile_moe
 
     s = shard("k3", tp=tp, pad_experts=pad)
@@ -1879,14 +1880,20 @@ def test_w13_kernel_on_e4m3_operands_compiles_for_sm90a(sm90a_pdl, monkeypatch, 
         fns.append(compile_moe(*_moe_args(s, 8), counters=torch.empty(10, dtype=torch.int32), quad_major=quad))
         return fns
 
-    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "0")
-    plain = forms(True)
-    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "1")
-    e4m3 = forms(True)
-    assert all(f is not None for f in e4m3) and not {id(f) for f in plain} & {id(f) for f in e4m3}
+    seen = set()
+    for form in ("0", "1", "cvt"):
+        monkeypatch.setenv("KIMI_DECODE_MX_FP8", form)
+        fns = forms(True)
+        assert all(f is not None for f in fns) and not seen & {id(f) for f in fns}
+        seen |= {id(f) for f in fns}
     assert all(f is not None for f in forms(False))
     with pytest.raises(ValueError, match="quad-major codes only"):
-        MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, fp8=True)
+        MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, fp8="mma")
+    with pytest.raises(ValueError, match="fp8 must be"):
+        MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, quad_major=L // 32, fp8="e4m3")
+    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "2")
+    with pytest.raises(ValueError, match="KIMI_DECODE_MX_FP8 must be one of 0, 1, cvt"):
+        forms(True)
 
 
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):

@@ -124,13 +124,23 @@ def mx_packed() -> bool:
     return env_flag("KIMI_DECODE_MX_PACKED", "1")
 
 
+MX_FP8_FORMS = ("0", "1", "cvt")
+
+
+def mx_fp8_form() -> str:
+    """KIMI_DECODE_MX_FP8: how the per-pair w13 expert kernel (`moe_mxfp4.MoEW13Act`, batches 1 to 8, quad-major
+    codes) dequantises, from a quad-major copy whose bytes hold each code's e4m3 fields
+    (`moe_mxfp4.quad_major(packed="fp8")`), where a word's 8 codes become two e4m3 registers in 6 instructions (4 on
+    the ALU pipe) instead of 9 (8): "1" its mma on e4m3 operands, each activation a high and a low e4m3 part in two
+    mma columns that add up to the bf16 activation exactly (`moe_mxfp4.fp8_split`); "cvt" the e4m3 registers
+    converted to fp16 (`cvt.rn.f16x2.e4m3x2`) for the fp16 mma as before; "0", the default, the fp16 dequantisation
+    of `mx_packed()`."""
+    return env_choice("KIMI_DECODE_MX_FP8", "0", MX_FP8_FORMS)
+
+
 def mx_fp8() -> bool:
-    """KIMI_DECODE_MX_FP8: whether the per-pair w13 expert kernel (`moe_mxfp4.MoEW13Act`, batches 1 to 8, quad-major
-    codes) runs its mma on e4m3 operands ("1"): each code then becomes an e4m3 operand in 4 instructions per word of
-    8 codes (3 on the ALU pipe) instead of 9 (8), from a quad-major copy whose bytes hold each code's e4m3 fields
-    (`moe_mxfp4.quad_major(packed="fp8")`), and each activation a high and a low e4m3 part in two mma columns, which
-    add up to the bf16 activation exactly (`moe_mxfp4.fp8_split`). "0", the default, keeps the fp16 operands."""
-    return env_flag("KIMI_DECODE_MX_FP8", "0")
+    """Whether the per-pair w13 kernel reads e4m3-packed codes (`mx_fp8_form()` other than "0")."""
+    return mx_fp8_form() != "0"
 
 
 def norm_weight_first(tokens: int) -> bool:
@@ -209,11 +219,11 @@ def compile_kernel(key: tuple, op, *fake_args):
     """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
     from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
     trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`; the
-    key carries `mx_alu()`, `mx_packed()` and `mx_fp8()`, which the expert kernels' instruction forms follow."""
+    key carries `mx_alu()`, `mx_packed()` and `mx_fp8_form()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed(), mx_fp8())
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed(), mx_fp8_form())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()

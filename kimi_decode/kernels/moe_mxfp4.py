@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          mx_alu, mx_fp8, mx_packed, norm_weight_first, signature, sm_count)
+                          mx_alu, mx_fp8_form, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -128,15 +128,24 @@ def _group_mma_asm(bf16_activations: bool, quad: bool = False) -> str:
             + _b_operands(bf16_activations, 6, "b") + _MMA_PAIR)
 
 
-def _operand_mma_asm(quad: bool = False) -> str:
+def _operand_mma_asm(quad: bool = False, cvt: bool = False) -> str:
     """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
-    use one activation group against several weight tiles convert it once."""
-    return (_MMA_REGS + _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
-            + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR)
+    use one activation group against several weight tiles convert it once. `cvt`: the codes come from a
+    `quad_major(packed="fp8")` copy and are dequantised by `_DEQUANT_FP8_CVT`."""
+    if cvt:
+        regs = "{\n .reg .b32 t0, t1, e0, e1, ha<4>, hb<4>, b<4>, z, e<4>;\n .reg .b16 q<4>;\n mov.b32 z, 0;\n"
+        deq = _DEQUANT_FP8_CVT.format(w="$4", h="ha") + _DEQUANT_FP8_CVT.format(w="$5", h="hb")
+    else:
+        regs, deq = _MMA_REGS, _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
+    return regs + deq + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR
 
 
-def _operands_asm(bf16_activations: bool) -> str:
-    """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm`."""
+def _operands_asm(bf16_activations: bool, cvt: bool = False) -> str:
+    """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm` (`cvt`: in
+    the order its cvt form pairs the codes, from bf16)."""
+    if cvt:
+        names = {f"x{i}": f"${4 + i}" for i in range(4)} | {f"b{i}": f"${i}" for i in range(4)}
+        return "{\n .reg .b32 f<8>;\n" + _B_FROM_BF16_CVT.format(**names) + "}"
     return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
 
 
@@ -152,6 +161,22 @@ _DEQUANT_FP8 = """
     shr.u32 t0, {w}, 2;  and.b32 t0, t0, 0x10101010;  shl.b32 t1, {w}, 2;  and.b32 t1, t1, 0x8C8C8C8C;  or.b32 {h}1, t0, t1;
 """
 FP8_SHIFT = 6  # e4m3 value of a placed code = e2m1 value * 2**-6
+
+# The "cvt" form (`mx_fp8_form()`): the same two e4m3 registers turned into four fp16x2 ones by the conversion
+# instruction (`cvt.rn.f16x2.e4m3x2`, the value kept: code x 2**-6), for the fp16 mma as before: h0 = codes (0, 2),
+# h1 = (4, 6), h2 = (1, 3), h3 = (5, 7), against activations staged in that order (`_B_FROM_BF16_CVT`).
+_DEQUANT_FP8_CVT = """
+    and.b32 e0, {w}, 0x9C9C9C9C;
+    shr.u32 t0, {w}, 2;  and.b32 t0, t0, 0x10101010;  shl.b32 t1, {w}, 2;  and.b32 t1, t1, 0x8C8C8C8C;  or.b32 e1, t0, t1;
+    mov.b32 {{q0, q1}}, e0;  mov.b32 {{q2, q3}}, e1;
+    cvt.rn.f16x2.e4m3x2 {h}0, q0;  cvt.rn.f16x2.e4m3x2 {h}1, q1;  cvt.rn.f16x2.e4m3x2 {h}2, q2;  cvt.rn.f16x2.e4m3x2 {h}3, q3;
+"""
+_B_FROM_BF16_CVT = """
+    shl.b32 f0, {x0}, 16; and.b32 f1, {x0}, 0xFFFF0000; shl.b32 f2, {x1}, 16; and.b32 f3, {x1}, 0xFFFF0000;
+    shl.b32 f4, {x2}, 16; and.b32 f5, {x2}, 0xFFFF0000; shl.b32 f6, {x3}, 16; and.b32 f7, {x3}, 0xFFFF0000;
+    cvt.rn.f16x2.f32 {b0}, f2, f0; cvt.rn.f16x2.f32 {b1}, f6, f4;
+    cvt.rn.f16x2.f32 {b2}, f3, f1; cvt.rn.f16x2.f32 {b3}, f7, f5;
+"""
 
 # One 16-row x 32-code group in one `mma.sync m16n8k32` on e4m3 operands: A = rows g (w1, $4) and g + 8 (w3, $5),
 # their even codes at k = 4t..4t+3 (a0, a1) and odd codes at k = 16 + 4t.. (a2, a3); B = $6 / $7, the activations of
@@ -356,19 +381,19 @@ if HAVE_CUTE:
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
-    def mma_operands(xs, bf16_activations: bool):
+    def mma_operands(xs, bf16_activations: bool, cvt: bool = False):
         """One MX group's activations as loaded (four 32-bit words) -> the fp16x2 operands of `operand_mma`."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]), [Int32(x).ir_value() for x in xs],
-            _operands_asm(bf16_activations), "=r,=r,=r,=r,r,r,r,r", has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT)
+            _operands_asm(bf16_activations, cvt), "=r,=r,=r,=r,r,r,r,r", has_side_effects=False,
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
         return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
 
-    def store_operands(src: cute.Tensor, dst: cute.Tensor) -> None:
+    def store_operands(src: cute.Tensor, dst: cute.Tensor, cvt: bool = False) -> None:
         """Eight bf16 activations (`src`, four int32 words) -> their four fp16x2 mma operands (`mma_operands`) into
         `dst` (four int32 words, shared or global memory; a plain function, inlined where it is called)."""
         xs = load4(src)
-        ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
+        ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True, cvt)
         r = cute.make_rmem_tensor_like(dst)
         for i in range(4):
             r[i] = ops[i]
@@ -381,12 +406,13 @@ if HAVE_CUTE:
             r[i] = vals[i]
         cute.autovec_copy(r, dst)
 
-    def operand_mma(wa, wb, bs, quad: bool = False):
-        """`group_mma_fragment` on operands from `mma_operands` (`quad`: the words come from a `quad_major` copy)."""
+    def operand_mma(wa, wb, bs, quad: bool = False, cvt: bool = False):
+        """`group_mma_fragment` on operands from `mma_operands` (`quad`: the words come from a `quad_major` copy;
+        `cvt`: a `quad_major(packed="fp8")` one, dequantised through e4m3)."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(b).ir_value() for b in bs],
-            _operand_mma_asm(quad), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            _operand_mma_asm(quad, cvt), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
@@ -488,20 +514,20 @@ if HAVE_CUTE:
         c = group_mma_fragment(wa, wb, xs, bf16_activations, quad)
         return c[0], c[2]
 
-    def mx_scale(s):
-        """2**(s - 127) * 2**14 as fp32, built from its bits (s is a ue8m0 byte, 0..254)."""
+    def mx_scale(s, shift: int = F16_SHIFT):
+        """2**(s - 127) * 2**shift as fp32 (2**14 by default), built from its bits (s is a ue8m0 byte, 0..254)."""
         return Float32(llvm.inline_asm(T.f32(), [Int32(s).ir_value()],
-                                       "{\n .reg .b32 t;\n add.u32 t, $1, %d;\n shl.b32 $0, t, 23;\n}" % F16_SHIFT,
+                                       "{\n .reg .b32 t;\n add.u32 t, $1, %d;\n shl.b32 $0, t, 23;\n}" % shift,
                                        "=f,r", has_side_effects=False, is_align_stack=False,
                                        asm_dialect=llvm.AsmDialect.AD_ATT))
 
-    def mx_scale_of(word, i: int):
+    def mx_scale_of(word, i: int, shift: int = F16_SHIFT):
         """`mx_scale(byte_of(word, i))`: with `mx_alu()` as one mask (a `mul.hi` for the top byte, i = 3) and one
         `mad` that shifts the byte into an fp32's exponent field and adds the 14: `(word & 0xFF << 8i) * 2**(23 - 8i)
-        + 14 * 2**23`, the same bits as `(byte + 14) << 23`."""
+        + 14 * 2**23`, the same bits as `(byte + 14) << 23` (`shift` instead of 14: FP8_SHIFT for e4m3 codes)."""
         if not mx_alu():
-            return mx_scale(byte_of(word, i))
-        asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i)
+            return mx_scale(byte_of(word, i), shift)
+        asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i, addend=str(shift << 23))
         return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value()], asm, "=f,r", has_side_effects=False,
                                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
@@ -521,7 +547,7 @@ if HAVE_CUTE:
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
                      x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0,
-                     fp8: bool = False):
+                     fp8: str = ""):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -532,17 +558,20 @@ if HAVE_CUTE:
             row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
-            order; the others are loaded as the mma loop reaches them). `fp8` (`mx_fp8`): the mma on e4m3 operands,
-            codes from a `quad_major(packed="fp8")` copy, activations staged once as high and low e4m3 parts
-            (`fp8_split`) with each group's power of two (implies `x_once`; quad-major codes only)."""
+            order; the others are loaded as the mma loop reaches them). `fp8` (`mx_fp8_form`), on codes from a
+            `quad_major(packed="fp8")` copy: "mma" the mma on e4m3 operands, activations staged once as high and low
+            e4m3 parts (`fp8_split`) with each group's power of two; "cvt" the codes' e4m3 registers converted to
+            fp16 for the fp16 mma; "" neither (either implies `x_once`; quad-major codes only)."""
+            if fp8 not in ("", "mma", "cvt"):
+                raise ValueError(f"MoEW13Act: fp8 must be '', 'mma' or 'cvt', not {fp8!r}")
             if fp8 and not quad_major:
                 raise ValueError("MoEW13Act: e4m3 operands take quad-major codes only")
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
-            self.fp8 = bool(fp8)
-            self.x_once = x_once or self.fp8
+            self.fp8, self.cvt = fp8 == "mma", fp8 == "cvt"
+            self.x_once = x_once or bool(fp8)
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
             self.first = min(first, self.per_warp)
 
@@ -573,7 +602,7 @@ if HAVE_CUTE:
 
         @cute.jit
         def _stage_unit(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, slot, u):
-            store_operands(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))], xbuf[None, slot])
+            store_operands(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))], xbuf[None, slot], self.cvt)
 
         @cute.jit
         def _stage_unit_fp8(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, warp, u, full: cutlass.Constexpr):
@@ -651,13 +680,14 @@ if HAVE_CUTE:
                     else:
                         if cutlass.const_expr(self.x_once):
                             bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
-                            c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0)
+                            c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0, self.cvt)
                             d1, d3 = c[0], c[2]
                         else:
                             xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
                             d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
-                        acc1 = acc1 + d1 * mx_scale_of(sw1, i)
-                        acc3 = acc3 + d3 * mx_scale_of(sw3, i)
+                        shift = FP8_SHIFT if self.cvt else F16_SHIFT
+                        acc1 = acc1 + d1 * mx_scale_of(sw1, i, shift)
+                        acc3 = acc3 + d3 * mx_scale_of(sw3, i, shift)
             if t == 0:
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3
@@ -838,7 +868,7 @@ if HAVE_CUTE:
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
                      split: int = 1, x_once: bool = False, prefetch: bool = False, quad_major: int = 0,
-                     fp8: bool = False):
+                     fp8: str = ""):
             super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch, quad_major=quad_major,
                              fp8=fp8)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
@@ -927,7 +957,7 @@ if HAVE_CUTE:
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool,
                      chunk: int = 1, scale_words: bool = False, x_once: bool = False, qm: tuple[int, int] = (0, 0),
-                     norm_first: bool = False, fp8: bool = False):
+                     norm_first: bool = False, fp8: str = ""):
             self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once, quad_major=qm[0], fp8=fp8)
             self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words,
                                quad_major=qm[1], norm_first=norm_first)
@@ -1159,7 +1189,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch()
     qm13, qm2 = layout_groups(w13, w2, quad_major)
-    fp8 = mx_fp8() and qm13 != 0  # e4m3 operands: w13 then comes as a `quad_major(packed="fp8")` copy
+    # e4m3-packed w13 (a `quad_major(packed="fp8")` copy) for the per-pair w13 kernel: its mma on e4m3, or converted
+    fp8 = {"1": "mma", "cvt": "cvt"}.get(mx_fp8_form(), "") if qm13 else ""
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
     norm_first = scaled is not None and norm_weight_first(B)  # the w2 kernels' `norm_first`
