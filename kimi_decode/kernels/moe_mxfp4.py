@@ -131,10 +131,10 @@ def _group_mma_asm(bf16_activations: bool, quad: bool = False) -> str:
 def _operand_mma_asm(quad: bool = False, cvt: bool = False) -> str:
     """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
     use one activation group against several weight tiles convert it once. `cvt`: the codes come from a
-    `quad_major(packed="fp8")` copy and are dequantised by `_DEQUANT_FP8_CVT`."""
+    `quad_major(packed="fp8")` copy and are dequantised by `_dequant_fp8_cvt`."""
     if cvt:
         regs = "{\n .reg .b32 t0, t1, e0, e1, ha<4>, hb<4>, b<4>, z, e<4>;\n .reg .b16 q<4>;\n mov.b32 z, 0;\n"
-        deq = _DEQUANT_FP8_CVT.format(w="$4", h="ha") + _DEQUANT_FP8_CVT.format(w="$5", h="hb")
+        deq = _dequant_fp8_cvt("$4", "ha") + _dequant_fp8_cvt("$5", "hb")
     else:
         regs, deq = _MMA_REGS, _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
     return regs + deq + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR
@@ -154,8 +154,9 @@ def _operands_asm(bf16_activations: bool, cvt: bool = False) -> str:
 # lands on the subnormal 2**-7). Each byte of such a word holds its even code's fields there already (mask
 # 0x9C), and its odd code's magnitude bits 2 / 1 / 0 in bits 6 / 1 / 0 and its sign in bit 5, which one right shift
 # (bit 6 to 4) and one left shift (bits 5, 1, 0 to 7, 3, 2) put in place: h0 = the even codes 0, 2, 4, 6 and h1 =
-# the odd codes 1, 3, 5, 7 as e4m3 bytes, 6 instructions per word of 8 codes (4 on the ALU pipe: ptxas makes the
-# left shift a multiply), against `_DEQUANT_PACKED`'s 9 (8).
+# the odd codes 1, 3, 5, 7 as e4m3 bytes, 5 SASS instructions per word of 8 codes (4 on the ALU pipe: ptxas makes
+# the left shift a multiply and merges a mask into the or), against `_DEQUANT_PACKED`'s 9 (8), which also places
+# the codes in fp16 operands; on sm_90 e4m3 operands still need a conversion to fp16 (`F2FP`, below).
 _DEQUANT_FP8 = """
     and.b32 {h}0, {w}, 0x9C9C9C9C;
     shr.u32 t0, {w}, 2;  and.b32 t0, t0, 0x10101010;  shl.b32 t1, {w}, 2;  and.b32 t1, t1, 0x8C8C8C8C;  or.b32 {h}1, t0, t1;
@@ -165,12 +166,15 @@ FP8_SHIFT = 6  # e4m3 value of a placed code = e2m1 value * 2**-6
 # The "cvt" form (`mx_fp8_form()`): the same two e4m3 registers turned into four fp16x2 ones by the conversion
 # instruction (`cvt.rn.f16x2.e4m3x2`, the value kept: code x 2**-6), for the fp16 mma as before: h0 = codes (0, 2),
 # h1 = (4, 6), h2 = (1, 3), h3 = (5, 7), against activations staged in that order (`_B_FROM_BF16_CVT`).
-_DEQUANT_FP8_CVT = """
-    and.b32 e0, {w}, 0x9C9C9C9C;
-    shr.u32 t0, {w}, 2;  and.b32 t0, t0, 0x10101010;  shl.b32 t1, {w}, 2;  and.b32 t1, t1, 0x8C8C8C8C;  or.b32 e1, t0, t1;
+_E4M3_TO_F16 = """
     mov.b32 {{q0, q1}}, e0;  mov.b32 {{q2, q3}}, e1;
     cvt.rn.f16x2.e4m3x2 {h}0, q0;  cvt.rn.f16x2.e4m3x2 {h}1, q1;  cvt.rn.f16x2.e4m3x2 {h}2, q2;  cvt.rn.f16x2.e4m3x2 {h}3, q3;
 """
+
+
+def _dequant_fp8_cvt(w: str, h: str) -> str:
+    """`_DEQUANT_FP8` of word `w` into e0 / e1, then `_E4M3_TO_F16` into registers h0..h3."""
+    return _DEQUANT_FP8.format(w=w, h="e") + _E4M3_TO_F16.format(h=h)
 _B_FROM_BF16_CVT = """
     shl.b32 f0, {x0}, 16; and.b32 f1, {x0}, 0xFFFF0000; shl.b32 f2, {x1}, 16; and.b32 f3, {x1}, 0xFFFF0000;
     shl.b32 f4, {x2}, 16; and.b32 f5, {x2}, 0xFFFF0000; shl.b32 f6, {x3}, 16; and.b32 f7, {x3}, 0xFFFF0000;
@@ -189,8 +193,9 @@ _FP8_MMA = ("{\n .reg .b32 t0, t1, ha<2>, hb<2>, z;\n mov.b32 z, 0;\n" + _DEQUAN
 
 # Activations 8t..8t+7 of one MX group (four bf16x2 words, $4..$7) times the group's power of two ($8, fp32: its
 # largest magnitude to [128, 256)) -> $0 / $1 their high parts (e4m3, round to nearest) of the even / odd ones,
-# $2 / $3 the low parts (e4m3 of the rest, which has at most 4 significant bits: the two add up to the bf16 value
-# exactly down to 2**-9 of the scaled group's largest, past which the low part is an e4m3 subnormal).
+# $2 / $3 the low parts (e4m3 of the rest, which has at most 4 significant bits: the two add up to the scaled bf16
+# value exactly where it is at least 1/4, 2**-9 of the group's largest or less; below, the low part is an e4m3
+# subnormal, within 2**-10).
 _FP8_SPLIT = """{
  .reg .b32 f<8>, p<4>, q<4>;
  .reg .b16 e<4>, m<4>;
@@ -231,7 +236,8 @@ def fp8_group_scale(max_bits: int) -> tuple[int, int]:
 def fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the fp8 w13 kernel's staging computes, on the host (for tests): bf16 activations [..., K] (K a multiple of
     32) -> (high, low, 2**kx per group): high = e4m3(fp16(x * 2**kx)), low = e4m3(fp16(x * 2**kx) - high), per MX
-    group of 32 (`fp8_group_scale`); high + low = x * 2**kx for every element down to 2**-9 (e4m3 subnormals)."""
+    group of 32 (`fp8_group_scale`); high + low = x * 2**kx for every element of at least 1/4 after the scaling,
+    within 2**-10 below (e4m3 subnormals)."""
     g = x.float().reshape(*x.shape[:-1], -1, GROUP)
     bits = g.abs().amax(-1).view(torch.int32)
     b = torch.clamp(bits >> 23, FP8_MIN_EXP, 254)
@@ -393,11 +399,7 @@ if HAVE_CUTE:
         """Eight bf16 activations (`src`, four int32 words) -> their four fp16x2 mma operands (`mma_operands`) into
         `dst` (four int32 words, shared or global memory; a plain function, inlined where it is called)."""
         xs = load4(src)
-        ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True, cvt)
-        r = cute.make_rmem_tensor_like(dst)
-        for i in range(4):
-            r[i] = ops[i]
-        cute.autovec_copy(r, dst)
+        store4(mma_operands([xs[0], xs[1], xs[2], xs[3]], True, cvt), dst)
 
     def store4(vals, dst: cute.Tensor) -> None:
         """Four 32-bit values into `dst` (four int32 words, 16-byte aligned) with one store."""
