@@ -667,7 +667,8 @@ if HAVE_CUTE:
                 self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
-            xpairs = cute.zipped_divide(xbuf, (2, 1))  # fp8: lanes g even take a unit's high parts, odd its low
+            # e4m3 operands: lanes with g even take a unit's high parts, odd its low ones
+            xpairs = cute.zipped_divide(xbuf, (2, 1)) if self.fp8 else None
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
                 u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from .attn_res import MAX_CANDIDATES
 from .attn_res import _align as _res_align
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, fake_like, launch, signature, sm_count
 from .oproj_attn_res import rows_per_warp
@@ -44,10 +45,10 @@ VEC = 8  # bf16 per 16-byte load
 def fits(hidden: int, K: int, n_blocks: int, ctas: int | None = None) -> bool:
     """Whether the kernel takes an up-projection [hidden, K] and an AttnRes step over `n_blocks` committed blocks and
     the partial on `ctas` CTAs (None: one per SM of the current GPU): K a whole number of warp slices (256), at most
-    32 output rows per warp (one lane each, the "split" form) and at most 16 candidates (`attn_res`). Where it does
-    not, the backend runs the tail as its own GEMV."""
+    32 output rows per warp (one lane each, the "split" form) and at most `attn_res.MAX_CANDIDATES` candidates. Where
+    it does not, the backend runs the tail as its own GEMV."""
     return (K % (32 * VEC) == 0 and hidden % VEC == 0 and rows_per_warp(hidden, ctas or sm_count()) <= 32
-            and n_blocks + 1 <= 16)
+            and n_blocks + 1 <= MAX_CANDIDATES)
 
 
 def fused_tail_res() -> bool:
