@@ -775,11 +775,12 @@ def test_specialized_layer_with_the_grouped_w13_over_several_segments_matches_re
         _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_SEG_DIV", div, tp, batch, 4400 + batch + int(div))
 
 
-@pytest.mark.parametrize("form", ["1", "cvt"])
+@pytest.mark.parametrize("form", ["1", "cvt", "wgmma"])
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
 def test_moe_mxfp4_on_e4m3_operands_matches_float64(monkeypatch, tp, pad, form):
     """KIMI_DECODE_MX_FP8=1: the per-pair w13 kernel on e4m3 operands (`quad_major(packed="fp8")` codes, the
-    activations as high and low e4m3 parts per MX group), "cvt": on those codes converted to fp16, against float64
+    activations as high and low e4m3 parts per MX group), "cvt": on those codes converted to fp16, "wgmma": the
+    e4m3 operands in the warpgroup mma (B tiles in shared memory, 4 warps of 7 quads), against float64
     with its outputs poisoned: two-kernel form at 1, 3 and 8 tokens (TP8 at one token: 4 warps of 7 quads, a partial
     staging round), at 8 with every group of the latent at its own scale and one all zero, the one-kernel form, and
     at one token the shared experts inside."""
@@ -792,7 +793,7 @@ def test_moe_mxfp4_on_e4m3_operands_matches_float64(monkeypatch, tp, pad, form):
     test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
 
 
-@pytest.mark.parametrize("form", ["1", "cvt"])
+@pytest.mark.parametrize("form", ["1", "cvt", "wgmma"])
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 8)])
 def test_specialized_layer_on_e4m3_operands_matches_reference(monkeypatch, tp, batch, form):
     _layer_matches_with(monkeypatch, "KIMI_DECODE_MX_FP8", form, tp, batch, 4500)

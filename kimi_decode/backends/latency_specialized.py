@@ -56,10 +56,12 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored), and
   each byte's two codes moved where a dequantisation of 9 instructions per word reads them instead of 11
-  (`KIMI_DECODE_MX_PACKED=0`: as stored); `KIMI_DECODE_MX_FP8=1` / `cvt` (off by default, not yet measured) give
-  the per-pair w13 kernel a w13 copy of its own whose bytes hold the codes' e4m3 fields (`cute_common.mx_fp8_form`):
+  (`KIMI_DECODE_MX_PACKED=0`: as stored); `KIMI_DECODE_MX_FP8=1` / `cvt` / `wgmma` (off by default, not yet
+  measured) give the per-pair w13 kernel a w13 copy of its own whose bytes hold the codes' e4m3 fields
+  (`cute_common.mx_fp8_form`):
   "1" its mma on e4m3 operands (the activations as high and low e4m3 parts that add up to them exactly), "cvt"
   those operands converted to fp16 for the fp16 mma; sm_90 emulates e4m3 `mma.sync` with the same conversions;
+  "wgmma" the operands as A of the warpgroup mma, which takes e4m3 natively;
 - the MoE tail, up to TC_MAX_ROWS rows (16; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: with
   the per-pair experts one projection over bf16(routed sum x norm weight), which the w2 expert kernel writes beside
   the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in

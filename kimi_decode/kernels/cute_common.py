@@ -124,7 +124,7 @@ def mx_packed() -> bool:
     return env_flag("KIMI_DECODE_MX_PACKED", "1")
 
 
-MX_FP8_FORMS = ("0", "1", "cvt")
+MX_FP8_FORMS = ("0", "1", "cvt", "wgmma")
 
 
 def mx_fp8_form() -> str:
@@ -133,8 +133,10 @@ def mx_fp8_form() -> str:
     (`moe_mxfp4.quad_major(packed="fp8")`), where a word's 8 codes become two e4m3 registers in 6 instructions (4 on
     the ALU pipe) instead of 9 (8): "1" its mma on e4m3 operands, each activation a high and a low e4m3 part in two
     mma columns that add up to the bf16 activation exactly (`moe_mxfp4.fp8_split`); "cvt" the e4m3 registers
-    converted to fp16 (`cvt.rn.f16x2.e4m3x2`) for the fp16 mma as before; "0", the default, the fp16 dequantisation
-    of `mx_packed()`."""
+    converted to fp16 (`cvt.rn.f16x2.e4m3x2`) for the fp16 mma as before; "wgmma" the e4m3 registers as the A
+    operand of the warpgroup mma (`wgmma`, e4m3 natively on sm_90a), the activations' high and low parts as B tiles
+    in shared memory, K over one warpgroup (in the forms with the shared experts or the w2 stage inside: "1");
+    "0", the default, the fp16 dequantisation of `mx_packed()`."""
     return env_choice("KIMI_DECODE_MX_FP8", "0", MX_FP8_FORMS)
 
 

@@ -191,6 +191,32 @@ _FP8_MMA = ("{\n .reg .b32 t0, t1, ha<2>, hb<2>, z;\n mov.b32 z, 0;\n" + _DEQUAN
             + " mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {ha0, hb0, ha1, hb1}, {$6, $7},"
               " {z, z, z, z};\n}")
 
+# The "wgmma" form: the same e4m3 registers as the A operand of Hopper's warpgroup mma, which takes e4m3 natively
+# (`QGMMA`, no conversion). A warpgroup's 4 warps each put their own 16 rows (rows g / g + 8: w1 / w3) in A, in
+# the register places of `_FP8_MMA` (reg 0 / 1: k = 4t.., rows g / g + 8, the even codes; reg 2 / 3: k = 16 + 4t..,
+# the odd codes), and one B tile in shared memory holds the activations of every warp's own K slice: column 2w the
+# high parts of warp w's group, 2w + 1 the low parts (`fp8_split`). Warp w's sums are then in columns 2w and 2w + 1,
+# held by its lanes with t = w. B's descriptor ($6 its low word, the high word here): K-major, no swizzle, 8
+# columns x 32 bytes = two core matrices of 8 x 16 bytes, k 0-15 then k 16-31 128 bytes on (the leading byte offset;
+# the stride byte offset, between 8-column blocks, is unused at N = 8). D is written, not accumulated (scale-d false),
+# and the group is waited for at once: its sums are scaled before the next group's.
+_WGMMA_FP8 = ("{\n .reg .b32 t0, t1, ha<2>, hb<2>, dh;\n .reg .b64 d;\n .reg .pred p;\n"
+              + _DEQUANT_FP8.format(w="$4", h="ha") + _DEQUANT_FP8.format(w="$5", h="hb")
+              + " mov.b32 dh, %d;\n mov.b64 d, {$6, dh};\n setp.ne.b32 p, $6, $6;\n"
+                " wgmma.fence.sync.aligned;\n"
+                " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {$0, $1, $2, $3}, {ha0, hb0, ha1, hb1}, d, p, 1, 1;\n"
+                " wgmma.commit_group.sync.aligned;\n wgmma.wait_group.sync.aligned 0;\n}") % (256 >> 4)
+WGMMA_WARPS = 4  # a warpgroup
+WGMMA_TILE_WORDS = 64  # one B tile: 2 core matrices x 8 columns x 16 bytes
+WGMMA_LBO = 128  # bytes from a B tile's k 0-15 core matrix to its k 16-31 one
+
+
+def wgmma_desc_lo(addr: int) -> int:
+    """The low word of a shared-memory matrix descriptor (sm_90, no swizzle) for a B tile at shared address `addr`
+    (16-byte aligned): the address / 16 in bits 0-13, the leading byte offset / 16 in bits 16-29."""
+    return ((addr & 0x3FFFF) >> 4) | ((WGMMA_LBO >> 4) << 16)
+
+
 # Activations 8t..8t+7 of one MX group (four bf16x2 words, $4..$7) times the group's power of two ($8, fp32: its
 # largest magnitude to [128, 256)) -> $0 / $1 their high parts (e4m3, round to nearest) of the even / odd ones,
 # $2 / $3 the low parts (e4m3 of the rest, which has at most 4 significant bits: the two add up to the scaled bf16
@@ -428,6 +454,27 @@ if HAVE_CUTE:
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
+    def wgmma_fp8(wa, wb, desc_lo):
+        """`_WGMMA_FP8`: one MX group of rows g (word `wa`) and g + 8 (`wb`) of this warp's 16 of the warpgroup's 64
+        rows against the B tile whose descriptor's low word is `desc_lo` -> the fp32 fragment (row g, column 2t),
+        (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), before the group's scale. Every warp of the warpgroup calls it
+        together (a side effect: the compiler keeps each in place)."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+            [Int32(wa).ir_value(), Int32(wb).ir_value(), Int32(desc_lo).ir_value()],
+            _WGMMA_FP8, "=f,=f,=f,=f,r,r,r", has_side_effects=True, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
+
+    def smem_desc_lo(tile: cute.Tensor):
+        """`wgmma_desc_lo` of shared-memory tile `tile`'s start."""
+        return ((Int32(tile.iterator.toint()) & 0x3FFFF) >> 4) | ((WGMMA_LBO >> 4) << 16)  # a 32-bit shared address
+
+    def fence_async_shared() -> None:
+        """This thread's shared-memory stores made visible to the async proxy (what `wgmma` reads B through)."""
+        llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+
     def fp8_operands(xs, factor):
         """`_FP8_SPLIT`: eight bf16 activations (four words) times `factor` (fp32 bits of a power of two) -> the high
         parts of the even / odd ones and the low parts of the even / odd ones, as e4m3 operand words."""
@@ -563,23 +610,33 @@ if HAVE_CUTE:
             order; the others are loaded as the mma loop reaches them). `fp8` (`mx_fp8_form`), on codes from a
             `quad_major(packed="fp8")` copy: "mma" the mma on e4m3 operands, activations staged once as high and low
             e4m3 parts (`fp8_split`) with each group's power of two; "cvt" the codes' e4m3 registers converted to
-            fp16 for the fp16 mma; "" neither (either implies `x_once`; quad-major codes only)."""
-            if fp8 not in ("", "mma", "cvt"):
-                raise ValueError(f"MoEW13Act: fp8 must be '', 'mma' or 'cvt', not {fp8!r}")
+            fp16 for the fp16 mma; "wgmma" the e4m3 registers as A of the warpgroup mma (`_WGMMA_FP8`), K split over
+            WGMMA_WARPS warps, the activations staged as B tiles; "" none of these (each implies `x_once`;
+            quad-major codes only)."""
+            if fp8 not in ("", "mma", "cvt", "wgmma"):
+                raise ValueError(f"MoEW13Act: fp8 must be '', 'mma', 'cvt' or 'wgmma', not {fp8!r}")
             if fp8 and not quad_major:
                 raise ValueError("MoEW13Act: e4m3 operands take quad-major codes only")
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
-            self.fp8, self.cvt = fp8 == "mma", fp8 == "cvt"
+            self.wg = fp8 == "wgmma"
+            if self.wg:  # one warpgroup: its 4 warps' K slices side by side in each B tile
+                quads = latent // (GROUP * QUAD)
+                if quads % WGMMA_WARPS:
+                    raise ValueError(f"MoEW13Act: the wgmma form splits K over {WGMMA_WARPS} warps in whole quads of "
+                                     f"MX groups; {quads} quads do not divide")
+                self.warps, self.per_warp = WGMMA_WARPS, quads // WGMMA_WARPS
+            self.fp8, self.cvt = fp8 in ("mma", "wgmma"), fp8 == "cvt"
             self.x_once = x_once or bool(fp8)
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
             self.first = min(first, self.per_warp)
 
         def alloc_x(self, smem):
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
-            when the activations are converted in registers)."""
+            when the activations are converted in registers); in the wgmma form the same columns are the B tiles, 16
+            per group step (`_stage_unit_fp8`)."""
             n = self.units * self.warps if self.x_once else 1
             if self.fp8:  # then one column per quad of each warp: its four groups' scale addends
                 n += self.per_warp * self.warps
@@ -600,7 +657,11 @@ if HAVE_CUTE:
                 else:
                     if u < self.units:
                         self._stage_unit(gX, xbuf, b, Gw, warp * self.units + u, u)
-            cute.arch.sync_warp()
+            if cutlass.const_expr(self.wg):  # every warp's B columns, for the async proxy
+                fence_async_shared()
+                cute.arch.barrier()
+            else:
+                cute.arch.sync_warp()
 
         @cute.jit
         def _stage_unit(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, slot, u):
@@ -623,7 +684,14 @@ if HAVE_CUTE:
             ops = fp8_operands([xs[0], xs[1], xs[2], xs[3]], (261 - e) << 23)
             col = self.units * self.warps + warp * self.per_warp + uc // 16
             if u < self.units:
-                store4(ops, xbuf[None, warp * self.units + uc])
+                if cutlass.const_expr(self.wg):  # B tile of group step uc // 4: columns 2 warp (high), 2 warp + 1
+                    c0 = uc // 4 * 16 + 2 * warp  # (low), k 0-15 (even codes) then 8 columns on k 16-31 (odd)
+                    xbuf[uc % 4, c0] = ops[0]
+                    xbuf[uc % 4, c0 + 8] = ops[1]
+                    xbuf[uc % 4, c0 + 1] = ops[2]
+                    xbuf[uc % 4, c0 + 9] = ops[3]
+                else:
+                    store4(ops, xbuf[None, warp * self.units + uc])
                 if uc % 4 == 0:
                     xbuf[(uc // 4) % 4, col] = (e - 128) << 23
 
@@ -668,14 +736,19 @@ if HAVE_CUTE:
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
             # e4m3 operands: lanes with g even take a unit's high parts, odd its low ones
-            xpairs = cute.zipped_divide(xbuf, (2, 1)) if self.fp8 else None
+            xpairs = cute.zipped_divide(xbuf, (2, 1)) if self.fp8 and not self.wg else None
+            desc = smem_desc_lo(xbuf) if self.wg else None
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
                 u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
                 if cutlass.const_expr(self.fp8):
                     adds = load4(xbuf[None, self.units * self.warps + warp * self.per_warp + it])
                 for i in cutlass.range_constexpr(QUAD):
-                    if cutlass.const_expr(self.fp8):  # column 0 the high parts' sums, column 1 the low parts'
+                    if cutlass.const_expr(self.wg):  # this warp's columns 2 warp (high parts), 2 warp + 1 (low)
+                        c = wgmma_fp8(u1[i], u3[i], desc + (it * QUAD + i) * (WGMMA_TILE_WORDS * 4 >> 4))
+                        acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
+                        acc3 = acc3 + (c[2] + c[3]) * mx_scale_fp8(sw3, i, adds[i])
+                    elif cutlass.const_expr(self.fp8):  # column 0 the high parts' sums, column 1 the low parts'
                         bs = load4(xpairs[(None, (g % 2, warp * self.units + (it * QUAD + i) * 4 + t))])
                         c = fp8_mma(u1[i], u3[i], bs[0], bs[1])
                         acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
@@ -691,7 +764,7 @@ if HAVE_CUTE:
                         shift = FP8_SHIFT if self.cvt else F16_SHIFT
                         acc1 = acc1 + d1 * mx_scale_of(sw1, i, shift)
                         acc3 = acc3 + d3 * mx_scale_of(sw3, i, shift)
-            if t == 0:
+            if t == (warp % WGMMA_WARPS if self.wg else 0):
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3
             cute.arch.barrier()
@@ -1193,7 +1266,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch()
     qm13, qm2 = layout_groups(w13, w2, quad_major)
     # e4m3-packed w13 (a `quad_major(packed="fp8")` copy) for the per-pair w13 kernel: its mma on e4m3, or converted
-    fp8 = {"1": "mma", "cvt": "cvt"}.get(mx_fp8_form(), "") if qm13 else ""
+    fp8 = {"1": "mma", "cvt": "cvt", "wgmma": "wgmma"}.get(mx_fp8_form(), "") if qm13 else ""
+    # the forms with the shared experts or the w2 stage inside keep their warps: the e4m3 mma there
+    fp8_rider = "mma" if fp8 == "wgmma" else fp8
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
     norm_first = scaled is not None and norm_weight_first(B)  # the w2 kernels' `norm_first`
@@ -1215,7 +1290,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
             f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, pf, qm13, *signature(*a13)),
-                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13, fp8),
+                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13, fp8_rider),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         lanes, pre = shared_down_lanes(), w2_pre_wait()
@@ -1228,7 +1303,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
         op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2), norm_first,
-                        fp8)
+                        fp8_rider)
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, norm_first,
                                *signature(*args)),
                               op,
