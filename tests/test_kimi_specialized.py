@@ -1864,8 +1864,8 @@ def test_w13_kernel_on_e4m3_operands_compiles_for_sm90a(sm90a_pdl, monkeypatch, 
     """KIMI_DECODE_MX_FP8=1 / cvt / wgmma: the per-pair w13 kernel's forms (two-kernel at batches 1 and 8, with the
     shared experts inside at one token, the one-kernel experts at batch 8) compile on e4m3 operands, on e4m3 codes
     converted to fp16 and with the warpgroup mma, each a variant of its own; on natural rows they keep the fp16
-    dequantisation, and the kernel refuses e4m3 on them; the wgmma form takes one warpgroup and refuses a K it
-    cannot split over it; other settings are refused by name."""
+    dequantisation, and the kernel refuses e4m3 on them; the wgmma form fills its last warpgroup with stand-in
+    warps and keeps every K slice; other settings are refused by name."""
     from kimi_decode.kernels.moe_mxfp4 import MoEW13Act, compile_moe
 
     s = shard("k3", tp=tp, pad_experts=pad)
@@ -1892,9 +1892,10 @@ def test_w13_kernel_on_e4m3_operands_compiles_for_sm90a(sm90a_pdl, monkeypatch, 
         MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, fp8="mma")
     with pytest.raises(ValueError, match="fp8 must be"):
         MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, quad_major=L // 32, fp8="e4m3")
-    assert MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, quad_major=L // 32, fp8="wgmma").warps == 4
-    with pytest.raises(ValueError, match="wgmma form splits K over 4 warps"):  # 3 quads of MX groups
-        MoEW13Act(384, s.expert_inter, s.expert_inter_used, m.top_k, quad_major=384 // 32, fp8="wgmma")
+    for latent, cap, warps, real in ((L, 8, 8, 7), (L, 4, 4, 4), (384, 8, 4, 3)):  # whole warpgroups
+        op = MoEW13Act(latent, s.expert_inter, s.expert_inter_used, m.top_k, cap, quad_major=latent // 32,
+                       fp8="wgmma")
+        assert (op.warps, op.real, op.per_warp * op.real) == (warps, real, latent // 128)
     monkeypatch.setenv("KIMI_DECODE_MX_FP8", "2")
     with pytest.raises(ValueError, match="KIMI_DECODE_MX_FP8 must be one of 0, 1, cvt, wgmma"):
         forms(True)

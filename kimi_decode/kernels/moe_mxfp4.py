@@ -610,9 +610,10 @@ if HAVE_CUTE:
             order; the others are loaded as the mma loop reaches them). `fp8` (`mx_fp8_form`), on codes from a
             `quad_major(packed="fp8")` copy: "mma" the mma on e4m3 operands, activations staged once as high and low
             e4m3 parts (`fp8_split`) with each group's power of two; "cvt" the codes' e4m3 registers converted to
-            fp16 for the fp16 mma; "wgmma" the e4m3 registers as A of the warpgroup mma (`_WGMMA_FP8`), K split over
-            WGMMA_WARPS warps, the activations staged as B tiles; "" none of these (each implies `x_once`;
-            quad-major codes only)."""
+            fp16 for the fp16 mma; "wgmma" the e4m3 registers as A of the warpgroup mma (`_WGMMA_FP8`), the
+            activations staged as B tiles, the CTA's warps made whole warpgroups (K3's 7 K slices: 8 warps, the
+            last one a stand-in that computes warp 6's slice again and keeps nothing); "" none of these (each
+            implies `x_once`; quad-major codes only)."""
             if fp8 not in ("", "mma", "cvt", "wgmma"):
                 raise ValueError(f"MoEW13Act: fp8 must be '', 'mma', 'cvt' or 'wgmma', not {fp8!r}")
             if fp8 and not quad_major:
@@ -622,12 +623,9 @@ if HAVE_CUTE:
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
             self.wg = fp8 == "wgmma"
-            if self.wg:  # one warpgroup: its 4 warps' K slices side by side in each B tile
-                quads = latent // (GROUP * QUAD)
-                if quads % WGMMA_WARPS:
-                    raise ValueError(f"MoEW13Act: the wgmma form splits K over {WGMMA_WARPS} warps in whole quads of "
-                                     f"MX groups; {quads} quads do not divide")
-                self.warps, self.per_warp = WGMMA_WARPS, quads // WGMMA_WARPS
+            self.real = self.warps  # the warps with a K slice of their own
+            if self.wg:  # whole warpgroups: each one's 4 warps' K slices side by side in its B tiles
+                self.warps = -(-self.real // WGMMA_WARPS) * WGMMA_WARPS
             self.fp8, self.cvt = fp8 in ("mma", "wgmma"), fp8 == "cvt"
             self.x_once = x_once or bool(fp8)
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
@@ -647,7 +645,7 @@ if HAVE_CUTE:
             """Unit u = 4 i + t of this warp: activations 8t..8t+7 of its group i, as the four fp16x2 operands of
             `operand_mma`, lane u % 32 converting units u, u + 32, ...; then a warp barrier (each warp reads only
             its own units)."""
-            Gw = warp * (self.per_warp * QUAD)
+            Gw = self.slice_of(warp) * (self.per_warp * QUAD)
             for r in cutlass.range_constexpr(-(-self.units // 32)):
                 u = lane + 32 * r
                 if cutlass.const_expr(self.fp8):
@@ -662,6 +660,13 @@ if HAVE_CUTE:
                 cute.arch.barrier()
             else:
                 cute.arch.sync_warp()
+
+        def slice_of(self, warp):
+            """The K slice warp `warp` computes: its own, or for a stand-in warp of the wgmma form the last real one's
+            (a plain function, inlined where it is called)."""
+            if self.real == self.warps:
+                return warp
+            return select_i32(warp < self.real, warp, self.real - 1)
 
         @cute.jit
         def _stage_unit(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, slot, u):
@@ -684,8 +689,9 @@ if HAVE_CUTE:
             ops = fp8_operands([xs[0], xs[1], xs[2], xs[3]], (261 - e) << 23)
             col = self.units * self.warps + warp * self.per_warp + uc // 16
             if u < self.units:
-                if cutlass.const_expr(self.wg):  # B tile of group step uc // 4: columns 2 warp (high), 2 warp + 1
-                    c0 = uc // 4 * 16 + 2 * warp  # (low), k 0-15 (even codes) then 8 columns on k 16-31 (odd)
+                if cutlass.const_expr(self.wg):  # the warpgroup's B tile of group step uc // 4: columns 2w (high
+                    # parts), 2w + 1 (low) for w = warp % 4, k 0-15 (even codes), then 8 columns on k 16-31 (odd)
+                    c0 = (warp // WGMMA_WARPS * self.per_warp * QUAD + uc // 4) * 16 + 2 * (warp % WGMMA_WARPS)
                     xbuf[uc % 4, c0] = ops[0]
                     xbuf[uc % 4, c0 + 8] = ops[1]
                     xbuf[uc % 4, c0 + 1] = ops[2]
@@ -725,26 +731,28 @@ if HAVE_CUTE:
             j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
+            ws = self.slice_of(warp)
             if cutlass.const_expr(self.prefetch):
                 for it in cutlass.range_constexpr(self.per_warp):
-                    G0 = (warp * self.per_warp + it) * QUAD
+                    G0 = (ws * self.per_warp + it) * QUAD
                     prefetch_l2(gW[(None, (e, j, G0 + t))])
                     prefetch_l2(gW[(None, (e, self.I + j, G0 + t))])
-            early = [self.quad_weights(gW, w_scale, e, j, warp, it, t) for it in range(self.first)]
+            early = [self.quad_weights(gW, w_scale, e, j, ws, it, t) for it in range(self.first)]
             if cutlass.const_expr(self.x_once):
                 self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
             # e4m3 operands: lanes with g even take a unit's high parts, odd its low ones
             xpairs = cute.zipped_divide(xbuf, (2, 1)) if self.fp8 and not self.wg else None
-            desc = smem_desc_lo(xbuf) if self.wg else None
+            # the warpgroup's first B tile
+            desc = smem_desc_lo(xbuf) + warp // WGMMA_WARPS * (self.per_warp * QUAD * 16) if self.wg else None
             for it in cutlass.range_constexpr(self.per_warp):
-                G0 = (warp * self.per_warp + it) * QUAD
-                u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
+                G0 = (ws * self.per_warp + it) * QUAD
+                u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, ws, it, t, early)
                 if cutlass.const_expr(self.fp8):
                     adds = load4(xbuf[None, self.units * self.warps + warp * self.per_warp + it])
                 for i in cutlass.range_constexpr(QUAD):
-                    if cutlass.const_expr(self.wg):  # this warp's columns 2 warp (high parts), 2 warp + 1 (low)
+                    if cutlass.const_expr(self.wg):  # this warp's columns 2w (high parts), 2w + 1 (low), w = warp % 4
                         c = wgmma_fp8(u1[i], u3[i], desc + (it * QUAD + i) * (WGMMA_TILE_WORDS * 4 >> 4))
                         acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
                         acc3 = acc3 + (c[2] + c[3]) * mx_scale_fp8(sw3, i, adds[i])
@@ -765,19 +773,24 @@ if HAVE_CUTE:
                         acc1 = acc1 + d1 * mx_scale_of(sw1, i, shift)
                         acc3 = acc3 + d3 * mx_scale_of(sw3, i, shift)
             if t == (warp % WGMMA_WARPS if self.wg else 0):
-                red[g, warp] = acc1
-                red[ROWS13 + g, warp] = acc3
+                if cutlass.const_expr(self.real == self.warps):
+                    red[g, warp] = acc1
+                    red[ROWS13 + g, warp] = acc3
+                else:
+                    if warp < self.real:  # (a stand-in warp keeps nothing)
+                        red[g, warp] = acc1
+                        red[ROWS13 + g, warp] = acc3
             cute.arch.barrier()
             if warp == 0 and t == 0:
                 h1 = Float32(0.0)
                 h3 = Float32(0.0)
-                for i in cutlass.range_constexpr(self.warps):
+                for i in cutlass.range_constexpr(self.real):
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
 
         def quad_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, e, j, warp, it: int, t, loaded=()):
-            """Quad `it` of this warp for row j: the w1 and w3 words (`quad_words`) and their four scale bytes each,
+            """Quad `it` of K slice `warp` for row j: the w1 and w3 words (`quad_words`) and their four scale bytes each,
             or `loaded[it]` where those were loaded already (a plain function, inlined where it is called)."""
             if it < len(loaded):
                 return loaded[it]
