@@ -638,7 +638,7 @@ if HAVE_CUTE:
             n = self.units * self.warps if self.x_once else 1
             if self.fp8:  # then one column per quad of each warp: its four groups' scale addends
                 n += self.per_warp * self.warps
-            return smem.allocate_tensor(Int32, cute.make_layout((4, n)), 16)
+            return smem.allocate_tensor(Int32, cute.make_layout((4, n)), 128 if self.wg else 16)
 
         @cute.jit
         def stage_x(self, gX: cute.Tensor, xbuf: cute.Tensor, b, warp, lane):
