@@ -1887,7 +1887,12 @@ def test_w13_kernel_on_e4m3_operands_compiles_for_sm90a(sm90a_pdl, monkeypatch, 
         fns = forms(True)
         assert all(f is not None for f in fns) and not seen & {id(f) for f in fns}
         seen |= {id(f) for f in fns}
-    assert all(f is not None for f in forms(False))
+    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "wgmma")
+    monkeypatch.setenv("KIMI_DECODE_W13_WGMMA_GROUPS", "1")  # each group's mma waited for on its own: a variant
+    one = compile_moe(*_moe_args(s, 8), scaled=(torch.empty(L), torch.empty(8, L, dtype=bf)), quad_major=True)[0]
+    assert one is not None and id(one) not in seen
+    monkeypatch.delenv("KIMI_DECODE_W13_WGMMA_GROUPS")
+    assert all(f is not None for f in forms(False))  # natural rows under the setting: the fp16 dequantisation
     with pytest.raises(ValueError, match="quad-major codes only"):
         MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, fp8="mma")
     with pytest.raises(ValueError, match="fp8 must be"):

@@ -196,19 +196,36 @@ _FP8_MMA = ("{\n .reg .b32 t0, t1, ha<2>, hb<2>, z;\n mov.b32 z, 0;\n" + _DEQUAN
 # the register places of `_FP8_MMA` (reg 0 / 1: k = 4t.., rows g / g + 8, the even codes; reg 2 / 3: k = 16 + 4t..,
 # the odd codes), and one B tile in shared memory holds the activations of every warp's own K slice: column 2w the
 # high parts of warp w's group, 2w + 1 the low parts (`fp8_split`). Warp w's sums are then in columns 2w and 2w + 1,
-# held by its lanes with t = w. B's descriptor ($6 its low word, the high word here): K-major, no swizzle, 8
+# held by its lanes with t = w. B's descriptor (its low word an input, the high word here): K-major, no swizzle, 8
 # columns x 32 bytes = two core matrices of 8 x 16 bytes, k 0-15 then k 16-31 128 bytes on (the leading byte offset;
-# the stride byte offset, between 8-column blocks, is unused at N = 8). D is written, not accumulated (scale-d false),
-# and the group is waited for at once: its sums are scaled before the next group's.
-_WGMMA_FP8 = ("{\n .reg .b32 t0, t1, ha<2>, hb<2>, dh;\n .reg .b64 d;\n .reg .pred p;\n"
-              + _DEQUANT_FP8.format(w="$4", h="ha") + _DEQUANT_FP8.format(w="$5", h="hb")
-              + " mov.b32 dh, %d;\n mov.b64 d, {$6, dh};\n setp.ne.b32 p, $6, $6;\n"
-                " wgmma.fence.sync.aligned;\n"
-                " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {$0, $1, $2, $3}, {ha0, hb0, ha1, hb1}, d, p, 1, 1;\n"
-                " wgmma.commit_group.sync.aligned;\n wgmma.wait_group.sync.aligned 0;\n}") % (256 >> 4)
+# the stride byte offset, between 8-column blocks, is unused at N = 8). D is written, not accumulated (scale-d false):
+# each group's sums are scaled on their own, so a few groups' mmas are issued and then waited for together
+# (`w13_wgmma_groups`), each into registers of its own.
+
+
+def _wgmma_fp8_asm(n: int) -> str:
+    """PTX of `n` consecutive MX groups of this warp's rows in `n` warpgroup mmas waited for together: inputs
+    $4n.. the words of rows g and g + 8 of each group in turn (wa, wb, wa, wb, ...), $6n the low descriptor word of
+    the first group's B tile (each next tile 256 bytes on); outputs $4i..$4i+3 group i's fp32 fragment."""
+    words, desc = 4 * n, 6 * n
+    deq = "".join(_DEQUANT_FP8.format(w=f"${words + 2 * i}", h=f"g{i}a") + _DEQUANT_FP8.format(w=f"${words + 2 * i + 1}",
+                                                                                              h=f"g{i}b")
+                  for i in range(n))
+    descs = "".join(f" add.s32 dl, ${desc}, {i * (WGMMA_TILE_WORDS * 4 >> 4)};\n mov.b64 d{i}, {{dl, dh}};\n"
+                    for i in range(n))
+    mmas = "".join(f" wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {{${4 * i}, ${4 * i + 1}, ${4 * i + 2}, "
+                   f"${4 * i + 3}}}, {{g{i}a0, g{i}b0, g{i}a1, g{i}b1}}, d{i}, p, 1, 1;\n" for i in range(n))
+    regs = ", ".join(f"g{i}a<2>, g{i}b<2>" for i in range(n))
+    return ("{\n .reg .b32 t0, t1, dl, dh, " + regs + f";\n .reg .b64 d<{n}>;\n .reg .pred p;\n" + deq
+            + f" mov.b32 dh, {WGMMA_SBO >> 4};\n" + descs + f" setp.ne.b32 p, ${desc}, ${desc};\n"
+            + " wgmma.fence.sync.aligned;\n" + mmas
+            + " wgmma.commit_group.sync.aligned;\n wgmma.wait_group.sync.aligned 0;\n}")
+
+
 WGMMA_WARPS = 4  # a warpgroup
 WGMMA_TILE_WORDS = 64  # one B tile: 2 core matrices x 8 columns x 16 bytes
 WGMMA_LBO = 128  # bytes from a B tile's k 0-15 core matrix to its k 16-31 one
+WGMMA_SBO = 256  # bytes between 8-column blocks (unused at N = 8)
 
 
 def wgmma_desc_lo(addr: int) -> int:
@@ -454,17 +471,19 @@ if HAVE_CUTE:
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
-    def wgmma_fp8(wa, wb, desc_lo):
-        """`_WGMMA_FP8`: one MX group of rows g (word `wa`) and g + 8 (`wb`) of this warp's 16 of the warpgroup's 64
-        rows against the B tile whose descriptor's low word is `desc_lo` -> the fp32 fragment (row g, column 2t),
-        (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), before the group's scale. Every warp of the warpgroup calls it
-        together (a side effect: the compiler keeps each in place)."""
+    def wgmma_fp8(was, wbs, desc_lo):
+        """`_wgmma_fp8_asm`: consecutive MX groups of rows g (words `was`) and g + 8 (`wbs`) of this warp's 16 of the
+        warpgroup's 64 rows against the B tiles from the one whose descriptor's low word is `desc_lo` -> per group
+        the fp32 fragment (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), before its scale. Every warp
+        of the warpgroup calls it together (a side effect: the compiler keeps each in place)."""
+        n = len(was)
+        words = [Int32(w).ir_value() for pair in zip(was, wbs) for w in pair]
         res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
-            [Int32(wa).ir_value(), Int32(wb).ir_value(), Int32(desc_lo).ir_value()],
-            _WGMMA_FP8, "=f,=f,=f,=f,r,r,r", has_side_effects=True, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT)
-        return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
+            llvm.StructType.get_literal([T.f32()] * (4 * n)), words + [Int32(desc_lo).ir_value()],
+            _wgmma_fp8_asm(n), ",".join(["=f"] * (4 * n) + ["r"] * (2 * n + 1)), has_side_effects=True,
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        out = [Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4 * n)]
+        return [tuple(out[4 * i:4 * i + 4]) for i in range(n)]
 
     def smem_desc_lo(tile: cute.Tensor):
         """`wgmma_desc_lo` of shared-memory tile `tile`'s start."""
@@ -610,7 +629,7 @@ if HAVE_CUTE:
             order; the others are loaded as the mma loop reaches them). `fp8` (`mx_fp8_form`), on codes from a
             `quad_major(packed="fp8")` copy: "mma" the mma on e4m3 operands, activations staged once as high and low
             e4m3 parts (`fp8_split`) with each group's power of two; "cvt" the codes' e4m3 registers converted to
-            fp16 for the fp16 mma; "wgmma" the e4m3 registers as A of the warpgroup mma (`_WGMMA_FP8`), the
+            fp16 for the fp16 mma; "wgmma" the e4m3 registers as A of the warpgroup mma (`_wgmma_fp8_asm`), the
             activations staged as B tiles, the CTA's warps made whole warpgroups (K3's 7 K slices: 8 warps, the
             last one a stand-in that computes warp 6's slice again and keeps nothing); "" none of these (each
             implies `x_once`; quad-major codes only)."""
@@ -623,6 +642,7 @@ if HAVE_CUTE:
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
             self.wg = fp8 == "wgmma"
+            self.wg_groups = w13_wgmma_groups() if self.wg else 0
             self.real = self.warps  # the warps with a K slice of their own
             if self.wg:  # whole warpgroups: each one's 4 warps' K slices side by side in its B tiles
                 self.warps = -(-self.real // WGMMA_WARPS) * WGMMA_WARPS
@@ -753,7 +773,11 @@ if HAVE_CUTE:
                     adds = load4(xbuf[None, self.units * self.warps + warp * self.per_warp + it])
                 for i in cutlass.range_constexpr(QUAD):
                     if cutlass.const_expr(self.wg):  # this warp's columns 2w (high parts), 2w + 1 (low), w = warp % 4
-                        c = wgmma_fp8(u1[i], u3[i], desc + (it * QUAD + i) * (WGMMA_TILE_WORDS * 4 >> 4))
+                        n = self.wg_groups
+                        if cutlass.const_expr(i % n == 0):  # groups i..i+n-1 issued together, then waited for
+                            cs = wgmma_fp8([u1[i + q] for q in range(n)], [u3[i + q] for q in range(n)],
+                                           desc + (it * QUAD + i) * (WGMMA_TILE_WORDS * 4 >> 4))
+                        c = cs[i % n]
                         acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
                         acc3 = acc3 + (c[2] + c[3]) * mx_scale_fp8(sw3, i, adds[i])
                     elif cutlass.const_expr(self.fp8):  # column 0 the high parts' sums, column 1 the low parts'
@@ -1206,6 +1230,13 @@ def w13_x_once(tokens: int) -> bool:
     return raw != "0"
 
 
+def w13_wgmma_groups() -> int:
+    """How many consecutive MX groups the wgmma form of the per-pair w13 kernel (KIMI_DECODE_MX_FP8=wgmma) issues
+    before it waits for them (`KIMI_DECODE_W13_WGMMA_GROUPS`: "4", the default, a quad's, "2" or "1"): more groups
+    in flight, more registers held."""
+    return int(env_choice("KIMI_DECODE_W13_WGMMA_GROUPS", "4", ("4", "2", "1")))
+
+
 def w13_prefetch() -> bool:
     """Whether the per-pair w13 kernel asks L2 for each lane's quads once the expert id is known
     (`KIMI_DECODE_W13_PREFETCH`: "0", the default, or "1"). On the H200 (NOTES, v19) "1" was slower: the kernel's
@@ -1291,8 +1322,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         cap = w13_warps(used, B, k)
         first = w13_first(B, quad_split(L, cap)[1])  # "all": a count
         op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, first, fp8)
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
-                              *(fake_like(t, align=16) for t in a13))
+        key = ("moe_w13_act", used, cap, x_once, pf, qm13, op.first, op.wg_groups, *signature(*a13))
+        return compile_kernel(key, op, *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
         gate_up, hx, s_act, down, s_out = shared
