@@ -2149,6 +2149,30 @@ def test_fp8_dequantisation_gives_every_code_its_e4m3_value():
             assert values.tolist() == [want[0::2], want[1::2]]
 
 
+def test_wgmma_b_descriptor_and_operands():
+    """The wgmma w13 form's B descriptor: shared address / 16 in bits 0-13 (address bits past 18 dropped), the 128
+    bytes between a tile's two core matrices / 16 in bits 16-29; its PTX for n groups issues n mmas, each on its
+    own fragment outputs, its own two weight words' registers and its own tile (256 bytes on), before one wait."""
+    import re
+
+    from kimi_decode.kernels.moe_mxfp4 import _wgmma_fp8_asm, wgmma_desc_lo
+
+    assert wgmma_desc_lo(0x1230) == 0x123 | 8 << 16
+    assert wgmma_desc_lo(0x40000 + 0x3FFF0) == 0x3FFF | 8 << 16
+    for n in (1, 2, 4):
+        asm = _wgmma_fp8_asm(n)
+        mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3 \{([^}]*)\}, \{([^}]*)\}, (d\d+)",
+                          asm)
+        assert len(mmas) == n and asm.count("wait_group.sync.aligned 0") == 1 and asm.count("commit_group") == 1
+        outs = [o.strip() for m in mmas for o in m[0].split(",")]
+        assert outs == [f"${i}" for i in range(4 * n)]
+        assert [m[2] for m in mmas] == [f"d{i}" for i in range(n)]
+        for i, m in enumerate(mmas):  # A: rows g (even codes, odd codes) and g + 8 of group i, from its own words
+            assert [a.strip() for a in m[1].split(",")] == [f"g{i}a0", f"g{i}b0", f"g{i}a1", f"g{i}b1"]
+            assert f"and.b32 g{i}a0, ${4 * n + 2 * i}," in asm and f"and.b32 g{i}b0, ${4 * n + 2 * i + 1}," in asm
+            assert f"add.s32 dl, ${6 * n}, {16 * i};" in asm
+
+
 def test_fp8_split_adds_up_to_the_bf16_activations():
     """`fp8_split`, what the fp8 w13 kernel stages: per MX group a power of two that takes the group's largest
     magnitude to [128, 256), the same bits as `fp8_group_scale` gives the kernel; high + low = the scaled activation

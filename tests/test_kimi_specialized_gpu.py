@@ -781,9 +781,9 @@ def test_moe_mxfp4_on_e4m3_operands_matches_float64(monkeypatch, tp, pad, form):
     """KIMI_DECODE_MX_FP8=1: the per-pair w13 kernel on e4m3 operands (`quad_major(packed="fp8")` codes, the
     activations as high and low e4m3 parts per MX group), "cvt": on those codes converted to fp16, "wgmma": the
     e4m3 operands in the warpgroup mma (B tiles in shared memory; 7 warps and a stand-in, at TP8 one token 4
-    warps), against float64 with its outputs poisoned: two-kernel form at 1, 3 and 8 tokens (TP8 at one token: 4 warps of 7 quads, a partial
-    staging round), at 8 with every group of the latent at its own scale and one all zero, the one-kernel form, and
-    at one token the shared experts inside."""
+    warps), against float64 with its outputs poisoned: two-kernel form at 1, 3 and 8 tokens (TP8 at one token: 4
+    warps of 7 quads, a partial staging round), at 8 with every group of the latent at its own scale and one all
+    zero, the one-kernel form, and at one token the shared experts inside."""
     monkeypatch.setenv("KIMI_DECODE_MX_FP8", form)
     for batch in (1, 3, 8):
         _check_moe_mxfp4(tp, pad, batch, quad=True)

@@ -208,9 +208,7 @@ def _wgmma_fp8_asm(n: int) -> str:
     $4n.. the words of rows g and g + 8 of each group in turn (wa, wb, wa, wb, ...), $6n the low descriptor word of
     the first group's B tile (each next tile 256 bytes on); outputs $4i..$4i+3 group i's fp32 fragment."""
     words, desc = 4 * n, 6 * n
-    deq = "".join(_DEQUANT_FP8.format(w=f"${words + 2 * i}", h=f"g{i}a") + _DEQUANT_FP8.format(w=f"${words + 2 * i + 1}",
-                                                                                              h=f"g{i}b")
-                  for i in range(n))
+    deq = "".join(_DEQUANT_FP8.format(w=f"${words + 2 * i + r}", h=f"g{i}{'ab'[r]}") for i in range(n) for r in (0, 1))
     descs = "".join(f" add.s32 dl, ${desc}, {i * (WGMMA_TILE_WORDS * 4 >> 4)};\n mov.b64 d{i}, {{dl, dh}};\n"
                     for i in range(n))
     mmas = "".join(f" wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {{${4 * i}, ${4 * i + 1}, ${4 * i + 2}, "
@@ -487,7 +485,7 @@ if HAVE_CUTE:
 
     def smem_desc_lo(tile: cute.Tensor):
         """`wgmma_desc_lo` of shared-memory tile `tile`'s start."""
-        return ((Int32(tile.iterator.toint()) & 0x3FFFF) >> 4) | ((WGMMA_LBO >> 4) << 16)  # a 32-bit shared address
+        return wgmma_desc_lo(Int32(tile.iterator.toint()))  # a 32-bit shared address
 
     def fence_async_shared() -> None:
         """This thread's shared-memory stores made visible to the async proxy (what `wgmma` reads B through)."""
@@ -814,8 +812,8 @@ if HAVE_CUTE:
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
 
         def quad_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, e, j, warp, it: int, t, loaded=()):
-            """Quad `it` of K slice `warp` for row j: the w1 and w3 words (`quad_words`) and their four scale bytes each,
-            or `loaded[it]` where those were loaded already (a plain function, inlined where it is called)."""
+            """Quad `it` of K slice `warp` for row j: the w1 and w3 words (`quad_words`) and their four scale bytes
+            each, or `loaded[it]` where those were loaded already (a plain function, inlined where it is called)."""
             if it < len(loaded):
                 return loaded[it]
             G0 = (warp * self.per_warp + it) * QUAD
