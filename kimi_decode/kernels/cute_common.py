@@ -135,7 +135,8 @@ def mx_fp8_form() -> str:
     mma columns that add up to the bf16 activation exactly (`moe_mxfp4.fp8_split`); "cvt" the e4m3 registers
     converted to fp16 (`cvt.rn.f16x2.e4m3x2`) for the fp16 mma as before; "wgmma" the e4m3 registers as the A
     operand of the warpgroup mma (`wgmma`, e4m3 natively on sm_90a), the activations' high and low parts as B tiles
-    in shared memory, K over one warpgroup (in the forms with the shared experts or the w2 stage inside: "1");
+    in shared memory, the K slices' warps made whole warpgroups (in the forms with the shared experts or the w2
+    stage inside: "1");
     "0", the default, the fp16 dequantisation of `mx_packed()`."""
     return env_choice("KIMI_DECODE_MX_FP8", "0", MX_FP8_FORMS)
 
