@@ -175,6 +175,8 @@ _E4M3_TO_F16 = """
 def _dequant_fp8_cvt(w: str, h: str) -> str:
     """`_DEQUANT_FP8` of word `w` into e0 / e1, then `_E4M3_TO_F16` into registers h0..h3."""
     return _DEQUANT_FP8.format(w=w, h="e") + _E4M3_TO_F16.format(h=h)
+
+
 _B_FROM_BF16_CVT = """
     shl.b32 f0, {x0}, 16; and.b32 f1, {x0}, 0xFFFF0000; shl.b32 f2, {x1}, 16; and.b32 f3, {x1}, 0xFFFF0000;
     shl.b32 f4, {x2}, 16; and.b32 f5, {x2}, 0xFFFF0000; shl.b32 f6, {x3}, 16; and.b32 f7, {x3}, 0xFFFF0000;
@@ -209,7 +211,7 @@ def _wgmma_fp8_asm(n: int) -> str:
     the first group's B tile (each next tile 256 bytes on); outputs $4i..$4i+3 group i's fp32 fragment."""
     words, desc = 4 * n, 6 * n
     deq = "".join(_DEQUANT_FP8.format(w=f"${words + 2 * i + r}", h=f"g{i}{'ab'[r]}") for i in range(n) for r in (0, 1))
-    descs = "".join(f" add.s32 dl, ${desc}, {i * (WGMMA_TILE_WORDS * 4 >> 4)};\n mov.b64 d{i}, {{dl, dh}};\n"
+    descs = "".join(f" add.s32 dl, ${desc}, {i * WGMMA_TILE_STEP};\n mov.b64 d{i}, {{dl, dh}};\n"
                     for i in range(n))
     mmas = "".join(f" wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {{${4 * i}, ${4 * i + 1}, ${4 * i + 2}, "
                    f"${4 * i + 3}}}, {{g{i}a0, g{i}b0, g{i}a1, g{i}b1}}, d{i}, p, 1, 1;\n" for i in range(n))
@@ -222,6 +224,7 @@ def _wgmma_fp8_asm(n: int) -> str:
 
 WGMMA_WARPS = 4  # a warpgroup
 WGMMA_TILE_WORDS = 64  # one B tile: 2 core matrices x 8 columns x 16 bytes
+WGMMA_TILE_STEP = WGMMA_TILE_WORDS * 4 >> 4  # one tile in 16-byte units: xbuf columns and descriptor addresses
 WGMMA_LBO = 128  # bytes from a B tile's k 0-15 core matrix to its k 16-31 one
 WGMMA_SBO = 256  # bytes between 8-column blocks (unused at N = 8)
 
@@ -709,7 +712,8 @@ if HAVE_CUTE:
             if u < self.units:
                 if cutlass.const_expr(self.wg):  # the warpgroup's B tile of group step uc // 4: columns 2w (high
                     # parts), 2w + 1 (low) for w = warp % 4, k 0-15 (even codes), then 8 columns on k 16-31 (odd)
-                    c0 = (warp // WGMMA_WARPS * self.per_warp * QUAD + uc // 4) * 16 + 2 * (warp % WGMMA_WARPS)
+                    tile = warp // WGMMA_WARPS * self.per_warp * QUAD + uc // 4
+                    c0 = tile * WGMMA_TILE_STEP + 2 * (warp % WGMMA_WARPS)
                     xbuf[uc % 4, c0] = ops[0]
                     xbuf[uc % 4, c0 + 8] = ops[1]
                     xbuf[uc % 4, c0 + 1] = ops[2]
@@ -762,8 +766,9 @@ if HAVE_CUTE:
             acc3 = Float32(0.0)
             # e4m3 operands: lanes with g even take a unit's high parts, odd its low ones
             xpairs = cute.zipped_divide(xbuf, (2, 1)) if self.fp8 and not self.wg else None
-            # the warpgroup's first B tile
-            desc = smem_desc_lo(xbuf) + warp // WGMMA_WARPS * (self.per_warp * QUAD * 16) if self.wg else None
+            desc = None
+            if cutlass.const_expr(self.wg):  # the warpgroup's first B tile
+                desc = smem_desc_lo(xbuf) + warp // WGMMA_WARPS * (self.per_warp * QUAD * WGMMA_TILE_STEP)
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (ws * self.per_warp + it) * QUAD
                 u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, ws, it, t, early)
@@ -774,7 +779,7 @@ if HAVE_CUTE:
                         n = self.wg_groups
                         if cutlass.const_expr(i % n == 0):  # groups i..i+n-1 issued together, then waited for
                             cs = wgmma_fp8([u1[i + q] for q in range(n)], [u3[i + q] for q in range(n)],
-                                           desc + (it * QUAD + i) * (WGMMA_TILE_WORDS * 4 >> 4))
+                                           desc + (it * QUAD + i) * WGMMA_TILE_STEP)
                         c = cs[i % n]
                         acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
                         acc3 = acc3 + (c[2] + c[3]) * mx_scale_fp8(sw3, i, adds[i])
@@ -794,14 +799,9 @@ if HAVE_CUTE:
                         shift = FP8_SHIFT if self.cvt else F16_SHIFT
                         acc1 = acc1 + d1 * mx_scale_of(sw1, i, shift)
                         acc3 = acc3 + d3 * mx_scale_of(sw3, i, shift)
-            if t == (warp % WGMMA_WARPS if self.wg else 0):
-                if cutlass.const_expr(self.real == self.warps):
-                    red[g, warp] = acc1
-                    red[ROWS13 + g, warp] = acc3
-                else:
-                    if warp < self.real:  # (a stand-in warp keeps nothing)
-                        red[g, warp] = acc1
-                        red[ROWS13 + g, warp] = acc3
+            if t == (warp % WGMMA_WARPS if self.wg else 0):  # (a stand-in warp's column is never read)
+                red[g, warp] = acc1
+                red[ROWS13 + g, warp] = acc3
             cute.arch.barrier()
             if warp == 0 and t == 0:
                 h1 = Float32(0.0)
