@@ -156,14 +156,13 @@ def resources(ptx_path: str, tool: str | None, arch: str = "sm_90a", objdump: st
             "ctas_per_sm": ctas_per_sm_by_registers(usage["registers"], threads) if ntid else None}
 
 
-def keep_layer_ptx(tp: int, batch: int, out_dir: str, layers: int = 1) -> None:
-    """One bench step of `layers` layers from layer 1 (latency_specialized) with every compiled kernel's PTX and cubin
-    kept in `out_dir` (two layers or more: also the kernels that join two layers of a step)."""
+def keep_layer_ptx(tp: int, batch: int, out_dir: str) -> None:
+    """One bench step of layer 1 (latency_specialized) with every compiled kernel's PTX and cubin kept in `out_dir`."""
     env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=out_dir)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
                                                       env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "kimi_decode.bench", "--backend", "latency_specialized", "--tp", str(tp), "--batch",
-           str(batch), "--layers", str(layers), "--copies", "1", "--replays", "1", "--warmup", "1"]
+           str(batch), "--layers", "1", "--copies", "1", "--replays", "1", "--warmup", "1"]
     done = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the bench step failed: {done.stderr.strip()[-300:]}")
@@ -173,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, help="run one bench step at this shard (GPU machine)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=1,
-                   help="layers of the step from layer 1 (2: also the kernels joining two layers)")
     p.add_argument("--ptx-dir", help="summarise the .ptx files here instead")
     p.add_argument("--orders", action="store_true",
                    help="also list each global load after a global store (SASS offsets, store -> load)")
@@ -190,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         where = a.ptx_dir or tmp
         try:
             if a.ptx_dir is None:
-                keep_layer_ptx(a.tp, a.batch, tmp, a.layers)
+                keep_layer_ptx(a.tp, a.batch, tmp)
             rows = [resources(f, tool, objdump=objdump, disasm=disasm)
                     for f in sorted(glob.glob(os.path.join(where, "**", "*.ptx"), recursive=True))]
         except RuntimeError as e:

@@ -300,12 +300,10 @@ for name in "$@"; do
           python3 benchmarks/expert_sweep.py --tp 16 --batch 64 --sets 1 --replays 1 --only "grouped $v"
       done ;;
     resources)  # registers, stack, spills and CTAs per SM of every CuTe kernel of layer 1, as cutlass-dsl 4.3.5
-      # compiles them here, at RES_TP (default 16 8) x RES_BATCHES (default 1 64), in a step of RES_LAYERS layers
-      # (default 1; 2: also the kernels joining two layers)
+      # compiles them here, at RES_TP (default 16 8) x RES_BATCHES (default 1 64)
       for tp in ${RES_TP:-16 8}; do
         for b in ${RES_BATCHES:-1 64}; do
-          step "resources tp$tp b$b" 90 python3 benchmarks/kernel_resources.py --tp "$tp" --batch "$b" \
-            --layers "${RES_LAYERS:-1}"
+          step "resources tp$tp b$b" 90 python3 benchmarks/kernel_resources.py --tp "$tp" --batch "$b"
         done
       done ;;
     *)

@@ -77,10 +77,9 @@ def _count_kernels(graph: torch.cuda.CUDAGraph) -> int:
 def step_layer_us(prefix_us: list[float]) -> list[float]:
     """Each layer's in-step microseconds from the median times of the step's prefix graphs: prefix_us[n] is the
     input copy followed by the first n layers (n = 0 .. L, the last the whole step); layer n's time is what its
-    prefix adds to the one before. The same for the prefix graphs' kernel counts gives each layer's kernels in the
-    step, which differ from its own graph's where a kernel joins two layers (`decode_layer(defer_tail=True)`)."""
+    prefix adds to the one before."""
     if len(prefix_us) < 2:
-        raise ValueError("in-step layer figures need the input copy's and at least one layer's prefix")
+        raise ValueError("in-step layer times need the input copy's time and at least one layer's prefix")
     return [b - a for a, b in zip(prefix_us, prefix_us[1:])]
 
 
@@ -100,13 +99,6 @@ class _Captured:
             self.prefix_graphs.append(g)
         self.prefix_graphs.append(self.step_graph)
         self.layer_graphs = []
-        # each layer once eagerly first: its own graph may take kernel forms that the chained step's warm-up never
-        # launched (with KIMI_DECODE_FUSED_TAIL_RES=1 a layer's first AttnRes runs there inside the tail's kernel),
-        # and those are compiled and loaded here rather than inside the capture
-        sl.res.partial_empty = sl.input.partial_empty
-        for lw, st in zip(sl.layers, sl.states):
-            decode_layer(sl.backend, lw, sl.res, st, sl.shard, sl.group)
-        torch.cuda.synchronize()
         sl.res.partial_empty = sl.input.partial_empty
         for lw, st in zip(sl.layers, sl.states):
             g = torch.cuda.CUDAGraph()
@@ -153,7 +145,6 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
 
     cap = copies[0]
     sl = cap.sl
-    in_step_kernels = step_layer_us([_count_kernels(g) for g in cap.prefix_graphs])
     rows = []
     for i, (lw, st, g) in enumerate(zip(sl.layers, sl.states, cap.layer_graphs)):
         routes = sl.backend.last_routes.get(lw.index)
@@ -163,7 +154,7 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
         floor_us = total / HBM_BYTES_PER_S * 1e6
         rows.append({
             "backend": backend, "tp": tp, "batch": batch, "layer": lw.index, "kind": lw.kind,
-            "us": round(layer_us[i], 2), "kernels": _count_kernels(g), "in_step_kernels": in_step_kernels[i], **nbytes,
+            "us": round(layer_us[i], 2), "kernels": _count_kernels(g), **nbytes,
             "floor_us": round(floor_us, 2), "pct_floor": round(100 * floor_us / layer_us[i], 1),
             "in_step_us": round(in_step_us[i], 2), "pct_floor_in_step": round(100 * floor_us / in_step_us[i], 1),
         })
@@ -174,14 +165,13 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
 
 def _print_table(results: list[dict]) -> None:
     head = (f"{'backend':<20}{'tp':>4}{'batch':>6}{'layer':>7}{'kind':>6}{'us':>10}{'in-step us':>12}{'kernels':>9}"
-            f"{'in-step':>8}{'weights MB':>12}{'state MB':>10}{'floor us':>10}{'% floor':>9}{'in-step':>9}")
+            f"{'weights MB':>12}{'state MB':>10}{'floor us':>10}{'% floor':>9}{'in-step':>9}")
     print(head)
     print("-" * len(head))
     for res in results:
         for r in res["rows"]:
             print(f"{r['backend']:<20}{r['tp']:>4}{r['batch']:>6}{r['layer']:>7}{r['kind']:>6}{r['us']:>10.1f}"
-                  f"{r['in_step_us']:>12.1f}{r['kernels']:>9}{r['in_step_kernels']:>8}"
-                  f"{r['weight_bytes'] / 1e6:>12.1f}"
+                  f"{r['in_step_us']:>12.1f}{r['kernels']:>9}{r['weight_bytes'] / 1e6:>12.1f}"
                   f"{r['state_bytes'] / 1e6:>10.2f}{r['floor_us']:>10.1f}{r['pct_floor']:>9.1f}"
                   f"{r['pct_floor_in_step']:>9.1f}")
         r0 = res["rows"][0]

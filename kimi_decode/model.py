@@ -21,18 +21,12 @@ def _all_reduce(t: torch.Tensor, group) -> None:
 
 
 def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shard: ShardConfig, group=None,
-                 attention=None, defer_tail: bool = False) -> None:
+                 attention=None) -> None:
     """Runs layer `lw.index` in place: `res` (AttnRes state) and `attn_state` (KDA state or MLA cache) are updated.
 
     `attention`, when given, replaces the attention sublayer: a callable x [B, H] -> output [B, H], already projected
     and reduced over the tensor-parallel group (a serving engine's own MLA module, for example); it runs under the
     `mla_core` stage and `attn_state` is not used.
-
-    `defer_tail`: the next layer runs at once on the same backend and `res` (its `decode_layer` call is the next
-    thing the backend does), so the backend may run this layer's MoE tail inside the next layer's first AttnRes
-    kernel (`latency_specialized`, KIMI_DECODE_FUSED_TAIL_RES=1). `res` is then complete only after that call, or
-    after `backend.flush_deferred()`. A layer that raises drops whatever the backend kept (`discard_deferred`): `res`
-    is then no step's result.
     """
     m = shard.model
     eps = m.rms_eps
@@ -88,10 +82,7 @@ def decode_layer(backend, lw: LayerWeights, res: ResidualState, attn_state, shar
             _all_reduce(routed, group)
             _all_reduce(shared, group)
             with rng("moe_tail"):
-                backend.moe_tail(routed, shared, lw.mlp, res, shard, defer=defer_tail)
+                backend.moe_tail(routed, shared, lw.mlp, res, shard)
             backend.join("prefetch")  # a backend's L2 prefetches (hints, nothing reads their output)
-    except BaseException:
-        backend.discard_deferred()
-        raise
     finally:
         backend.end_layer()

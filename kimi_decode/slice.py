@@ -69,13 +69,11 @@ class DecodeSlice:
         if not 0 <= n <= len(self.layers):
             raise ValueError(f"a step of {n} layers: the slice has {len(self.layers)}")
         with rng(DECODE_STEP):
-            self.backend.discard_deferred()  # nothing a failed step left may reach this one's residual state
             self.res.blocks.copy_(self.input.blocks)
             self.res.partial.copy_(self.input.partial)
             self.res.partial_empty = self.input.partial_empty
-            for i, (lw, st) in enumerate(zip(self.layers[:n], self.states[:n])):
-                # every layer but the step's last may leave its MoE tail to the next one's first AttnRes kernel
-                decode_layer(self.backend, lw, self.res, st, self.shard, self.group, defer_tail=i < n - 1)
+            for lw, st in zip(self.layers[:n], self.states[:n]):
+                decode_layer(self.backend, lw, self.res, st, self.shard, self.group)
 
     def capture(self, warmup: int = 2) -> torch.cuda.CUDAGraph:
         """Warm up (compiles kernels, sets up cuBLAS) on a side stream, then record one step as a CUDA graph."""

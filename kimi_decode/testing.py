@@ -64,36 +64,14 @@ def check_layer(backend, lw: LayerWeights, res: ResidualState, state, shard) -> 
     res_r, state_r = R.decode_layer(lw, res, state, shard, route_ids=ids, record=record)
     if ids is not None:
         check_routing(R.route_scores(record["mlp_input"], lw.mlp)[1], ids)
-    return _compare(res_b, res_r, shard.model.completed_blocks(lw.index), [("", state_b, state_r)])
-
-
-def _compare(res_b: ResidualState, res_r: ResidualState, n_blocks: int, states: list) -> LayerCheck:
-    """Relative errors of a backend's residual state (partial, the first `n_blocks` blocks) and attention states
-    against the reference's: `states` holds (name prefix, backend state, reference state) triples."""
     out = LayerCheck()
     out.errors["partial"] = rel_err(res_b.partial, res_r.partial)
-    out.errors["blocks"] = rel_err(res_b.blocks[:, :n_blocks], res_r.blocks[:, :n_blocks])
-    for prefix, st_b, st_r in states:
-        want = _state_tensors(st_r)
-        for name, got in _state_tensors(st_b).items():
-            out.errors[prefix + name] = rel_err(got, want[name])
+    n = shard.model.completed_blocks(lw.index)
+    out.errors["blocks"] = rel_err(res_b.blocks[:, :n], res_r.blocks[:, :n])
+    want = _state_tensors(state_r)
+    for name, got in _state_tensors(state_b).items():
+        out.errors[name] = rel_err(got, want[name])
     return out
-
-
-def check_layers(backend, layers: list[LayerWeights], res: ResidualState, states: list, shard) -> LayerCheck:
-    """Runs consecutive layers with `backend` as a decode step does (each layer but the last with `defer_tail`, so a
-    backend may run a layer's MoE tail inside the next layer's first kernel) on copies of (res, states), then the
-    reference layer by layer, and compares the residual state after the last layer and every attention state."""
-    res_b, states_b = res.clone(), [st.clone() for st in states]
-    for i, (lw, st) in enumerate(zip(layers, states_b)):
-        decode_layer(backend, lw, res_b, st, shard, defer_tail=i < len(layers) - 1)
-    res_r, states_r = res, []
-    for lw, st in zip(layers, states):
-        ids = backend.last_routes.get(lw.index) if isinstance(lw.mlp, MoEWeights) else None
-        res_r, st_r = R.decode_layer(lw, res_r, st, shard, route_ids=ids)
-        states_r.append(st_r)
-    return _compare(res_b, res_r, shard.model.completed_blocks(layers[-1].index),
-                    [(f"layer {lw.index} ", st_b, st_r) for lw, st_b, st_r in zip(layers, states_b, states_r)])
 
 
 def layer_case(shard: ShardConfig, layer: int, batch: int, seed: int, device="cpu", context: int = 2048):

@@ -40,7 +40,6 @@ def test_a_step_of_more_layers_than_the_slice_has_is_refused(layers):
 
 def test_in_step_layer_times_are_what_each_prefix_adds():
     assert step_layer_us([4.0, 75.5, 146.0, 300.0]) == [71.5, 70.5, 154.0]
-    assert step_layer_us([3, 11, 18, 25]) == [8, 7, 7]  # kernel counts, where layers share a kernel
     with pytest.raises(ValueError, match="at least one layer"):
         step_layer_us([4.0])
 
@@ -128,7 +127,7 @@ def test_the_json_is_written_whole_or_not_at_all(tmp_path, capsys):
 
 def _row(backend, layer, us, in_step, floor=50.0):
     return {"backend": backend, "tp": 16, "batch": 1, "layer": layer, "kind": "kda", "us": us, "in_step_us": in_step,
-            "kernels": 8, "in_step_kernels": 7, "weight_bytes": 200e6, "state_bytes": 1e6, "floor_us": floor,
+            "kernels": 8, "weight_bytes": 200e6, "state_bytes": 1e6, "floor_us": floor,
             "pct_floor": round(100 * floor / us, 1), "pct_floor_in_step": round(100 * floor / in_step, 1)}
 
 
@@ -140,7 +139,6 @@ def test_the_table_shows_both_times_and_both_speed_ups(capsys):
     lines = out.splitlines()
     ls = next(line for line in lines if line.startswith("latency_specialized"))
     assert ls.split()[5:7] == ["80.0", "70.0"]  # us alone, in the step
-    assert ls.split()[7:9] == ["8", "7"]  # kernels alone, in the step
     assert ls.split()[-2:] == ["62.5", "71.4"]  # % of the floor, alone and in the step
     assert "74.0 us, of which the input copy 4.0" in out
     assert "tp 16 batch 1 layer 1: latency_specialized 2.50x, 2.80x" in out
@@ -166,24 +164,3 @@ def test_the_prefix_graphs_hold_the_steps_first_layers(backend):
     assert res["copy_us"] > 0
     for row in res["rows"]:
         assert 0.5 * row["us"] < row["in_step_us"] < 1.2 * row["us"], row
-        assert row["in_step_kernels"] == row["kernels"], row  # no kernel joins two layers by default
-
-
-@pytest.mark.gpu
-def test_a_step_with_the_tail_in_the_next_attn_res_has_a_kernel_fewer_per_chained_layer(monkeypatch):
-    """KIMI_DECODE_FUSED_TAIL_RES=1 at batch 1: each layer after the first shares a kernel with the one before (its MoE
-    tail inside the next layer's first AttnRes kernel), so the prefix of n layers has n - 1 kernels fewer than the
-    layers' own graphs, and the bench's in-step kernel count of each later layer is one below its own graph's."""
-    from kimi_decode.bench import _Captured, _count_kernels, bench_config
-
-    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
-    cap = _Captured(DecodeSlice(backend="latency_specialized", tp=16, batch=1, first_layer=1, num_layers=3,
-                                context=256, device="cuda"))
-    copy = _count_kernels(cap.prefix_graphs[0])
-    per_layer = [_count_kernels(g) for g in cap.layer_graphs]
-    assert [_count_kernels(g) for g in cap.prefix_graphs] == [copy + sum(per_layer[:n]) - max(n - 1, 0)
-                                                              for n in range(4)]
-    del cap
-    args = argparse.Namespace(first_layer=1, layers=2, context=256, copies=1, replays=5, warmup=1, seed=0)
-    rows = bench_config("latency_specialized", 16, 1, args)["rows"]
-    assert [r["kernels"] - r["in_step_kernels"] for r in rows] == [0, 1]  # layer 2 shares one with layer 1

@@ -1585,9 +1585,9 @@ def test_expert_kernels_with_their_integer_work_off_the_alu_pipe_compile_for_sm9
         monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
         for quad in (False, True):
             assert all(f is not None for f in compile_grouped(*_grouped_args(s, 64), quad_major=quad))
-    # the compile key ends with (mx_alu(), mx_packed(), mx_fp8())
+    # the compile key ends with (mx_alu(), mx_packed())
     grouped = [key for key in cute_common._cache if key[0].startswith("moe_w") and "grouped" in key[0]]
-    assert grouped and all(key[-3] is True for key in grouped)
+    assert grouped and all(key[-2] is True for key in grouped)
 
 
 @needs_cute
@@ -1858,54 +1858,6 @@ def test_expert_kernels_on_packed_codes_compile_for_sm90a(sm90a_pdl, monkeypatch
         seen |= {id(f) for f in fns}
 
 
-@needs_cute
-@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
-def test_w13_kernel_on_e4m3_operands_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, pad):
-    """KIMI_DECODE_MX_FP8=1 / cvt / wgmma: the per-pair w13 kernel's forms (two-kernel at batches 1 and 8, with the
-    shared experts inside at one token, the one-kernel experts at batch 8) compile on e4m3 operands, on e4m3 codes
-    converted to fp16 and with the warpgroup mma, each a variant of its own; on natural rows they keep the fp16
-    dequantisation, and the kernel refuses e4m3 on them; the wgmma form fills its last warpgroup with stand-in
-    warps and keeps every K slice; other settings are refused by name."""
-    from kimi_decode.kernels.moe_mxfp4 import MoEW13Act, compile_moe
-
-    s = shard("k3", tp=tp, pad_experts=pad)
-    L, bf = s.model.moe_latent, torch.bfloat16
-    m = s.model
-
-    def forms(quad: bool) -> list:
-        fns = []
-        for batch in (1, 8):
-            fns.append(compile_moe(*_moe_args(s, batch), scaled=(torch.empty(L), torch.empty(batch, L, dtype=bf)),
-                                   quad_major=quad)[0])
-        fns.append(compile_moe(*_moe_args(s, 1), shared=_shared_args(s), quad_major=quad)[0])
-        fns.append(compile_moe(*_moe_args(s, 8), counters=torch.empty(10, dtype=torch.int32), quad_major=quad))
-        return fns
-
-    seen = set()
-    for form in ("0", "1", "cvt", "wgmma"):
-        monkeypatch.setenv("KIMI_DECODE_MX_FP8", form)
-        fns = forms(True)
-        assert all(f is not None for f in fns) and not seen & {id(f) for f in fns}
-        seen |= {id(f) for f in fns}
-    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "wgmma")
-    monkeypatch.setenv("KIMI_DECODE_W13_WGMMA_GROUPS", "1")  # each group's mma waited for on its own: a variant
-    one = compile_moe(*_moe_args(s, 8), scaled=(torch.empty(L), torch.empty(8, L, dtype=bf)), quad_major=True)[0]
-    assert one is not None and id(one) not in seen
-    monkeypatch.delenv("KIMI_DECODE_W13_WGMMA_GROUPS")
-    assert all(f is not None for f in forms(False))  # natural rows under the setting: the fp16 dequantisation
-    with pytest.raises(ValueError, match="quad-major codes only"):
-        MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, fp8="mma")
-    with pytest.raises(ValueError, match="fp8 must be"):
-        MoEW13Act(L, s.expert_inter, s.expert_inter_used, m.top_k, quad_major=L // 32, fp8="e4m3")
-    for latent, cap, warps, real in ((L, 8, 8, 7), (L, 4, 4, 4), (384, 8, 4, 3)):  # whole warpgroups
-        op = MoEW13Act(latent, s.expert_inter, s.expert_inter_used, m.top_k, cap, quad_major=latent // 32,
-                       fp8="wgmma")
-        assert (op.warps, op.real, op.per_warp * op.real) == (warps, real, latent // 128)
-    monkeypatch.setenv("KIMI_DECODE_MX_FP8", "2")
-    with pytest.raises(ValueError, match="KIMI_DECODE_MX_FP8 must be one of 0, 1, cvt, wgmma"):
-        forms(True)
-
-
 def test_segment_ctas_cover_every_segment_in_at_most_32_per_cta(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4_grouped import SEG_CTAS_PER_SM, segment_ctas
 
@@ -2082,8 +2034,8 @@ def test_quad_major_puts_each_lanes_words_side_by_side_and_inverts(groups):
             assert [quad_major_offset(c + i, t, groups) for i in range(4)] == list(range(4 * c + 4 * t, 4 * c + 4 * t + 4))
 
 
-def _run_dequant_ptx(template: str, w: int, outs: int = 4) -> list[int]:
-    """The 32-bit registers h0..h{outs-1} that a `moe_mxfp4` dequantisation template computes from word `w`, by
+def _run_dequant_ptx(template: str, w: int) -> list[int]:
+    """The four 32-bit registers h0..h3 that a `moe_mxfp4` dequantisation template computes from word `w`, by
     interpreting its PTX (the few integer instructions it uses, on unsigned 32-bit values)."""
     import re
 
@@ -2103,7 +2055,7 @@ def _run_dequant_ptx(template: str, w: int, outs: int = 4) -> list[int]:
     for ins in re.findall(r"([a-z0-9.]+) ([^;]+);", template.format(w="w", h="h", shr="shr.u32 t1, w, 3")):
         op, args = ins[0], [a.strip() for a in ins[1].split(",")]
         regs[args[0]] = ops[op](*(val(a) for a in args[1:]))
-    return [regs[f"h{i}"] for i in range(outs)]
+    return [regs[f"h{i}"] for i in range(4)]
 
 
 def test_packed_dequantisation_gives_every_code_its_value():
@@ -2126,105 +2078,6 @@ def test_packed_dequantisation_gives_every_code_its_value():
             codes = [w >> 4 * i & 0xF for i in range(8)]
             want = [(-1 if c & 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -14 for c in codes]
             assert list(halves) == [want[i + 4 * j] for i in range(4) for j in range(2)]
-
-
-def test_fp8_dequantisation_gives_every_code_its_e4m3_value():
-    """`_DEQUANT_FP8` on a word of fp8-packed codes (`_pack_bytes_fp8`): h0's byte j is code 2j and h1's byte j code
-    2j + 1 of the natural word, each as the e4m3 value of its e2m1 code x 2**-6 (what `FP8_SHIFT` undoes), for words
-    covering every byte value in each of the four byte places."""
-    from kimi_decode.kernels.moe_mxfp4 import _DEQUANT_FP8, FP8_SHIFT, _pack_bytes_fp8
-    from kimi_decode.quant import E2M1_VALUES
-
-    assert FP8_SHIFT == 6
-    for b in range(256):
-        for place in range(4):
-            w = (b << 8 * place) | (((b * 37 + 11) & 0xFF) << 8 * ((place + 1) % 4))
-            nat = torch.tensor(list(w.to_bytes(4, "little")), dtype=torch.uint8)
-            packed = int.from_bytes(bytes(_pack_bytes_fp8(nat, inverse=False).tolist()), "little")
-            h = _run_dequant_ptx(_DEQUANT_FP8, packed, outs=2)
-            got = torch.tensor([list(r.to_bytes(4, "little")) for r in h], dtype=torch.uint8)
-            values = got.view(torch.float8_e4m3fn).double()  # [even / odd, byte j]
-            codes = [w >> 4 * i & 0xF for i in range(8)]
-            want = [(-1 if c & 8 else 1) * E2M1_VALUES[c & 7] * 2.0 ** -6 for c in codes]
-            assert values.tolist() == [want[0::2], want[1::2]]
-
-
-def test_wgmma_b_descriptor_and_operands():
-    """The wgmma w13 form's B descriptor: shared address / 16 in bits 0-13 (address bits past 18 dropped), the 128
-    bytes between a tile's two core matrices / 16 in bits 16-29; its PTX for n groups issues n mmas, each on its
-    own fragment outputs, its own two weight words' registers and its own tile (256 bytes on), before one wait."""
-    import re
-
-    from kimi_decode.kernels.moe_mxfp4 import _wgmma_fp8_asm, wgmma_desc_lo
-
-    assert wgmma_desc_lo(0x1230) == 0x123 | 8 << 16
-    assert wgmma_desc_lo(0x40000 + 0x3FFF0) == 0x3FFF | 8 << 16
-    for n in (1, 2, 4):
-        asm = _wgmma_fp8_asm(n)
-        mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3 \{([^}]*)\}, \{([^}]*)\}, (d\d+)",
-                          asm)
-        assert len(mmas) == n and asm.count("wait_group.sync.aligned 0") == 1 and asm.count("commit_group") == 1
-        outs = [o.strip() for m in mmas for o in m[0].split(",")]
-        assert outs == [f"${i}" for i in range(4 * n)]
-        assert [m[2] for m in mmas] == [f"d{i}" for i in range(n)]
-        for i, m in enumerate(mmas):  # A: rows g (even codes, odd codes) and g + 8 of group i, from its own words
-            assert [a.strip() for a in m[1].split(",")] == [f"g{i}a0", f"g{i}b0", f"g{i}a1", f"g{i}b1"]
-            assert f"and.b32 g{i}a0, ${4 * n + 2 * i}," in asm and f"and.b32 g{i}b0, ${4 * n + 2 * i + 1}," in asm
-            assert f"add.s32 dl, ${6 * n}, {16 * i};" in asm
-
-
-def test_fp8_split_adds_up_to_the_bf16_activations():
-    """`fp8_split`, what the fp8 w13 kernel stages: per MX group a power of two that takes the group's largest
-    magnitude to [128, 256), the same bits as `fp8_group_scale` gives the kernel; high + low = the scaled activation
-    exactly down to 1/4 (at most half an e4m3 subnormal step, 2**-10, below), so a group's dot product with them is
-    the bf16 one but for the tiny elements' part (within 1e-5 of the sum of the products' magnitudes), at group
-    scales from 2**-20 to 2**20 and for an all-zero group."""
-    from kimi_decode.kernels.moe_mxfp4 import FP8_MIN_EXP, fp8_group_scale, fp8_split
-
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(3, 40, 32, generator=g) * 2.0 ** torch.randint(-20, 21, (3, 40, 1), generator=g)
-    x[1, 5] = 0
-    x = x.reshape(3, 1280).bfloat16()
-    hi, lo, scale = fp8_split(x)
-    groups = x.float().reshape(3, 40, 32)
-    for (r, c), m in zip(torch.cartesian_prod(torch.arange(3), torch.arange(40)).tolist(),
-                         groups.abs().amax(-1).flatten().tolist()):
-        bits = torch.tensor([m], dtype=torch.float32).view(torch.int32).item()
-        factor, addend = fp8_group_scale(bits)
-        assert torch.tensor([factor], dtype=torch.int32).view(torch.float32).item() == scale[r, c].item()
-        b = max(bits >> 23, FP8_MIN_EXP)
-        assert addend == (b - 128) << 23
-        if m:
-            assert 128 <= m * scale[r, c].item() < 256
-    p = groups * scale.unsqueeze(-1)
-    parts = (hi.float() + lo.float()).reshape(3, 40, 32)
-    exact = p.abs() >= 0.25
-    assert exact.float().mean() > 0.98 and torch.equal(parts[exact], p[exact])  # (the zero group: 0.8%)
-    assert (parts - p).abs().max() <= 2.0 ** -10
-    assert torch.all(parts[1, 5] == 0)
-    w = torch.randn(1280, generator=g, dtype=torch.float64)
-    got = ((parts / scale.unsqueeze(-1)).double().reshape(3, 1280) * w).reshape(3, 40, 32).sum(-1)
-    want = (x.double() * w).reshape(3, 40, 32).sum(-1)
-    bound = w.abs().reshape(40, 32).sum(-1) * 2.0 ** -10 / scale.double()  # the tiny elements' error at most
-    assert torch.all((got - want).abs() <= bound) and torch.equal(got[1, 5], want[1, 5])
-    assert ((got - want).abs() <= 1e-5 * (x.double() * w).abs().reshape(3, 40, 32).sum(-1)).all()
-
-
-@pytest.mark.parametrize("groups", [4, 6, 12, 112])
-def test_quad_major_packs_fp8_fields_and_inverts(groups):
-    """`quad_major(packed="fp8")`: the quad-major words with every byte through `_pack_bytes_fp8` (a permutation of
-    the 256 byte values); `inverse` gives the natural rows back; other `packed` values are refused."""
-    from kimi_decode.kernels.moe_mxfp4 import _pack_bytes_fp8, quad_major
-
-    every = torch.arange(256, dtype=torch.uint8)
-    assert sorted(_pack_bytes_fp8(every, inverse=False).tolist()) == list(range(256))
-    assert torch.equal(_pack_bytes_fp8(_pack_bytes_fp8(every, inverse=False), inverse=True), every)
-    w = torch.randint(0, 256, (3, 5, 16 * groups), dtype=torch.uint8)
-    q = quad_major(w, packed="fp8")
-    assert torch.equal(q, _pack_bytes_fp8(quad_major(w, packed=False), inverse=False))
-    assert torch.equal(quad_major(q, inverse=True, packed="fp8"), w)
-    with pytest.raises(ValueError, match="packed must be"):
-        quad_major(w, packed="e4m3")
 
 
 @pytest.mark.parametrize("groups", [4, 6, 12, 112])
@@ -2274,9 +2127,6 @@ def test_expert_codes_are_quad_major_copies_made_once_unless_switched_off(monkey
     assert backend._expert_codes(w, 192)[0] is w13
     odd = SimpleNamespace(w13=w.w13, w2=torch.zeros(4, 8, 48, dtype=torch.uint8))
     assert backend._expert_codes(odd, 96) == (odd.w13, odd.w2, False)
-    e4m3 = backend._expert_codes(w, 192, fp8=True)  # the per-pair w13 kernel's e4m3 fields: a copy of its own
-    assert e4m3[2] and torch.equal(e4m3[0], quad_major(w.w13, packed="fp8")) and e4m3[1] is w2
-    assert backend._expert_codes(w, 192)[0] is w13 and backend._expert_codes(w, 192, fp8=True)[0] is e4m3[0]
     monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "0")
     assert get_backend("latency_specialized")._expert_codes(w, 192) == (w.w13, w.w2, False)
     monkeypatch.setenv("KIMI_DECODE_QUAD_MAJOR", "2")
@@ -2709,220 +2559,3 @@ def test_cublas_lib_refuses_an_unknown_library(monkeypatch):
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "rocblas")
     with pytest.raises(ValueError, match="KIMI_DECODE_CUBLAS_LIB"):
         cublas_library()
-
-
-def _tail_args(H=7168, K=3584, parts=224, num_blocks=8):
-    """`compile_tail_attn_res`'s tensors: up-projection, scaled routed sum, its sums of squares, shared output, then
-    AttnRes's blocks, partial, query, key_norm, input_norm, out, and the counter."""
-    bf = torch.bfloat16
-    return (torch.empty(H, K, dtype=bf), torch.empty(1, K, dtype=bf), torch.empty(1, parts),
-            torch.empty(1, H, dtype=bf), torch.empty(1, num_blocks, H), torch.empty(1, H), torch.empty(H),
-            torch.empty(H), torch.empty(H), torch.empty(1, H, dtype=bf), torch.zeros(1, dtype=torch.int32))
-
-
-@needs_cute
-def test_tail_attn_res_compiles_for_sm90a(sm90a_pdl):
-    """The MoE tail + next AttnRes kernel at the K3 shapes (the up-projection [7168, 3584], the expert kernel's 224
-    partial sums of squares; the same at every shard) compiles for sm_90a for 1, 4 and 9 candidates, each a kernel of
-    its own."""
-    from kimi_decode.kernels.tail_attn_res import compile_tail_attn_res
-
-    fns = [compile_tail_attn_res(*_tail_args(), n_blocks=n, eps_norm=1e-5, eps=1e-5, parts=torch.zeros(132 * 32),
-                                 ctas=132)[0] for n in (0, 3, 8)]
-    assert all(f is not None for f in fns) and len({id(f) for f in fns}) == 3
-
-
-@needs_cute
-@pytest.mark.parametrize("change, match", [
-    (lambda a: (a[0], torch.empty(2, 3584, dtype=torch.bfloat16), *a[2:]), "one sequence"),
-    (lambda a: (torch.empty(7168, 3592, dtype=torch.bfloat16), torch.empty(1, 3592, dtype=torch.bfloat16), *a[2:]),
-     "multiple of 256"),
-    (lambda a: (a[0], a[1].float(), *a[2:]), "bf16 W"),
-    (lambda a: (*a[:2], torch.empty(1, 224, dtype=torch.bfloat16), *a[3:]), "sums of squares"),
-    (lambda a: (*a[:10], torch.zeros(1)), "counter"),
-    (lambda a: (*a[:9], torch.empty(1, 7168), a[10]), "attn_res"),
-])
-def test_tail_attn_res_refuses_what_it_cannot_take(sm90a, change, match):
-    from kimi_decode.kernels.tail_attn_res import compile_tail_attn_res
-
-    with pytest.raises(ValueError, match=match):
-        compile_tail_attn_res(*change(_tail_args()), n_blocks=3, eps_norm=1e-5, eps=1e-5,
-                              parts=torch.zeros(132 * 32), ctas=132)
-    with pytest.raises(ValueError, match="scratch|parts"):  # too small a scratch for the score sums
-        compile_tail_attn_res(*_tail_args(), n_blocks=3, eps_norm=1e-5, eps=1e-5, parts=torch.zeros(64), ctas=132)
-    with pytest.raises(ValueError, match="32 per warp"):  # 7168 rows over 8 CTAs of 14 warps: 64 rows a warp
-        compile_tail_attn_res(*_tail_args(), n_blocks=3, eps_norm=1e-5, eps=1e-5, parts=torch.zeros(8 * 32), ctas=8)
-
-
-def test_fused_tail_res_setting_is_off_by_default_and_checked(monkeypatch):
-    from kimi_decode.kernels.tail_attn_res import fused_tail_res
-
-    monkeypatch.delenv("KIMI_DECODE_FUSED_TAIL_RES", raising=False)
-    assert not fused_tail_res()
-    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
-    assert fused_tail_res()
-    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "on")
-    with pytest.raises(ValueError, match="KIMI_DECODE_FUSED_TAIL_RES"):
-        fused_tail_res()
-
-
-def _tail_spy(monkeypatch, setting: str):
-    """A latency_specialized backend (on the CPU) in the state its batch-1 MoE tail takes on the GPU, with the
-    kernels' launchers replaced by records: ("gemv", W) for the tail's GEMV, ("fused", W, n_blocks) for the tail
-    inside the AttnRes kernel, ("attn_res", commit) for the AttnRes kernel."""
-    from kimi_decode.kernels import attn_res as attn_res_mod
-    from kimi_decode.kernels import tail_attn_res as tail_mod
-
-    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", setting)
-    backend = get_backend("latency_specialized")
-    calls = []
-    monkeypatch.setattr(backend, "_project", lambda w, x, y, **kw: calls.append(("gemv", w)))
-    monkeypatch.setattr(tail_mod, "tail_attn_res", lambda w, *a, n_blocks, **kw: calls.append(("fused", w, n_blocks))
-                        or a[8])
-    monkeypatch.setattr(attn_res_mod, "attn_res", lambda *a, commit, **kw: calls.append(("attn_res", commit)) or a[6])
-    backend._mlp_fast = backend._fused_norm = backend._res_fast = True
-    monkeypatch.setattr(backend, "_cute_rows", lambda rows: True)
-    return backend, calls
-
-
-def _tail_call(backend, res, defer: bool, latent: int = 256):
-    """One batch-1 MoE tail on `backend` (the expert kernel's outputs set as it leaves them), its latent `latent`
-    wide: a whole number of the fused kernel's warp slices (256) by default, unlike the tiny model's 128."""
-    from types import SimpleNamespace
-
-    s = shard("tiny")
-    L, H = latent, s.model.hidden
-    backend._scaled, backend._ssq = torch.zeros(1, L, dtype=torch.bfloat16), torch.zeros(1, L // 16)
-    w = SimpleNamespace(up=torch.zeros(H, L, dtype=torch.bfloat16))
-    backend.moe_tail(torch.zeros(1, L), torch.zeros(1, H, dtype=torch.bfloat16), w, res, s, defer=defer)
-    return w.up
-
-
-def test_a_deferred_moe_tail_runs_inside_the_next_attn_res(monkeypatch):
-    """KIMI_DECODE_FUSED_TAIL_RES=1 at batch 1: a deferred tail launches nothing until the next AttnRes call, which
-    runs it in its kernel (one launch); before a block commit, with another residual state, or when flushed, it runs
-    as its own GEMV first; not deferred, or with the setting at 0, it runs at once."""
-    from kimi_decode.weights import AttnResWeights
-
-    backend, calls = _tail_spy(monkeypatch, "1")
-    H = shard("tiny").model.hidden
-    res = init_residual(shard("tiny"), 1, 1, seed=1)
-    aw = AttnResWeights(query=torch.zeros(H), key_norm=torch.zeros(H), input_norm=torch.zeros(H))
-    flags = dict(delta=None, delta_mode=0, use_partial=True, eps=1e-5)
-
-    up = _tail_call(backend, res, defer=True)
-    assert calls == []
-    backend.attn_res(res, aw, n_blocks=2, commit=False, **flags)
-    assert calls == [("fused", up, 2)]
-
-    calls.clear()
-    up = _tail_call(backend, res, defer=True)
-    backend.attn_res(res, aw, n_blocks=2, commit=True, **flags)
-    assert calls == [("gemv", up), ("attn_res", True)]
-
-    calls.clear()
-    up = _tail_call(backend, res, defer=True)
-    backend.attn_res(res.clone(), aw, n_blocks=2, commit=False, **flags)
-    assert calls == [("gemv", up), ("attn_res", False)]
-
-    calls.clear()
-    up = _tail_call(backend, res, defer=True)
-    backend.flush_deferred()
-    backend.flush_deferred()
-    assert calls == [("gemv", up)]
-
-    calls.clear()
-    up = _tail_call(backend, res, defer=False)
-    assert calls == [("gemv", up)]
-
-    backend, calls = _tail_spy(monkeypatch, "0")
-    up = _tail_call(backend, res, defer=True)
-    assert calls == [("gemv", up)]
-
-
-def test_a_deferred_tail_is_never_lost_or_applied_twice(monkeypatch):
-    """Where the fused kernel cannot take the shapes (a latent that is no whole number of its 256-wide warp slices, as
-    the tiny model's 128; more than 16 AttnRes candidates) the next AttnRes call runs the deferred tail as its own
-    GEMV first; a second deferral runs the first tail before it keeps the new one; a layer that raises drops what was
-    kept, and so does the start of a step, so that no later call applies a stale tail."""
-    from kimi_decode.model import decode_layer
-    from kimi_decode.weights import AttnResWeights
-
-    backend, calls = _tail_spy(monkeypatch, "1")
-    H = shard("tiny").model.hidden
-    res = init_residual(shard("tiny"), 1, 1, seed=1)
-    aw = AttnResWeights(query=torch.zeros(H), key_norm=torch.zeros(H), input_norm=torch.zeros(H))
-    flags = dict(commit=False, delta=None, delta_mode=0, use_partial=True, eps=1e-5)
-
-    up = _tail_call(backend, res, defer=True, latent=128)
-    backend.attn_res(res, aw, n_blocks=2, **flags)
-    assert calls == [("gemv", up), ("attn_res", False)]
-
-    calls.clear()
-    up = _tail_call(backend, res, defer=True)
-    backend.attn_res(res, aw, n_blocks=16, **flags)  # 17 candidates
-    assert calls == [("gemv", up), ("attn_res", False)]
-
-    calls.clear()
-    first = _tail_call(backend, res, defer=True)
-    second = _tail_call(backend, res, defer=True)
-    backend.attn_res(res, aw, n_blocks=2, **flags)
-    assert calls == [("gemv", first), ("fused", second, 2)]
-
-    class Boom(Exception):
-        pass
-
-    def boom(*a, **kw):
-        raise Boom
-
-    calls.clear()
-    _tail_call(backend, res, defer=True)
-    monkeypatch.setattr(backend, "begin_layer", lambda *a, **kw: None)
-    monkeypatch.setattr(backend, "attn_res", boom)
-    lw = init_layer(shard("tiny"), 1, seed=1)
-    with pytest.raises(Boom):
-        decode_layer(backend, lw, res, None, shard("tiny"))
-    assert backend._pending_tail is None
-    monkeypatch.undo()
-
-    from kimi_decode.slice import DecodeSlice
-
-    backend, calls = _tail_spy(monkeypatch, "1")
-    sl = DecodeSlice(model="tiny", tp=1, batch=1, first_layer=1, num_layers=1, context=8, device="cpu", seed=2)
-    _tail_call(backend, sl.res, defer=True)  # left by a step that failed
-    seen = []
-    monkeypatch.setattr(backend, "attn_res", lambda *a, **kw: seen.append(backend._pending_tail) or boom())
-    sl.backend = backend
-    with pytest.raises(Boom):
-        sl.step()
-    assert seen == [None] and calls == []
-
-
-def test_a_step_lets_every_layer_but_its_last_defer_its_tail():
-    """`DecodeSlice.step` passes `defer_tail` to every layer but the step's last (also for a prefix of the step), and
-    `check_layers` (the chained float64 check) passes for the generic path, which runs every tail at once, also
-    across a block commit."""
-    from kimi_decode.backends.auto import AutoBackend
-    from kimi_decode.slice import DecodeSlice
-    from kimi_decode.testing import check_layers
-
-    class Spy(AutoBackend):
-        def __init__(self):
-            super().__init__()
-            self.deferred = []
-
-        def moe_tail(self, routed, shared, w, res, shard, defer=False):
-            self.deferred.append(defer)
-            super().moe_tail(routed, shared, w, res, shard, defer)
-
-    sl = DecodeSlice(model="tiny", tp=1, batch=1, first_layer=1, num_layers=3, context=8, device="cpu", seed=2)
-    sl.backend = Spy()
-    sl.step()
-    assert sl.backend.deferred == [True, True, False]
-    sl.backend.deferred.clear()
-    sl.step(layers=2)
-    assert sl.backend.deferred == [True, False]
-    check_layers(Spy(), sl.layers, sl.input, sl.states, sl.shard).assert_within(BF16_TOL)
-    across = DecodeSlice(model="tiny", tp=1, batch=1, first_layer=3, num_layers=2, context=8, device="cpu", seed=2)
-    assert across.shard.model.starts_block(4)  # the chained check across a block commit
-    check_layers(Spy(), across.layers, across.input, across.states, across.shard).assert_within(BF16_TOL)

@@ -540,17 +540,13 @@ def test_moe_mxfp4_at_each_w2_chunk_matches_float64(monkeypatch, tp, pad, batch,
     _check_moe_mxfp4(tp, pad, batch)
 
 
-def _codes(w, quad: bool, used: int | None = None, per_pair: bool = True):
-    """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies (for the
-    per-pair kernels under KIMI_DECODE_MX_FP8=1 w13's with its e4m3 fields); with `used`, w2's rows cut to their
-    used columns (the backend's `KIMI_DECODE_W2_COMPACT` copy; the scales stay padded)."""
-    from kimi_decode.kernels.cute_common import mx_fp8
+def _codes(w, quad: bool, used: int | None = None):
+    """The expert codes (w13, w2) as the kernels are given them: natural rows, or `quad_major` copies; with `used`,
+    w2's rows cut to their used columns (the backend's `KIMI_DECODE_W2_COMPACT` copy; the scales stay padded)."""
     from kimi_decode.kernels.moe_mxfp4 import quad_major
 
     w2 = w.w2 if used is None else w.w2[..., :used // 2].contiguous()
-    if not quad:
-        return w.w13, w2
-    return quad_major(w.w13, packed="fp8" if per_pair and mx_fp8() else None), quad_major(w2)
+    return (quad_major(w.w13), quad_major(w2)) if quad else (w.w13, w2)
 
 
 @pytest.mark.parametrize("tp, pad, batch, chunk", [(16, True, 1, "auto"), (16, False, 1, "auto"),
@@ -570,21 +566,14 @@ def test_moe_mxfp4_on_quad_major_codes_matches_float64(monkeypatch, tp, pad, bat
             test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
 
 
-def _check_moe_mxfp4(tp, pad, batch, quad: bool = False, compact: bool = False, spread: bool = False):
-    """`spread`: each MX group of the latent at its own scale, 2**-20 to 2**20, and one group all zero."""
+def _check_moe_mxfp4(tp, pad, batch, quad: bool = False, compact: bool = False):
     from kimi_decode.kernels.moe_mxfp4 import moe_mxfp4
 
     s = shard("k3", tp=tp, pad_experts=pad)
     seed = 31 * tp + batch + pad
     w = init_layer(s, 1, seed=seed, device="cuda").mlp
     g = torch.Generator(device="cuda").manual_seed(seed)
-    latent = torch.randn(batch, s.model.moe_latent, device="cuda", generator=g)
-    if spread:
-        latent = latent.reshape(batch, -1, 32)
-        latent = latent * 2.0 ** torch.randint(-20, 21, (*latent.shape[:2], 1), device="cuda", generator=g)
-        latent[:, 3] = 0
-        latent = latent.reshape(batch, -1)
-    latent = latent.bfloat16()
+    latent = torch.randn(batch, s.model.moe_latent, device="cuda", generator=g).bfloat16()
     scores = torch.rand(batch, s.model.num_experts, device="cuda", generator=g)
     ids = torch.topk(scores, s.model.top_k, dim=-1).indices.int()
     weights = torch.softmax(torch.randn(batch, s.model.top_k, device="cuda", generator=g), dim=-1)
@@ -641,7 +630,7 @@ def test_moe_mxfp4_grouped_matches_float64(tp, pad, batch, same, quad, how="trit
         x = latent if x is None else x
     act = torch.full((P, s.expert_inter_used), float("nan"), dtype=torch.float16, device="cuda")
     pair_out = torch.full((P, m.moe_latent), float("nan"), device="cuda", dtype=pair_dtype)
-    w13, w2 = _codes(w, quad, s.expert_inter_used if compact else None, per_pair=False)
+    w13, w2 = _codes(w, quad, s.expert_inter_used if compact else None)
     out = moe_mxfp4_grouped(x, ids, weights, w13, w.w13_scale, w2, w.w2_scale, s.expert_inter_used, align,
                             act=act, pair_out=pair_out, quad_major=quad, x_operands=how == "operands")
     want = R.routed_experts(latent.double(), ids.long(), weights.double(), w, s)
@@ -773,30 +762,6 @@ def test_specialized_layer_with_the_grouped_w13_over_several_segments_matches_re
     """Whole layers with every segment slot on its own w13 CTA row (1; "auto" loops from batch 32) and with 4."""
     for div in ("1", "4"):
         _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_SEG_DIV", div, tp, batch, 4400 + batch + int(div))
-
-
-@pytest.mark.parametrize("form", ["1", "cvt", "wgmma"])
-@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
-def test_moe_mxfp4_on_e4m3_operands_matches_float64(monkeypatch, tp, pad, form):
-    """KIMI_DECODE_MX_FP8=1: the per-pair w13 kernel on e4m3 operands (`quad_major(packed="fp8")` codes, the
-    activations as high and low e4m3 parts per MX group), "cvt": on those codes converted to fp16, "wgmma": the
-    e4m3 operands in the warpgroup mma (B tiles in shared memory; 7 warps and a stand-in, at TP8 one token 4
-    warps), against float64 with its outputs poisoned: two-kernel form at 1, 3 and 8 tokens (TP8 at one token: 4
-    warps of 7 quads, a partial staging round), at 8 with every group of the latent at its own scale and one all
-    zero, the one-kernel form, and at one token the shared experts inside."""
-    monkeypatch.setenv("KIMI_DECODE_MX_FP8", form)
-    for batch in (1, 3, 8):
-        _check_moe_mxfp4(tp, pad, batch, quad=True)
-    _check_moe_mxfp4(tp, pad, 8, quad=True, spread=True)
-    test_moe_mxfp4_one_kernel_matches_float64_and_replays(tp, pad, 8, quad=True)
-    test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, False, quad=True)
-    test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, True, quad=True)
-
-
-@pytest.mark.parametrize("form", ["1", "cvt", "wgmma"])
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 8)])
-def test_specialized_layer_on_e4m3_operands_matches_reference(monkeypatch, tp, batch, form):
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_MX_FP8", form, tp, batch, 4500)
 
 
 @pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
@@ -1504,19 +1469,6 @@ def test_specialized_layer_with_the_batch1_fusions_switched_off_matches_referenc
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 
-def _one_sequence_attn_res_case(g: torch.Generator, H: int):
-    """(blocks [1, 8, H], partial [1, H], AttnRes weights) for one sequence: candidates of order 2 and a query large
-    enough for a peaked softmax, drawn from `g` in that order."""
-    from kimi_decode.weights import AttnResWeights
-
-    blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
-    partial0 = torch.randn(1, H, device="cuda", generator=g) * 2
-    w = AttnResWeights(query=torch.randn(H, device="cuda", generator=g) * (8 / H ** 0.5),
-                       key_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g),
-                       input_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g))
-    return blocks, partial0, w
-
-
 @pytest.mark.parametrize("K", [768, 1536])
 @pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1), (8, 1)])
 @pytest.mark.parametrize("pdl, early, res", [("0", "smem", "last"), ("1", "smem", "last"), ("1", "1", "last"),
@@ -1529,6 +1481,7 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
     with the weights copied into shared memory before the wait, the first rows loaded into registers, or all loaded
     after it; the AttnRes step all in the last CTA, or split between every CTA and the last."""
     from kimi_decode.kernels.oproj_attn_res import oproj_attn_res
+    from kimi_decode.weights import AttnResWeights
 
     monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
     monkeypatch.setenv("KIMI_DECODE_OPROJ_EARLY", early)
@@ -1538,7 +1491,11 @@ def test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pd
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     w_o = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     o = torch.randn(1, K, device="cuda", generator=g).bfloat16()
-    blocks, partial0, w = _one_sequence_attn_res_case(g, H)
+    blocks = torch.randn(1, 8, H, device="cuda", generator=g) * 2
+    partial0 = torch.randn(1, H, device="cuda", generator=g) * 2
+    w = AttnResWeights(query=torch.randn(H, device="cuda", generator=g) * (8 / H ** 0.5),
+                       key_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g),
+                       input_norm=1 + 0.1 * torch.randn(H, device="cuda", generator=g))
     want_a = o.double() @ w_o.double().T
     _, want_partial, want_out = _attn_res_float64(blocks, partial0, want_a.bfloat16(), w, n_blocks, False,
                                                   delta_mode, True, eps)
@@ -1643,80 +1600,3 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)
-
-
-@pytest.mark.parametrize("n_blocks", [0, 3, 8])
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_tail_attn_res_matches_float64(monkeypatch, n_blocks, pdl):
-    """The MoE tail + next AttnRes kernel at the K3 shapes against float64: the updated partial (the routed sum's
-    RMSNorm through its partial sums of squares, the up-projection and the shared output added) and the AttnRes
-    output, with out and the score-sum scratch poisoned first and the partial reset; run twice (the completion
-    counter resets itself) and replayed in a CUDA graph; without PDL and under it."""
-    from kimi_decode.kernels.cute_common import sm_count
-    from kimi_decode.kernels.tail_attn_res import tail_attn_res
-
-    monkeypatch.setenv("KIMI_DECODE_PDL", pdl)
-    # the routed sum's norm epsilon of the order of its mean square (sum / K ~ 1.25 below), so that dropping it, or
-    # taking AttnRes's instead, shows
-    H, K, eps, eps_norm = 7168, 3584, 1e-5, 0.5
-    g = torch.Generator(device="cuda").manual_seed(7000 + 10 * n_blocks + int(pdl))
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    w_up = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
-    ssq = torch.rand(1, K // 16, device="cuda", generator=g) * 40  # a mean square of order one (sum / K ~ 1.25)
-    shared = torch.randn(1, H, device="cuda", generator=g).bfloat16()
-    blocks, partial0, w = _one_sequence_attn_res_case(g, H)
-    rstd = torch.rsqrt(ssq.double().sum() / K + eps_norm)
-    want_a = rstd * (x.double() @ w_up.double().T) + shared.double()
-    _, want_partial, want_out = _attn_res_float64(blocks, partial0.double() + want_a, None, w, n_blocks, False, 0,
-                                                  True, eps)
-    out = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
-    partial = partial0.clone()
-    parts = torch.empty(sm_count() * 32, device="cuda")
-    blocks0 = blocks.clone()
-
-    def reset():
-        out.fill_(float("nan"))
-        parts.fill_(float("nan"))
-        partial.copy_(partial0)
-
-    def run():
-        tail_attn_res(w_up, x, ssq, shared, blocks, partial, w.query, w.key_norm, w.input_norm, out, counter,
-                      n_blocks=n_blocks, eps_norm=eps_norm, eps=eps, parts=parts)
-
-    def check():
-        torch.cuda.synchronize()
-        errs = {"partial": rel_err(partial, want_partial), "out": rel_err(out, want_out)}
-        assert errs["partial"] < 1e-3 and errs["out"] < BF16_TOL, errs
-        assert counter.item() == 0 and torch.equal(blocks, blocks0)  # no commit: the blocks are only read
-
-    eager_then_graphed(run, reset, check)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("layers", [(1, 2), (2, 3), (3, 4), (11, 12)])
-def test_layers_with_the_tail_in_the_next_attn_res_match_reference(monkeypatch, tp, layers):
-    """KIMI_DECODE_FUSED_TAIL_RES=1: two layers chained as a decode step chains them, at batch 1, against the float64
-    reference (outputs poisoned): KDA into KDA, KDA into MLA, MLA into KDA (the tail inside the next AttnRes kernel),
-    and layer 11 into 12, which commits a block first (the tail as its own kernel)."""
-    from kimi_decode.kernels import tail_attn_res as fused
-    from kimi_decode.testing import check_layers
-
-    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
-    launched = []
-    kernel = fused.tail_attn_res
-    monkeypatch.setattr(fused, "tail_attn_res", lambda *a, **kw: launched.append(1) or kernel(*a, **kw))
-    s = shard("k3", tp=tp)
-    cases = [layer_case(s, i, 1, seed=7100 + tp + i, device="cuda") for i in layers]
-    res = cases[0][1]
-    check_layers(get_backend("latency_specialized", poison=True), [c[0] for c in cases], res,
-                 [c[2] for c in cases], s).assert_within(BF16_TOL)
-    assert len(launched) == (0 if s.model.starts_block(layers[1]) else 1)  # the fused kernel ran where it should
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_steps_with_the_tail_in_the_next_attn_res_replay_in_a_graph_like_eager(monkeypatch, tp):
-    """KIMI_DECODE_FUSED_TAIL_RES=1 (PDL on at batch 1, its default): graph replays of a two-layer step give the eager
-    steps' results."""
-    monkeypatch.setenv("KIMI_DECODE_FUSED_TAIL_RES", "1")
-    _check_graph_replays_like_eager(tp)

@@ -64,13 +64,6 @@ class AutoBackend:
     def join(self, name: str, *outputs: torch.Tensor) -> None:
         """The current stream waits for the branch `name` (nothing to wait for in the generic path)."""
 
-    def flush_deferred(self) -> None:
-        """Runs what a `defer` call left for the next one (`moe_tail`); the generic path leaves nothing."""
-
-    def discard_deferred(self) -> None:
-        """Drops what a `defer` call left, unrun: after a layer that raised, or before a step starts, so that no later
-        call applies it to a residual state it no longer belongs to."""
-
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w: AttnResWeights, *, n_blocks: int, commit: bool,
                  delta: torch.Tensor | None, delta_mode: int, use_partial: bool, eps: float) -> torch.Tensor:
@@ -256,10 +249,8 @@ class AutoBackend:
         return self.linear(x, w.down)
 
     def moe_tail(self, routed: torch.Tensor, shared: torch.Tensor, w: MoEWeights, res: ResidualState,
-                 shard: ShardConfig, defer: bool = False) -> None:
-        """RMSNorm of the reduced latent, up-projection, and the block output added to the residual. `defer`: the
-        next call on this backend is the next layer's first `attn_res` on the same `res` (or `flush_deferred`), so a
-        backend may leave the residual update to that call's kernel; the generic path runs it now."""
+                 shard: ShardConfig) -> None:
+        """RMSNorm of the reduced latent, up-projection, and the block output added to the residual."""
         m = shard.model
         normed = F.rms_norm(routed, (m.moe_latent,), w.latent_norm, m.rms_eps).to(BF16)
         res.partial.add_(self.linear(normed, w.up)).add_(shared)

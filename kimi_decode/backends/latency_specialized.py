@@ -56,12 +56,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   words of a load are side by side and no words are exchanged between lanes (`KIMI_DECODE_QUAD_MAJOR=0`: the
   natural rows, for A/B), w2's without a padded shard's zero columns (`KIMI_DECODE_W2_COMPACT=0`: as stored), and
   each byte's two codes moved where a dequantisation of 9 instructions per word reads them instead of 11
-  (`KIMI_DECODE_MX_PACKED=0`: as stored); `KIMI_DECODE_MX_FP8=1` / `cvt` / `wgmma` (off by default, not yet
-  measured) give the per-pair w13 kernel a w13 copy of its own whose bytes hold the codes' e4m3 fields
-  (`cute_common.mx_fp8_form`):
-  "1" its mma on e4m3 operands (the activations as high and low e4m3 parts that add up to them exactly), "cvt"
-  those operands converted to fp16 for the fp16 mma; sm_90 emulates e4m3 `mma.sync` with the same conversions;
-  "wgmma" the operands as A of the warpgroup mma, which takes e4m3 natively;
+  (`KIMI_DECODE_MX_PACKED=0`: as stored);
 - the MoE tail, up to TC_MAX_ROWS rows (16; `KIMI_DECODE_TC_MAX_ROWS` moves it) on the tensor-core projection: with
   the per-pair experts one projection over bf16(routed sum x norm weight), which the w2 expert kernel writes beside
   the partial sums of squares, applying each row's 1/rms and adding the shared experts' output into the residual in
@@ -88,11 +83,6 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   projection's CTAs, each also doing the AttnRes step's per-element part for its rows, then the last one the
   softmax and the mix (`KIMI_DECODE_OPROJ_RES=last`: all of the step in the last CTA); the kernel launches under the
   `attn_res` stage, so the `o_proj` stage has no kernel of its own there; `KIMI_DECODE_FUSED_O_RES=0`: two kernels);
-- with `KIMI_DECODE_FUSED_TAIL_RES=1` (off until measured), at batch 1 where the caller chains the layers
-  (`decode_layer(defer_tail=True)`, as a `DecodeSlice` step does), a layer's MoE tail inside the next layer's first
-  AttnRes kernel (`kernels/tail_attn_res.py`: the up-projection's CTAs add their rows into the partial and do the
-  AttnRes step's per-element part there, the last one the softmax and the mix); it launches under the next layer's
-  `attn_res` stage, so the layer's `moe_tail` stage has no kernel there; before a block commit the two stay apart;
 - AttnRes (both calls of every layer, KDA and MLA, any batch): one CTA per sequence that reads each candidate once
   and reduces all its sums in one block reduction (`kernels/attn_res.py`); `KIMI_DECODE_CUTE_ATTN_RES=0` runs the
   generic path's Triton kernel instead (for A/B timing).
@@ -275,7 +265,7 @@ EXPERT_MAX_ROWS = 64  # the MXFP4 expert kernels work per (token, expert) pair: 
 KDA_MAX_ROWS = 64  # the fused KDA kernel works per (head, sequence): any batch the decode path takes
 _said: set[str] = set()  # fallback reasons already logged in this process
 BRANCHES = ("router", "shared", "prefetch")  # the stages that may run on a stream of their own
-COUNTERS = ("router", "o_proj", "tail_res")  # kernels whose last CTA finishes the stage, each with a counter of its own
+COUNTERS = ("router", "o_proj")  # kernels whose last CTA finishes the stage, each with a counter of its own
 # the tensor-core projection's counters (one per row group), one set per stream it may run on at the same time
 TC_COUNTERS = 1024
 # the two-stage expert kernel's counters: ticket, finished w2 CTAs, finished w13 CTAs per token
@@ -355,14 +345,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._fused_o_res_on = cute_common.env_flag("KIMI_DECODE_FUSED_O_RES", "1")
         self._fuse_o_res = False  # this layer's output projection runs inside the AttnRes kernel after it
         self._pending_o = None  # (o, W, a) of that projection, a its output, until the AttnRes call
-        # 1: at batch 1 a layer's MoE tail runs inside the next layer's first AttnRes kernel where the caller chains
-        # the two (`decode_layer(defer_tail=True)`; `kernels/tail_attn_res.py`); "0" (the default until measured)
-        from ..kernels.tail_attn_res import fused_tail_res
-
-        self._fused_tail_res_on = fused_tail_res()
-        # (res, up-projection, scaled routed sum, its sums of squares, shared output, eps) of a deferred MoE tail,
-        # until the next layer's first AttnRes call (or `flush_deferred`)
-        self._pending_tail = None
         self._tc_rows = (cute_common.env_int("KIMI_DECODE_TC_MIN_ROWS", TC_MIN_ROWS, 1, FAST_MAX_ROWS, "rows"),
                          cute_common.env_int("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS, 0, FAST_MAX_ROWS, "rows"))
         self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
@@ -379,8 +361,7 @@ class LatencySpecializedBackend(AutoBackend):
                 self._stream(name, device)
             for name in COUNTERS:
                 self._counter(name, device)
-            self._split_parts(device, "o_proj")
-            self._split_parts(device, "tail_res")
+            self._o_proj_parts(device)
             self._counter("experts", device, EXPERT_COUNTERS)
             self._counter("shared", device, SHARED_COUNTERS)
             self._counter("entry_prefetch", device, 2)
@@ -487,15 +468,13 @@ class LatencySpecializedBackend(AutoBackend):
             self._counters[key] = routed_norm_scratch(width, device)
         return self._counters[key]
 
-    def _split_parts(self, device: torch.device, kernel: str) -> torch.Tensor:
-        """Scratch for the per-CTA score sums of a kernel that runs the AttnRes step in the "split" form: `kernel`
-        "o_proj" (the output projection + AttnRes kernel, `KIMI_DECODE_OPROJ_RES=split`) or "tail_res" (the MoE tail +
-        AttnRes kernel), one each: 32 fp32 per SM, enough for 16 candidates. Made with the counters, outside any
-        capture."""
+    def _o_proj_parts(self, device: torch.device) -> torch.Tensor:
+        """Scratch for the output projection + AttnRes kernel's per-CTA score sums (`KIMI_DECODE_OPROJ_RES=split`):
+        32 fp32 per SM, enough for 16 candidates. Made with the counters, outside any capture."""
         from ..kernels.cute_common import sm_count
         from ..kernels.oproj_attn_res import parts_width
 
-        key = (device, f"{kernel}.parts")
+        key = (device, "o_proj.parts")
         if key not in self._counters:
             self._counters[key] = torch.zeros(sm_count(device) * parts_width(15), dtype=torch.float32, device=device)
         return self._counters[key]
@@ -590,21 +569,6 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w, *, n_blocks: int, commit: bool, delta, delta_mode: int,
                  use_partial: bool, eps: float) -> torch.Tensor:
-        tail, self._pending_tail = self._pending_tail, None
-        if tail is not None:  # the previous layer's MoE tail, deferred to here
-            from ..kernels import tail_attn_res as fused
-
-            _, w_up, scaled, ssq, shared, eps_norm = tail
-            if (tail[0] is res and self._res_fast and delta is None and delta_mode == 0 and not commit
-                    and use_partial and fused.fits(*w_up.shape, n_blocks, cute_common.sm_count(scaled.device))):
-                out = self._empty(*res.partial.shape, device=res.partial.device)
-                return fused.tail_attn_res(w_up, scaled, ssq, shared, res.blocks, res.partial, w.query, w.key_norm,
-                                           w.input_norm, out, self._counter("tail_res", scaled.device),
-                                           n_blocks=n_blocks, eps_norm=eps_norm, eps=eps,
-                                           parts=self._split_parts(scaled.device, "tail_res"))
-            # a block commit (or another state, or shapes the fused kernel does not take) comes first: the tail as
-            # its own kernel
-            self._run_tail(tail)
         pending, self._pending_o = self._pending_o, None
         if pending is not None:
             if delta is not pending[2] or commit or not use_partial or delta_mode not in (1, 2):
@@ -616,7 +580,7 @@ class LatencySpecializedBackend(AutoBackend):
             out = self._empty(*res.partial.shape, device=res.partial.device)
             return oproj_attn_res(w_o, o, a, res.blocks, res.partial, w.query, w.key_norm, w.input_norm, out,
                                   self._counter("o_proj", o.device), n_blocks=n_blocks, delta_mode=delta_mode,
-                                  eps=eps, parts=self._split_parts(o.device, "o_proj"))
+                                  eps=eps, parts=self._o_proj_parts(o.device))
         if not self._res_fast:
             return super().attn_res(res, w, n_blocks=n_blocks, commit=commit, delta=delta, delta_mode=delta_mode,
                                     use_partial=use_partial, eps=eps)
@@ -674,13 +638,11 @@ class LatencySpecializedBackend(AutoBackend):
                              "the decay gate's f_b first seen inside a CUDA-graph capture: its column-major copy is "
                              "made outside captures, so the f_b GEMV runs as its own kernel in this graph")
 
-    def _expert_codes(self, w: MoEWeights, used: int, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _expert_codes(self, w: MoEWeights, used: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13, w2, whether they are quad-major) for the expert kernels: copies in `moe_mxfp4.quad_major` order
         (`_copy_of`), else the natural rows. The w2 copy keeps only the `used` columns of each row
         (`KIMI_DECODE_W2_COMPACT=0`: all of them): a padded shard's zero columns share the rows' DRAM bursts with
-        the used ones, so they would be read too (TP16: a third more than the used bytes). `fp8`: the w13 copy packed
-        for the per-pair kernel's e4m3 operands (`quad_major(packed="fp8")`, KIMI_DECODE_MX_FP8), a copy of its own
-        beside the grouped kernels' one."""
+        the used ones, so they would be read too (TP16: a third more than the used bytes)."""
         from ..kernels.cute_common import mx_packed
         from ..kernels.moe_mxfp4 import quad_major, quad_major_fits
 
@@ -689,8 +651,7 @@ class LatencySpecializedBackend(AutoBackend):
             why = ("expert weights first seen inside a CUDA-graph capture: their quad-major copies are made outside "
                    "captures, so the expert kernels read the natural rows in this graph")
             packed = mx_packed()  # the kernels compiled now read packed codes (KIMI_DECODE_MX_PACKED)
-            p13 = "fp8" if fp8 else packed
-            w13 = self._copy_of(w.w13, f"quad_major:packed={p13}", lambda t: quad_major(t, packed=p13), why)
+            w13 = self._copy_of(w.w13, f"quad_major:packed={packed}", lambda t: quad_major(t, packed=packed), why)
             w2 = self._copy_of(w.w2, f"quad_major:{cols}:packed={packed}",
                                lambda t: quad_major(t[..., :cols], packed=packed), why)
             if w13 is not None and w2 is not None:
@@ -796,8 +757,7 @@ class LatencySpecializedBackend(AutoBackend):
         # the shared experts' gate/up in the entry kernel, or (with their down-projection) in the expert kernels
         glu_in_entry = shared is not None and pending is not None and self._glu_in_entry
         used = shard.expert_inter_used
-        per_pair = ids.shape[0] < self._grouped_from
-        w13, w2, quad = self._expert_codes(w, used, fp8=per_pair and cute_common.mx_fp8())
+        w13, w2, quad = self._expert_codes(w, used)
         if pending is not None:  # the router and the latent down-projection in one kernel
             from ..kernels.moe_entry import moe_entry, prefetch_layout
 
@@ -846,38 +806,19 @@ class LatencySpecializedBackend(AutoBackend):
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
                          counters=counters, shared=shared, shared_act_ready=glu_in_entry, quad_major=quad)
 
-    def _run_tail(self, tail) -> None:
-        """A batch-1 MoE tail (as `moe_tail` keeps it) as its own kernel: the up-projection GEMV with the routed sum's
-        1/rms and the shared output in its epilogue, accumulated into the partial."""
-        res, w_up, scaled, ssq, shared, eps = tail
-        self._project(w_up, scaled, res.partial, accumulate=True, addend=shared, row_scale=(ssq, eps))
-
-    def flush_deferred(self) -> None:
-        tail, self._pending_tail = self._pending_tail, None
-        if tail is not None:
-            self._run_tail(tail)
-
-    def discard_deferred(self) -> None:
-        self._pending_tail = None
-
-    def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig,
-                 defer: bool = False) -> None:
-        self.flush_deferred()  # a tail left by a layer whose next `attn_res` never came goes first
+    def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)
             return self._pairs_tail(routed, shared, w, res, shard)
         if not self._mlp_fast or routed.dtype != torch.float32:
-            return super().moe_tail(routed, shared, w, res, shard, defer)
+            return super().moe_tail(routed, shared, w, res, shard)
         if not self._cute_rows(routed.shape[0]):  # more rows than the tensor-core tail takes: norm kernel + cuBLAS
             return self._pairs_tail(routed.unsqueeze(1), shared, w, res, shard)
         from ..kernels.rmsnorm import rmsnorm_rows
 
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
-            tail = (res, w.up, self._scaled, self._ssq, shared, shard.model.rms_eps)
+            self._project(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
+                          row_scale=(self._ssq, shard.model.rms_eps))
             self._scaled = self._ssq = None
-            if defer and self._fused_tail_res_on and self._res_fast and routed.shape[0] == 1:
-                self._pending_tail = tail  # the next layer's first AttnRes kernel runs it (`attn_res`)
-                return
-            self._run_tail(tail)
             return
         normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
                               shard.model.rms_eps)

@@ -34,7 +34,6 @@ VEC = 4  # fp32 per 16-byte access
 MAX_THREADS = 512
 REG_FILE = 65536  # 32-bit registers per SM (one CTA per row, so the CTA may use all of them)
 REG_RESERVE = 24  # registers per thread kept free for addresses, indices, loop state
-MAX_CANDIDATES = 16  # committed blocks plus the partial that one AttnRes step mixes
 
 
 def plan(hidden: int) -> tuple[int, int]:
@@ -397,8 +396,8 @@ def _check(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, c
                          f"(hidden a multiple of {VEC})")
     if not 0 <= n_blocks <= blocks.shape[1] or n_blocks + int(bool(use_partial)) < 1 or (commit and n_blocks < 1):
         raise ValueError(f"attn_res: n_blocks {n_blocks} out of range for {blocks.shape[1]} blocks")
-    if n_blocks + int(bool(use_partial)) > MAX_CANDIDATES:
-        raise ValueError(f"attn_res: at most {MAX_CANDIDATES} candidates")
+    if n_blocks + int(bool(use_partial)) > 16:
+        raise ValueError("attn_res: at most 16 candidates")
     if delta_mode not in (0, 1, 2):
         raise ValueError(f"attn_res: delta_mode {delta_mode} is not 0, 1 or 2")
     if delta_mode and not use_partial:

@@ -124,28 +124,6 @@ def mx_packed() -> bool:
     return env_flag("KIMI_DECODE_MX_PACKED", "1")
 
 
-MX_FP8_FORMS = ("0", "1", "cvt", "wgmma")
-
-
-def mx_fp8_form() -> str:
-    """KIMI_DECODE_MX_FP8: how the per-pair w13 expert kernel (`moe_mxfp4.MoEW13Act`, batches 1 to 8, quad-major
-    codes) dequantises, from a quad-major copy whose bytes hold each code's e4m3 fields
-    (`moe_mxfp4.quad_major(packed="fp8")`), where a word's 8 codes become two e4m3 registers in 6 instructions (4 on
-    the ALU pipe) instead of 9 (8): "1" its mma on e4m3 operands, each activation a high and a low e4m3 part in two
-    mma columns that add up to the bf16 activation exactly (`moe_mxfp4.fp8_split`); "cvt" the e4m3 registers
-    converted to fp16 (`cvt.rn.f16x2.e4m3x2`) for the fp16 mma as before; "wgmma" the e4m3 registers as the A
-    operand of the warpgroup mma (`wgmma`, e4m3 natively on sm_90a), the activations' high and low parts as B tiles
-    in shared memory, the K slices' warps made whole warpgroups (in the forms with the shared experts or the w2
-    stage inside: "1");
-    "0", the default, the fp16 dequantisation of `mx_packed()`."""
-    return env_choice("KIMI_DECODE_MX_FP8", "0", MX_FP8_FORMS)
-
-
-def mx_fp8() -> bool:
-    """Whether the per-pair w13 kernel reads e4m3-packed codes (`mx_fp8_form()` other than "0")."""
-    return mx_fp8_form() != "0"
-
-
 def norm_weight_first(tokens: int) -> bool:
     """KIMI_DECODE_NORM_W_FIRST: where the norm kernels (`rmsnorm.RMSNormRows`, `RoutedNorm`, `RoutedNormSplit`), and
     the w2 expert kernels that write the norm's scaled input (`moe_mxfp4.MoEW2Sum`, `scaled`), load the norm weight
@@ -222,11 +200,11 @@ def compile_kernel(key: tuple, op, *fake_args):
     """Compile `op` for `fake_args` once per `key` (cached in-process). `op.pdl` (the kernel takes part in PDL) is set
     from `pdl_enabled()`, `op.pdl_launch` (it is launched as a PDL dependent) from that and `pdl_skipped()`, the
     trigger's place from `pdl_trigger()` and the GEMVs' L2 requests before the wait from `pdl_prefetch_iters()`; the
-    key carries `mx_alu()`, `mx_packed()` and `mx_fp8_form()`, which the expert kernels' instruction forms follow."""
+    key carries `mx_alu()` and `mx_packed()`, which the expert kernels' instruction forms follow."""
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed(), mx_fp8_form())
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()
@@ -257,15 +235,6 @@ if HAVE_CUTE:
         """Ask L2 for the 128-byte line holding `tensor`'s first element (global memory)."""
         _llvm.inline_asm(None, [tensor.iterator.toint().ir_value()], "prefetch.global.L2 [$0];", "l",
                          has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
-
-    def opaque_zero(smem_zero: cute.Tensor):
-        """smem_zero[0], an int32 of shared memory that holds 0, read with `ld.volatile`: a 0 the compilers cannot
-        see through. Added to the addresses of a loop's shared-memory loads, it keeps them in the loop: ptxas moves
-        loop-invariant loads out of loops however many registers their values then hold across it."""
-        addr, space, width = _address(smem_zero)
-        return cutlass.Int32(_llvm.inline_asm(
-            cutlass.Int32.mlir_type, [addr], f"ld.volatile.{space}.u32 $0, [$1];", f"=r,{width}",
-            has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT))
 
     def bulk_prefetch_l2(tensor, nbytes) -> None:
         """Ask L2 for `nbytes` (a multiple of 16) from `tensor`'s first element on (global memory, 16-byte aligned),
@@ -334,19 +303,13 @@ if HAVE_CUTE:
         """A pointer to `tensor`'s element `index` (its iterator itself for a constant 0)."""
         return tensor.iterator if isinstance(index, int) and index == 0 else tensor.iterator + index
 
-    def _address(tensor, index=0):
-        """(the address of `tensor`'s element `index` as an inline-asm operand, its state space "shared" or "global"
-        as the tensor lies, the operand's constraint: a shared address is 32 bits wide)."""
+    def atomic_add_u32(tensor, value, index=0):
+        """atom.add.u32 on `tensor`'s element `index`, in global or shared memory as the tensor lies (a shared
+        address is 32 bits wide); returns the old value."""
         addr = _element(tensor, index).toint()
         space, width = ("shared", "r") if isinstance(addr, cutlass.Int32) else ("global", "l")
-        return addr.ir_value(), space, width
-
-    def atomic_add_u32(tensor, value, index=0):
-        """atom.add.u32 on `tensor`'s element `index`, in global or shared memory as the tensor lies; returns the old
-        value."""
-        addr, space, width = _address(tensor, index)
         return cutlass.Int32(_llvm.inline_asm(
-            cutlass.Int32.mlir_type, [addr, cutlass.Int32(value).ir_value()],
+            cutlass.Int32.mlir_type, [addr.ir_value(), cutlass.Int32(value).ir_value()],
             f"atom.{space}.add.u32 $0, [$1], $2;", f"=r,{width},r", has_side_effects=True, is_align_stack=False,
             asm_dialect=_llvm.AsmDialect.AD_ATT))
 

@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          mx_alu, mx_fp8_form, mx_packed, norm_weight_first, signature, sm_count)
+                          mx_alu, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -85,13 +85,11 @@ def _dequant(w: str, h: str, quad: bool = False) -> str:
     return _DEQUANT.format(w=w, h=h, shr=shr)
 
 
-def _scale_of_asm(i: int, word: str = "$1", out: str = "t", addend: str | None = None) -> str:
-    """PTX of `mx_scale_of`'s multiply-add form: the fp32 bits of ue8m0 byte i of `word` times 2**14, into `out`
-    (`addend`: a register added to the byte shifted into the exponent field instead of 14 << 23)."""
+def _scale_of_asm(i: int, word: str = "$1", out: str = "t") -> str:
+    """PTX of `mx_scale_of`'s multiply-add form: the fp32 bits of ue8m0 byte i of `word` times 2**14, into `out`."""
     pick = (f"and.b32 {out}, {word}, 0xFF", f"and.b32 {out}, {word}, 0xFF00", f"and.b32 {out}, {word}, 0xFF0000",
             f"mul.hi.u32 {out}, {word}, 0x100")[i]
-    add = F16_SHIFT << 23 if addend is None else addend
-    return f"{pick}; mad.lo.u32 {out}, {out}, {(1 << 23, 1 << 15, 1 << 7, 1 << 23)[i]}, {add};"
+    return f"{pick}; mad.lo.u32 {out}, {out}, {(1 << 23, 1 << 15, 1 << 7, 1 << 23)[i]}, {F16_SHIFT << 23};"
 
 
 # Activations 8t..8t+7 as four 32-bit registers of pairs (x0,x1) (x2,x3) (x4,x5) (x6,x7) -> the fp16x2 operands
@@ -128,168 +126,16 @@ def _group_mma_asm(bf16_activations: bool, quad: bool = False) -> str:
             + _b_operands(bf16_activations, 6, "b") + _MMA_PAIR)
 
 
-def _operand_mma_asm(quad: bool = False, cvt: bool = False) -> str:
+def _operand_mma_asm(quad: bool = False) -> str:
     """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
-    use one activation group against several weight tiles convert it once. `cvt`: the codes come from a
-    `quad_major(packed="fp8")` copy and are dequantised by `_dequant_fp8_cvt`."""
-    if cvt:
-        regs = "{\n .reg .b32 t0, t1, e0, e1, ha<4>, hb<4>, b<4>, z, e<4>;\n .reg .b16 q<4>;\n mov.b32 z, 0;\n"
-        deq = _dequant_fp8_cvt("$4", "ha") + _dequant_fp8_cvt("$5", "hb")
-    else:
-        regs, deq = _MMA_REGS, _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
-    return regs + deq + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR
+    use one activation group against several weight tiles convert it once."""
+    return (_MMA_REGS + _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
+            + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR)
 
 
-def _operands_asm(bf16_activations: bool, cvt: bool = False) -> str:
-    """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm` (`cvt`: in
-    the order its cvt form pairs the codes, from bf16)."""
-    if cvt:
-        names = {f"x{i}": f"${4 + i}" for i in range(4)} | {f"b{i}": f"${i}" for i in range(4)}
-        return "{\n .reg .b32 f<8>;\n" + _B_FROM_BF16_CVT.format(**names) + "}"
+def _operands_asm(bf16_activations: bool) -> str:
+    """Activations $4..$7 (as loaded) -> the four fp16x2 operand registers $0..$3 of `_operand_mma_asm`."""
     return "{\n .reg .b32 f<8>;\n" + _b_operands(bf16_activations, 4, "$") + "}"
-
-
-# e4m3 operands (`mx_fp8()`, the per-pair w13 kernel on `quad_major(packed="fp8")` codes). An e2m1 code's sign at an
-# e4m3 byte's bit 7 and its 3 magnitude bits at bits 2-4 make the e4m3 value code x 2**-6, exactly (code 1, 0.5,
-# lands on the subnormal 2**-7). Each byte of such a word holds its even code's fields there already (mask
-# 0x9C), and its odd code's magnitude bits 2 / 1 / 0 in bits 6 / 1 / 0 and its sign in bit 5, which one right shift
-# (bit 6 to 4) and one left shift (bits 5, 1, 0 to 7, 3, 2) put in place: h0 = the even codes 0, 2, 4, 6 and h1 =
-# the odd codes 1, 3, 5, 7 as e4m3 bytes, 5 SASS instructions per word of 8 codes (4 on the ALU pipe: ptxas makes
-# the left shift a multiply and merges a mask into the or), against `_DEQUANT_PACKED`'s 9 (8), which also places
-# the codes in fp16 operands; on sm_90 e4m3 operands still need a conversion to fp16 (`F2FP`, below).
-_DEQUANT_FP8 = """
-    and.b32 {h}0, {w}, 0x9C9C9C9C;
-    shr.u32 t0, {w}, 2;  and.b32 t0, t0, 0x10101010;  shl.b32 t1, {w}, 2;  and.b32 t1, t1, 0x8C8C8C8C;  or.b32 {h}1, t0, t1;
-"""
-FP8_SHIFT = 6  # e4m3 value of a placed code = e2m1 value * 2**-6
-
-# The "cvt" form (`mx_fp8_form()`): the same two e4m3 registers turned into four fp16x2 ones by the conversion
-# instruction (`cvt.rn.f16x2.e4m3x2`, the value kept: code x 2**-6), for the fp16 mma as before: h0 = codes (0, 2),
-# h1 = (4, 6), h2 = (1, 3), h3 = (5, 7), against activations staged in that order (`_B_FROM_BF16_CVT`).
-_E4M3_TO_F16 = """
-    mov.b32 {{q0, q1}}, e0;  mov.b32 {{q2, q3}}, e1;
-    cvt.rn.f16x2.e4m3x2 {h}0, q0;  cvt.rn.f16x2.e4m3x2 {h}1, q1;  cvt.rn.f16x2.e4m3x2 {h}2, q2;  cvt.rn.f16x2.e4m3x2 {h}3, q3;
-"""
-
-
-def _dequant_fp8_cvt(w: str, h: str) -> str:
-    """`_DEQUANT_FP8` of word `w` into e0 / e1, then `_E4M3_TO_F16` into registers h0..h3."""
-    return _DEQUANT_FP8.format(w=w, h="e") + _E4M3_TO_F16.format(h=h)
-
-
-_B_FROM_BF16_CVT = """
-    shl.b32 f0, {x0}, 16; and.b32 f1, {x0}, 0xFFFF0000; shl.b32 f2, {x1}, 16; and.b32 f3, {x1}, 0xFFFF0000;
-    shl.b32 f4, {x2}, 16; and.b32 f5, {x2}, 0xFFFF0000; shl.b32 f6, {x3}, 16; and.b32 f7, {x3}, 0xFFFF0000;
-    cvt.rn.f16x2.f32 {b0}, f2, f0; cvt.rn.f16x2.f32 {b1}, f6, f4;
-    cvt.rn.f16x2.f32 {b2}, f3, f1; cvt.rn.f16x2.f32 {b3}, f7, f5;
-"""
-
-# One 16-row x 32-code group in one `mma.sync m16n8k32` on e4m3 operands: A = rows g (w1, $4) and g + 8 (w3, $5),
-# their even codes at k = 4t..4t+3 (a0, a1) and odd codes at k = 16 + 4t.. (a2, a3); B = $6 / $7, the activations of
-# those codes in column g (`fp8_split`: column 0 their high part, column 1 their low part). Outputs $0..$3 the fp32
-# fragment: (row g, column 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1).
-_FP8_MMA = ("{\n .reg .b32 t0, t1, ha<2>, hb<2>, z;\n mov.b32 z, 0;\n" + _DEQUANT_FP8.format(w="$4", h="ha")
-            + _DEQUANT_FP8.format(w="$5", h="hb")
-            + " mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {ha0, hb0, ha1, hb1}, {$6, $7},"
-              " {z, z, z, z};\n}")
-
-# The "wgmma" form: the same e4m3 registers as the A operand of Hopper's warpgroup mma, which takes e4m3 natively
-# (`QGMMA`, no conversion). A warpgroup's 4 warps each put their own 16 rows (rows g / g + 8: w1 / w3) in A, in
-# the register places of `_FP8_MMA` (reg 0 / 1: k = 4t.., rows g / g + 8, the even codes; reg 2 / 3: k = 16 + 4t..,
-# the odd codes), and one B tile in shared memory holds the activations of every warp's own K slice: column 2w the
-# high parts of warp w's group, 2w + 1 the low parts (`fp8_split`). Warp w's sums are then in columns 2w and 2w + 1,
-# held by its lanes with t = w. B's descriptor (its low word an input, the high word here): K-major, no swizzle, 8
-# columns x 32 bytes = two core matrices of 8 x 16 bytes, k 0-15 then k 16-31 128 bytes on (the leading byte offset;
-# the stride byte offset, between 8-column blocks, is unused at N = 8). D is written, not accumulated (scale-d false):
-# each group's sums are scaled on their own, so a few groups' mmas are issued and then waited for together
-# (`w13_wgmma_groups`), each into registers of its own.
-
-
-def _wgmma_fp8_asm(n: int) -> str:
-    """PTX of `n` consecutive MX groups of this warp's rows in `n` warpgroup mmas waited for together: inputs
-    $4n.. the words of rows g and g + 8 of each group in turn (wa, wb, wa, wb, ...), $6n the low descriptor word of
-    the first group's B tile (each next tile 256 bytes on); outputs $4i..$4i+3 group i's fp32 fragment."""
-    words, desc = 4 * n, 6 * n
-    deq = "".join(_DEQUANT_FP8.format(w=f"${words + 2 * i + r}", h=f"g{i}{'ab'[r]}") for i in range(n) for r in (0, 1))
-    descs = "".join(f" add.s32 dl, ${desc}, {i * WGMMA_TILE_STEP};\n mov.b64 d{i}, {{dl, dh}};\n"
-                    for i in range(n))
-    mmas = "".join(f" wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {{${4 * i}, ${4 * i + 1}, ${4 * i + 2}, "
-                   f"${4 * i + 3}}}, {{g{i}a0, g{i}b0, g{i}a1, g{i}b1}}, d{i}, p, 1, 1;\n" for i in range(n))
-    regs = ", ".join(f"g{i}a<2>, g{i}b<2>" for i in range(n))
-    return ("{\n .reg .b32 t0, t1, dl, dh, " + regs + f";\n .reg .b64 d<{n}>;\n .reg .pred p;\n" + deq
-            + f" mov.b32 dh, {WGMMA_SBO >> 4};\n" + descs + f" setp.ne.b32 p, ${desc}, ${desc};\n"
-            + " wgmma.fence.sync.aligned;\n" + mmas
-            + " wgmma.commit_group.sync.aligned;\n wgmma.wait_group.sync.aligned 0;\n}")
-
-
-WGMMA_WARPS = 4  # a warpgroup
-WGMMA_TILE_WORDS = 64  # one B tile: 2 core matrices x 8 columns x 16 bytes
-WGMMA_TILE_STEP = WGMMA_TILE_WORDS * 4 >> 4  # one tile in 16-byte units: xbuf columns and descriptor addresses
-WGMMA_LBO = 128  # bytes from a B tile's k 0-15 core matrix to its k 16-31 one
-WGMMA_SBO = 256  # bytes between 8-column blocks (unused at N = 8)
-
-
-def wgmma_desc_lo(addr: int) -> int:
-    """The low word of a shared-memory matrix descriptor (sm_90, no swizzle) for a B tile at shared address `addr`
-    (16-byte aligned): the address / 16 in bits 0-13, the leading byte offset / 16 in bits 16-29."""
-    return ((addr & 0x3FFFF) >> 4) | ((WGMMA_LBO >> 4) << 16)
-
-
-# Activations 8t..8t+7 of one MX group (four bf16x2 words, $4..$7) times the group's power of two ($8, fp32: its
-# largest magnitude to [128, 256)) -> $0 / $1 their high parts (e4m3, round to nearest) of the even / odd ones,
-# $2 / $3 the low parts (e4m3 of the rest, which has at most 4 significant bits: the two add up to the scaled bf16
-# value exactly where it is at least 1/4, 2**-9 of the group's largest or less; below, the low part is an e4m3
-# subnormal, within 2**-10).
-_FP8_SPLIT = """{
- .reg .b32 f<8>, p<4>, q<4>;
- .reg .b16 e<4>, m<4>;
- shl.b32 f0, $4, 16; and.b32 f1, $4, 0xFFFF0000; shl.b32 f2, $5, 16; and.b32 f3, $5, 0xFFFF0000;
- shl.b32 f4, $6, 16; and.b32 f5, $6, 0xFFFF0000; shl.b32 f6, $7, 16; and.b32 f7, $7, 0xFFFF0000;
- mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; mul.f32 f2, f2, $8; mul.f32 f3, f3, $8;
- mul.f32 f4, f4, $8; mul.f32 f5, f5, $8; mul.f32 f6, f6, $8; mul.f32 f7, f7, $8;
- cvt.rn.f16x2.f32 p0, f2, f0; cvt.rn.f16x2.f32 p1, f6, f4; cvt.rn.f16x2.f32 p2, f3, f1; cvt.rn.f16x2.f32 p3, f7, f5;
- cvt.rn.satfinite.e4m3x2.f16x2 e0, p0; cvt.rn.satfinite.e4m3x2.f16x2 e1, p1;
- cvt.rn.satfinite.e4m3x2.f16x2 e2, p2; cvt.rn.satfinite.e4m3x2.f16x2 e3, p3;
- cvt.rn.f16x2.e4m3x2 q0, e0; cvt.rn.f16x2.e4m3x2 q1, e1; cvt.rn.f16x2.e4m3x2 q2, e2; cvt.rn.f16x2.e4m3x2 q3, e3;
- sub.rn.f16x2 q0, p0, q0; sub.rn.f16x2 q1, p1, q1; sub.rn.f16x2 q2, p2, q2; sub.rn.f16x2 q3, p3, q3;
- cvt.rn.satfinite.e4m3x2.f16x2 m0, q0; cvt.rn.satfinite.e4m3x2.f16x2 m1, q1;
- cvt.rn.satfinite.e4m3x2.f16x2 m2, q2; cvt.rn.satfinite.e4m3x2.f16x2 m3, q3;
- mov.b32 $0, {e0, e1}; mov.b32 $1, {e2, e3}; mov.b32 $2, {m0, m1}; mov.b32 $3, {m2, m3};
-}"""
-
-# The largest magnitude of eight bf16 values (four bf16x2 words, $1..$4) as fp32 bits, into $0.
-_ABS_MAX8 = """{
- .reg .b32 a, b;
- shl.b32 a, $1, 16; and.b32 b, $1, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 $0, a, b;
- shl.b32 a, $2, 16; and.b32 b, $2, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 a, a, b; max.u32 $0, $0, a;
- shl.b32 a, $3, 16; and.b32 b, $3, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 a, a, b; max.u32 $0, $0, a;
- shl.b32 a, $4, 16; and.b32 b, $4, 0x7FFF0000; and.b32 a, a, 0x7FFFFFFF; max.u32 a, a, b; max.u32 $0, $0, a;
-}"""
-FP8_MIN_EXP = 96  # groups whose largest magnitude is below 2**-31 are scaled as if it were 2**-31 (all-zero ones too)
-
-
-def fp8_group_scale(max_bits: int) -> tuple[int, int]:
-    """A group's largest activation magnitude as fp32 bits -> (the fp32 bits of the power of two 2**kx that takes
-    it to [128, 256), the int32 added to a ue8m0 scale byte shifted into an fp32's exponent field so that the
-    result is 2**(byte - 127) * 2**FP8_SHIFT * 2**-kx, what one mma's sum is multiplied by). With B the maximum's
-    biased exponent (clamped to FP8_MIN_EXP..254), kx = 134 - B: (261 - B) << 23 and (B - 128) << 23."""
-    b = min(max(max_bits >> 23, FP8_MIN_EXP), 254)
-    return (261 - b) << 23, (b - 128) << 23
-
-
-def fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the fp8 w13 kernel's staging computes, on the host (for tests): bf16 activations [..., K] (K a multiple of
-    32) -> (high, low, 2**kx per group): high = e4m3(fp16(x * 2**kx)), low = e4m3(fp16(x * 2**kx) - high), per MX
-    group of 32 (`fp8_group_scale`); high + low = x * 2**kx for every element of at least 1/4 after the scaling,
-    within 2**-10 below (e4m3 subnormals)."""
-    g = x.float().reshape(*x.shape[:-1], -1, GROUP)
-    bits = g.abs().amax(-1).view(torch.int32)
-    b = torch.clamp(bits >> 23, FP8_MIN_EXP, 254)
-    scale = ((261 - b) << 23).view(torch.float32)
-    p = (g * scale.unsqueeze(-1)).half()
-    hi = p.to(torch.float8_e4m3fn)
-    lo = (p - hi.half()).to(torch.float8_e4m3fn)
-    return hi.reshape(x.shape), lo.reshape(x.shape), scale
 
 
 def quad_split(latent: int, max_warps: int = WARPS) -> tuple[int, int]:
@@ -353,41 +199,20 @@ def _pack_bytes(b: torch.Tensor, inverse: bool, out: torch.Tensor | None = None)
     return out
 
 
-def _pack_bytes_fp8(b: torch.Tensor, inverse: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Each byte's two e2m1 codes moved into the fields `_DEQUANT_FP8` reads: the even code's sign to bit 7 and
-    magnitude to bits 2-4 (its e4m3 places), the odd code's magnitude bits 2 / 1 / 0 to bits 6 / 1 / 0 and its sign to
-    bit 5; `inverse` moves them back. As `_pack_bytes` otherwise."""
-    out = torch.empty_like(b) if out is None else out
-    src, dst = b.reshape(-1), out.view(-1)
-    for i in range(0, src.numel(), 1 << 24):
-        x = src[i:i + (1 << 24)]
-        if inverse:
-            y = (((x & 0x80) >> 4) | ((x & 0x1C) >> 2) | (x & 0x40) | ((x & 0x20) << 2) | ((x & 0x02) << 4)
-                 | ((x & 0x01) << 4))
-        else:
-            y = (((x & 0x08) << 4) | ((x & 0x07) << 2) | (x & 0x40) | ((x & 0x80) >> 2) | ((x & 0x20) >> 4)
-                 | ((x & 0x10) >> 4))
-        dst[i:i + (1 << 24)] = y
-    return out
-
-
-def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | str | None = None) -> torch.Tensor:
+def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | None = None) -> torch.Tensor:
     """MXFP4 codes [..., row bytes] (uint8, 16 bytes per MX group, an even number of groups per row) in the order in
     which the expert kernels' lanes read them without exchanging words: within each quad of 4 groups (64 bytes) of
     a row, word t of group c moves to word 4t + c (a 4 x 4 transpose of words), in a row's last pair of groups (when
     the groups are not a multiple of 4) to 2t + c. Lane t of a quad then finds word t of every group of a chunk
     side by side, what `quad_transpose` / `pair_transpose` assemble from natural rows. With `packed` (None:
     `mx_packed()`) each byte's two codes also move into the fields the packed dequantisation reads (`_pack_bytes`).
-    `packed="fp8"`: into the e4m3 fields the fp8 w13 kernel reads instead (`_pack_bytes_fp8`, `mx_fp8`). A new
-    tensor; `inverse` gives back the natural order. Made once per weight, outside the step (`latency_specialized`)."""
+    A new tensor; `inverse` gives back the natural order. Made once per weight, outside the step
+    (`latency_specialized`)."""
     if not quad_major_fits(w):
         raise ValueError("quad_major: uint8 MXFP4 codes with an even number of 16-byte groups per row expected")
     packed = mx_packed() if packed is None else packed
-    if packed not in (True, False, "fp8"):
-        raise ValueError(f"quad_major: packed must be True, False, None or 'fp8', not {packed!r}")
-    pack = _pack_bytes_fp8 if packed == "fp8" else _pack_bytes
     if packed and inverse:
-        w = pack(w, inverse=True)
+        w = _pack_bytes(w, inverse=True)
     groups = w.shape[-1] // 16
     full = groups // QUAD * QUAD
     words = w.contiguous().view(torch.int32).reshape(-1, groups * 4)
@@ -400,7 +225,7 @@ def quad_major(w: torch.Tensor, inverse: bool = False, packed: bool | str | None
         tail = words[:, full * 4:].reshape(rows, *((4, n) if inverse else (n, 4)))
         out[:, full * 4:] = tail.transpose(-1, -2).reshape(rows, -1)
     out = out.view(torch.uint8).view(w.shape)
-    return pack(out, inverse=False, out=out) if packed and not inverse else out
+    return _pack_bytes(out, inverse=False, out=out) if packed and not inverse else out
 
 
 def quad_major_offset(G, t, groups: int, select=None):
@@ -431,103 +256,32 @@ if HAVE_CUTE:
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
 
-    def mma_operands(xs, bf16_activations: bool, cvt: bool = False):
+    def mma_operands(xs, bf16_activations: bool):
         """One MX group's activations as loaded (four 32-bit words) -> the fp16x2 operands of `operand_mma`."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]), [Int32(x).ir_value() for x in xs],
-            _operands_asm(bf16_activations, cvt), "=r,=r,=r,=r,r,r,r,r", has_side_effects=False,
-            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+            _operands_asm(bf16_activations), "=r,=r,=r,=r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
         return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
 
-    def store_operands(src: cute.Tensor, dst: cute.Tensor, cvt: bool = False) -> None:
+    def store_operands(src: cute.Tensor, dst: cute.Tensor) -> None:
         """Eight bf16 activations (`src`, four int32 words) -> their four fp16x2 mma operands (`mma_operands`) into
         `dst` (four int32 words, shared or global memory; a plain function, inlined where it is called)."""
         xs = load4(src)
-        store4(mma_operands([xs[0], xs[1], xs[2], xs[3]], True, cvt), dst)
-
-    def store4(vals, dst: cute.Tensor) -> None:
-        """Four 32-bit values into `dst` (four int32 words, 16-byte aligned) with one store."""
+        ops = mma_operands([xs[0], xs[1], xs[2], xs[3]], True)
         r = cute.make_rmem_tensor_like(dst)
         for i in range(4):
-            r[i] = vals[i]
+            r[i] = ops[i]
         cute.autovec_copy(r, dst)
 
-    def operand_mma(wa, wb, bs, quad: bool = False, cvt: bool = False):
-        """`group_mma_fragment` on operands from `mma_operands` (`quad`: the words come from a `quad_major` copy;
-        `cvt`: a `quad_major(packed="fp8")` one, dequantised through e4m3)."""
+    def operand_mma(wa, wb, bs, quad: bool = False):
+        """`group_mma_fragment` on operands from `mma_operands` (`quad`: the words come from a `quad_major` copy)."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
             [Int32(wa).ir_value(), Int32(wb).ir_value()] + [Int32(b).ir_value() for b in bs],
-            _operand_mma_asm(quad, cvt), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+            _operand_mma_asm(quad), "=f,=f,=f,=f,r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT)
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
-
-    def fp8_mma(wa, wb, b0, b1):
-        """`_FP8_MMA`: one MX group of rows g (word `wa`) and g + 8 (`wb`) of `quad_major(packed="fp8")` codes against
-        e4m3 activation operands b0 (even codes) and b1 (odd codes) -> the fp32 fragment, before the group's scale."""
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
-            [Int32(wa).ir_value(), Int32(wb).ir_value(), Int32(b0).ir_value(), Int32(b1).ir_value()],
-            _FP8_MMA, "=f,=f,=f,=f,r,r,r,r", has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT)
-        return tuple(Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4))
-
-    def wgmma_fp8(was, wbs, desc_lo):
-        """`_wgmma_fp8_asm`: consecutive MX groups of rows g (words `was`) and g + 8 (`wbs`) of this warp's 16 of the
-        warpgroup's 64 rows against the B tiles from the one whose descriptor's low word is `desc_lo` -> per group
-        the fp32 fragment (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), before its scale. Every warp
-        of the warpgroup calls it together (a side effect: the compiler keeps each in place)."""
-        n = len(was)
-        words = [Int32(w).ir_value() for pair in zip(was, wbs) for w in pair]
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32()] * (4 * n)), words + [Int32(desc_lo).ir_value()],
-            _wgmma_fp8_asm(n), ",".join(["=f"] * (4 * n) + ["r"] * (2 * n + 1)), has_side_effects=True,
-            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-        out = [Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4 * n)]
-        return [tuple(out[4 * i:4 * i + 4]) for i in range(n)]
-
-    def smem_desc_lo(tile: cute.Tensor):
-        """`wgmma_desc_lo` of shared-memory tile `tile`'s start."""
-        return wgmma_desc_lo(Int32(tile.iterator.toint()))  # a 32-bit shared address
-
-    def fence_async_shared() -> None:
-        """This thread's shared-memory stores made visible to the async proxy (what `wgmma` reads B through)."""
-        llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT)
-
-    def fp8_operands(xs, factor):
-        """`_FP8_SPLIT`: eight bf16 activations (four words) times `factor` (fp32 bits of a power of two) -> the high
-        parts of the even / odd ones and the low parts of the even / odd ones, as e4m3 operand words."""
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]),
-            [Int32(x).ir_value() for x in xs] + [Int32(factor).ir_value()],
-            _FP8_SPLIT, "=r,=r,=r,=r,r,r,r,r,r", has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT)
-        return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
-
-    def abs_max8(xs):
-        """`_ABS_MAX8`: the largest magnitude of eight bf16 values (four words), as fp32 bits."""
-        return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value() for x in xs], _ABS_MAX8, "=r,r,r,r,r",
-                                     has_side_effects=False, is_align_stack=False,
-                                     asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    def max_u32(a, b):
-        return Int32(llvm.inline_asm(T.i32(), [Int32(a).ir_value(), Int32(b).ir_value()], "max.u32 $0, $1, $2;",
-                                     "=r,r,r", has_side_effects=False, is_align_stack=False,
-                                     asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    def clamp_s32(x, lo: int, hi: int):
-        return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value()], f"max.s32 $0, $1, {lo}; min.s32 $0, $0, {hi};",
-                                     "=r,r", has_side_effects=False, is_align_stack=False,
-                                     asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    def mx_scale_fp8(word, i: int, addend):
-        """The fp32 that one `fp8_mma` group's sum is multiplied by: ue8m0 byte i of `word` shifted into the exponent
-        field plus `addend` (`fp8_group_scale`, from the activations' staging): one mask and one `mad`."""
-        asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i, addend="$2")
-        return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value(), Int32(addend).ir_value()], asm, "=f,r,r",
-                                       has_side_effects=False, is_align_stack=False,
-                                       asm_dialect=llvm.AsmDialect.AD_ATT))
 
     def select_i32(c, a, b):
         """c ? a : b on 32-bit integers (a select, not a branch)."""
@@ -583,20 +337,20 @@ if HAVE_CUTE:
         c = group_mma_fragment(wa, wb, xs, bf16_activations, quad)
         return c[0], c[2]
 
-    def mx_scale(s, shift: int = F16_SHIFT):
-        """2**(s - 127) * 2**shift as fp32 (2**14 by default), built from its bits (s is a ue8m0 byte, 0..254)."""
+    def mx_scale(s):
+        """2**(s - 127) * 2**14 as fp32, built from its bits (s is a ue8m0 byte, 0..254)."""
         return Float32(llvm.inline_asm(T.f32(), [Int32(s).ir_value()],
-                                       "{\n .reg .b32 t;\n add.u32 t, $1, %d;\n shl.b32 $0, t, 23;\n}" % shift,
+                                       "{\n .reg .b32 t;\n add.u32 t, $1, %d;\n shl.b32 $0, t, 23;\n}" % F16_SHIFT,
                                        "=f,r", has_side_effects=False, is_align_stack=False,
                                        asm_dialect=llvm.AsmDialect.AD_ATT))
 
-    def mx_scale_of(word, i: int, shift: int = F16_SHIFT):
+    def mx_scale_of(word, i: int):
         """`mx_scale(byte_of(word, i))`: with `mx_alu()` as one mask (a `mul.hi` for the top byte, i = 3) and one
         `mad` that shifts the byte into an fp32's exponent field and adds the 14: `(word & 0xFF << 8i) * 2**(23 - 8i)
-        + 14 * 2**23`, the same bits as `(byte + 14) << 23` (`shift` instead of 14: FP8_SHIFT for e4m3 codes)."""
+        + 14 * 2**23`, the same bits as `(byte + 14) << 23`."""
         if not mx_alu():
-            return mx_scale(byte_of(word, i), shift)
-        asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i, addend=str(shift << 23))
+            return mx_scale(byte_of(word, i))
+        asm = "{\n .reg .b32 t;\n %s\n mov.b32 $0, t;\n}" % _scale_of_asm(i)
         return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value()], asm, "=f,r", has_side_effects=False,
                                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
@@ -615,8 +369,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0,
-                     fp8: str = ""):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -627,101 +380,39 @@ if HAVE_CUTE:
             row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
-            order; the others are loaded as the mma loop reaches them). `fp8` (`mx_fp8_form`), on codes from a
-            `quad_major(packed="fp8")` copy: "mma" the mma on e4m3 operands, activations staged once as high and low
-            e4m3 parts (`fp8_split`) with each group's power of two; "cvt" the codes' e4m3 registers converted to
-            fp16 for the fp16 mma; "wgmma" the e4m3 registers as A of the warpgroup mma (`_wgmma_fp8_asm`), the
-            activations staged as B tiles, the CTA's warps made whole warpgroups (K3's 7 K slices: 8 warps, the
-            last one a stand-in that computes warp 6's slice again and keeps nothing); "" none of these (each
-            implies `x_once`; quad-major codes only)."""
-            if fp8 not in ("", "mma", "cvt", "wgmma"):
-                raise ValueError(f"MoEW13Act: fp8 must be '', 'mma', 'cvt' or 'wgmma', not {fp8!r}")
-            if fp8 and not quad_major:
-                raise ValueError("MoEW13Act: e4m3 operands take quad-major codes only")
+            order; the others are loaded as the mma loop reaches them)."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
-            self.wg = fp8 == "wgmma"
-            self.wg_groups = w13_wgmma_groups() if self.wg else 0
-            self.real = self.warps  # the warps with a K slice of their own
-            if self.wg:  # whole warpgroups: each one's 4 warps' K slices side by side in its B tiles
-                self.warps = -(-self.real // WGMMA_WARPS) * WGMMA_WARPS
-            self.fp8, self.cvt = fp8 in ("mma", "wgmma"), fp8 == "cvt"
-            self.x_once = x_once or bool(fp8)
+            self.x_once = x_once
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
             self.first = min(first, self.per_warp)
 
         def alloc_x(self, smem):
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
-            when the activations are converted in registers); in the wgmma form the same columns are the B tiles, 16
-            per group step (`_stage_unit_fp8`)."""
+            when the activations are converted in registers)."""
             n = self.units * self.warps if self.x_once else 1
-            if self.fp8:  # then one column per quad of each warp: its four groups' scale addends
-                n += self.per_warp * self.warps
-            return smem.allocate_tensor(Int32, cute.make_layout((4, n)), 128 if self.wg else 16)
+            return smem.allocate_tensor(Int32, cute.make_layout((4, n)), 16)
 
         @cute.jit
         def stage_x(self, gX: cute.Tensor, xbuf: cute.Tensor, b, warp, lane):
             """Unit u = 4 i + t of this warp: activations 8t..8t+7 of its group i, as the four fp16x2 operands of
             `operand_mma`, lane u % 32 converting units u, u + 32, ...; then a warp barrier (each warp reads only
             its own units)."""
-            Gw = self.slice_of(warp) * (self.per_warp * QUAD)
+            Gw = warp * (self.per_warp * QUAD)
             for r in cutlass.range_constexpr(-(-self.units // 32)):
                 u = lane + 32 * r
-                if cutlass.const_expr(self.fp8):
-                    self._stage_unit_fp8(gX, xbuf, b, Gw, warp, u, (r + 1) * 32 <= self.units)
-                elif cutlass.const_expr((r + 1) * 32 <= self.units):
+                if cutlass.const_expr((r + 1) * 32 <= self.units):
                     self._stage_unit(gX, xbuf, b, Gw, warp * self.units + u, u)
                 else:
                     if u < self.units:
                         self._stage_unit(gX, xbuf, b, Gw, warp * self.units + u, u)
-            if cutlass.const_expr(self.wg):  # every warp's B columns, for the async proxy
-                fence_async_shared()
-                cute.arch.barrier()
-            else:
-                cute.arch.sync_warp()
-
-        def slice_of(self, warp):
-            """The K slice warp `warp` computes: its own, or for a stand-in warp of the wgmma form the last real one's
-            (a plain function, inlined where it is called)."""
-            if self.real == self.warps:
-                return warp
-            return select_i32(warp < self.real, warp, self.real - 1)
+            cute.arch.sync_warp()
 
         @cute.jit
         def _stage_unit(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, slot, u):
-            store_operands(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))], xbuf[None, slot], self.cvt)
-
-        @cute.jit
-        def _stage_unit_fp8(self, gX: cute.Tensor, xbuf: cute.Tensor, b, Gw, warp, u, full: cutlass.Constexpr):
-            """Unit u's e4m3 operands (`fp8_operands`: high even, high odd, low even, low odd) and, from its lane t = 0,
-            its group's scale addend (`fp8_group_scale`), the group's largest magnitude taken over the unit's quad of
-            lanes. Every lane takes part in the shuffles: in a round past the last unit a lane stages the last unit
-            again and keeps nothing."""
-            uc = u
-            if cutlass.const_expr(not full):
-                uc = select_i32(u < self.units, u, self.units - 1)
-            xs = load4(gX[(None, (b, (Gw + uc // 4) * 4 + uc % 4))])
-            m = abs_max8([xs[0], xs[1], xs[2], xs[3]])
-            m = max_u32(m, _bfly(m, 1))
-            m = max_u32(m, _bfly(m, 2))
-            e = clamp_s32(m >> 23, FP8_MIN_EXP, 254)
-            ops = fp8_operands([xs[0], xs[1], xs[2], xs[3]], (261 - e) << 23)
-            col = self.units * self.warps + warp * self.per_warp + uc // 16
-            if u < self.units:
-                if cutlass.const_expr(self.wg):  # the warpgroup's B tile of group step uc // 4: columns 2w (high
-                    # parts), 2w + 1 (low) for w = warp % 4, k 0-15 (even codes), then 8 columns on k 16-31 (odd)
-                    tile = warp // WGMMA_WARPS * self.per_warp * QUAD + uc // 4
-                    c0 = tile * WGMMA_TILE_STEP + 2 * (warp % WGMMA_WARPS)
-                    xbuf[uc % 4, c0] = ops[0]
-                    xbuf[uc % 4, c0 + 8] = ops[1]
-                    xbuf[uc % 4, c0 + 1] = ops[2]
-                    xbuf[uc % 4, c0 + 9] = ops[3]
-                else:
-                    store4(ops, xbuf[None, warp * self.units + uc])
-                if uc % 4 == 0:
-                    xbuf[(uc // 4) % 4, col] = (e - 128) << 23
+            store_operands(gX[(None, (b, (Gw + u // 4) * 4 + u % 4))], xbuf[None, slot])
 
         @cute.jit
         def __call__(self, x: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, w_scale: cute.Tensor,
@@ -753,67 +444,44 @@ if HAVE_CUTE:
             j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
-            ws = self.slice_of(warp)
             if cutlass.const_expr(self.prefetch):
                 for it in cutlass.range_constexpr(self.per_warp):
-                    G0 = (ws * self.per_warp + it) * QUAD
+                    G0 = (warp * self.per_warp + it) * QUAD
                     prefetch_l2(gW[(None, (e, j, G0 + t))])
                     prefetch_l2(gW[(None, (e, self.I + j, G0 + t))])
-            early = [self.quad_weights(gW, w_scale, e, j, ws, it, t) for it in range(self.first)]
+            early = [self.quad_weights(gW, w_scale, e, j, warp, it, t) for it in range(self.first)]
             if cutlass.const_expr(self.x_once):
                 self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
-            # e4m3 operands: lanes with g even take a unit's high parts, odd its low ones
-            xpairs = cute.zipped_divide(xbuf, (2, 1)) if self.fp8 and not self.wg else None
-            desc = None
-            if cutlass.const_expr(self.wg):  # the warpgroup's first B tile
-                desc = smem_desc_lo(xbuf) + warp // WGMMA_WARPS * (self.per_warp * QUAD * WGMMA_TILE_STEP)
             for it in cutlass.range_constexpr(self.per_warp):
-                G0 = (ws * self.per_warp + it) * QUAD
-                u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, ws, it, t, early)
-                if cutlass.const_expr(self.fp8):
-                    adds = load4(xbuf[None, self.units * self.warps + warp * self.per_warp + it])
+                G0 = (warp * self.per_warp + it) * QUAD
+                u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
                 for i in cutlass.range_constexpr(QUAD):
-                    if cutlass.const_expr(self.wg):  # this warp's columns 2w (high parts), 2w + 1 (low), w = warp % 4
-                        n = self.wg_groups
-                        if cutlass.const_expr(i % n == 0):  # groups i..i+n-1 issued together, then waited for
-                            cs = wgmma_fp8([u1[i + q] for q in range(n)], [u3[i + q] for q in range(n)],
-                                           desc + (it * QUAD + i) * WGMMA_TILE_STEP)
-                        c = cs[i % n]
-                        acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
-                        acc3 = acc3 + (c[2] + c[3]) * mx_scale_fp8(sw3, i, adds[i])
-                    elif cutlass.const_expr(self.fp8):  # column 0 the high parts' sums, column 1 the low parts'
-                        bs = load4(xpairs[(None, (g % 2, warp * self.units + (it * QUAD + i) * 4 + t))])
-                        c = fp8_mma(u1[i], u3[i], bs[0], bs[1])
-                        acc1 = acc1 + (c[0] + c[1]) * mx_scale_fp8(sw1, i, adds[i])
-                        acc3 = acc3 + (c[2] + c[3]) * mx_scale_fp8(sw3, i, adds[i])
+                    if cutlass.const_expr(self.x_once):
+                        bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
+                        c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0)
+                        d1, d3 = c[0], c[2]
                     else:
-                        if cutlass.const_expr(self.x_once):
-                            bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
-                            c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0, self.cvt)
-                            d1, d3 = c[0], c[2]
-                        else:
-                            xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                            d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
-                        shift = FP8_SHIFT if self.cvt else F16_SHIFT
-                        acc1 = acc1 + d1 * mx_scale_of(sw1, i, shift)
-                        acc3 = acc3 + d3 * mx_scale_of(sw3, i, shift)
-            if t == (warp % WGMMA_WARPS if self.wg else 0):  # (a stand-in warp's column is never read)
+                        xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                        d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
+                    acc1 = acc1 + d1 * mx_scale_of(sw1, i)
+                    acc3 = acc3 + d3 * mx_scale_of(sw3, i)
+            if t == 0:
                 red[g, warp] = acc1
                 red[ROWS13 + g, warp] = acc3
             cute.arch.barrier()
             if warp == 0 and t == 0:
                 h1 = Float32(0.0)
                 h3 = Float32(0.0)
-                for i in cutlass.range_constexpr(self.real):
+                for i in cutlass.range_constexpr(self.warps):
                     h1 = h1 + red[g, i]
                     h3 = h3 + red[ROWS13 + g, i]
                 act[p, j] = situ_glu(h1, h3).to(act.element_type)
 
         def quad_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, e, j, warp, it: int, t, loaded=()):
-            """Quad `it` of K slice `warp` for row j: the w1 and w3 words (`quad_words`) and their four scale bytes
-            each, or `loaded[it]` where those were loaded already (a plain function, inlined where it is called)."""
+            """Quad `it` of this warp for row j: the w1 and w3 words (`quad_words`) and their four scale bytes each,
+            or `loaded[it]` where those were loaded already (a plain function, inlined where it is called)."""
             if it < len(loaded):
                 return loaded[it]
             G0 = (warp * self.per_warp + it) * QUAD
@@ -978,10 +646,8 @@ if HAVE_CUTE:
         leave."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, hidden: int, shared_inter: int,
-                     split: int = 1, x_once: bool = False, prefetch: bool = False, quad_major: int = 0,
-                     fp8: str = ""):
-            super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch, quad_major=quad_major,
-                             fp8=fp8)
+                     split: int = 1, x_once: bool = False, prefetch: bool = False, quad_major: int = 0):
+            super().__init__(latent, inter, used, topk, x_once=x_once, prefetch=prefetch, quad_major=quad_major)
             self.shared = SmallBatchGemv(1, shared_inter, hidden, accumulate=False, addend=False, glu=True,
                                          warps=self.warps, split=split)
             self.tiles = used // ROWS13
@@ -1068,8 +734,8 @@ if HAVE_CUTE:
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, batch: int, scaled: bool,
                      chunk: int = 1, scale_words: bool = False, x_once: bool = False, qm: tuple[int, int] = (0, 0),
-                     norm_first: bool = False, fp8: str = ""):
-            self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once, quad_major=qm[0], fp8=fp8)
+                     norm_first: bool = False):
+            self.w13 = MoEW13Act(latent, inter, used, topk, x_once=x_once, quad_major=qm[0])
             self.w2 = MoEW2Sum(used, topk, scaled, warps=self.w13.warps, chunk=chunk, scale_words=scale_words,
                                quad_major=qm[1], norm_first=norm_first)
             self.B, self.topk = batch, topk
@@ -1228,13 +894,6 @@ def w13_x_once(tokens: int) -> bool:
     return raw != "0"
 
 
-def w13_wgmma_groups() -> int:
-    """How many consecutive MX groups the wgmma form of the per-pair w13 kernel (KIMI_DECODE_MX_FP8=wgmma) issues
-    before it waits for them (`KIMI_DECODE_W13_WGMMA_GROUPS`: "4", the default, a quad's, "2" or "1"): more groups
-    in flight, more registers held."""
-    return int(env_choice("KIMI_DECODE_W13_WGMMA_GROUPS", "4", ("4", "2", "1")))
-
-
 def w13_prefetch() -> bool:
     """Whether the per-pair w13 kernel asks L2 for each lane's quads once the expert id is known
     (`KIMI_DECODE_W13_PREFETCH`: "0", the default, or "1"). On the H200 (NOTES, v19) "1" was slower: the kernel's
@@ -1307,10 +966,6 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     L, I, (B, k) = latent.shape[1], w13.shape[1] // 2, ids.shape
     early, x_once, pf = w2_early(B), w13_x_once(B), w13_prefetch()
     qm13, qm2 = layout_groups(w13, w2, quad_major)
-    # e4m3-packed w13 (a `quad_major(packed="fp8")` copy) for the per-pair w13 kernel: its mma on e4m3, or converted
-    fp8 = {"1": "mma", "cvt": "cvt", "wgmma": "wgmma"}.get(mx_fp8_form(), "") if qm13 else ""
-    # the forms with the shared experts or the w2 stage inside keep their warps: the e4m3 mma there
-    fp8_rider = "mma" if fp8 == "wgmma" else fp8
     w2_args = _w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled)
     chunk, scale_words = w2_chunk(used), w2_args[4].dtype == torch.int32  # the scale view the kernel is given
     norm_first = scaled is not None and norm_weight_first(B)  # the w2 kernels' `norm_first`
@@ -1318,10 +973,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        first = w13_first(B, quad_split(L, cap)[1])  # "all": a count
-        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, first, fp8)
-        key = ("moe_w13_act", used, cap, x_once, pf, qm13, op.first, op.wg_groups, *signature(*a13))
-        return compile_kernel(key, op, *(fake_like(t, align=16) for t in a13))
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]))  # "all": a count
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
+                              *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
         gate_up, hx, s_act, down, s_out = shared
@@ -1332,7 +986,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
             a13 = (*_w13_args(latent, ids, w13, w13_scale, act), gate_up, hx, s_act)
             split = rider_split(S, quad_split(L)[0])
             f13 = compile_kernel(("moe_w13_act_shared", used, split, x_once, pf, qm13, *signature(*a13)),
-                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13, fp8_rider),
+                                 MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
         lanes, pre = shared_down_lanes(), w2_pre_wait()
@@ -1344,8 +998,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
         return f13, f2
     if counters is not None:
         args = _chained_args(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, scaled, counters)
-        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2), norm_first,
-                        fp8_rider)
+        op = MoEExperts(L, I, used, k, B, scaled is not None, chunk, scale_words, x_once, (qm13, qm2), norm_first)
         return compile_kernel(("moe_experts", used, scaled is not None, chunk, x_once, qm13, qm2, norm_first,
                                *signature(*args)),
                               op,

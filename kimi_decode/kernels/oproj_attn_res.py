@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .attn_res import _align as _res_align
-from .attn_res import _next_pow2, plan
+from .attn_res import _next_pow2
 from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, fake_like, launch, signature, sm_count
 
 if HAVE_CUTE:
@@ -64,12 +64,6 @@ def rest_mode() -> str:
     return env_choice("KIMI_DECODE_OPROJ_REST", "ahead", REST_MODES)
 
 
-def rows_per_warp(hidden: int, ctas: int) -> int:
-    """Output rows per warp of `ctas` CTAs of the AttnRes step's threads (`attn_res.plan`) covering `hidden` rows: the
-    "split" form needs a lane per row, so at most 32."""
-    return -(-hidden // (ctas * (plan(hidden)[0] // 32)))
-
-
 def parts_width(n_blocks: int) -> int:
     """Score sums per CTA in "split" mode: a dot and a sum of squares per candidate, padded to a power of two."""
     return 2 * _next_pow2(n_blocks + 1)
@@ -88,15 +82,14 @@ if HAVE_CUTE:
             self.W = self.T // 32
             self.iters = -(-K // (32 * VEC))  # 16-byte slices of o per lane
             self.exact = self.iters * 32 * VEC == K
-            self.per_warp = rows_per_warp(hidden, ctas)
+            self.per_warp = -(-hidden // (ctas * self.W))  # output rows per warp
             self.rows_pre = -(-self.per_warp // ROWS_AT_ONCE) * ROWS_AT_ONCE  # the same, whole passes
             if early == "smem" and self.rows_pre * self.iters * 32 * VEC * 2 * self.W > SMEM_BUDGET:
                 early = "1"
             self.early = early  # KIMI_DECODE_OPROJ_EARLY, "smem" where it fits
-            # "split" needs a lane per output row of a warp (every GPU with 16 SMs or more, at H = 7168)
+            # "split" needs a lane per output row of a warp (every GPU with 8 SMs or more, at H = 7168)
             self.split = bool(split) and self.per_warp <= 32
             self.rest = rest  # KIMI_DECODE_OPROJ_REST
-            self.round_delta = True  # "split": the residual update adds a as stored (bf16); `tail_attn_res`: fp32
 
         def rest_ahead(self) -> bool:
             """Whether the rows after the first pass are loaded into registers of their own right after the wait,
@@ -243,9 +236,7 @@ if HAVE_CUTE:
             """"split", every CTA: the residual update at the lane's row (lane < rows per warp), then the CTA's totals
             of the score sums (dots at [0, P/2), sums of squares at [P/2, P)) into mParts[bidx]."""
             NB, NC, P = self.res.NB, self.res.NC, self.res.P
-            a = mine
-            if cutlass.const_expr(self.round_delta):
-                a = mine.to(BFloat16).to(Float32)  # a as stored (bf16), as the "last" form reads it
+            a = mine.to(BFloat16).to(Float32)  # a as stored (bf16), as the "last" form reads it
             if cutlass.const_expr(self.res.delta_mode == 1):
                 cs[NB] = cs[NB] + a
             else:
