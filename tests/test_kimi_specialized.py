@@ -647,52 +647,6 @@ def test_moe_mxfp4_compiles_for_sm90a(sm90a, tp, batch, pad):
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch, ctas", [(16, 8, "5"), (8, 8, "5"), (16, 3, "6")])
-def test_moe_w13_at_a_register_cap_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch, ctas):
-    """KIMI_DECODE_W13_MIN_CTAS: the per-pair w13 kernel compiled for 5 or 6 CTAs per SM (ptxas `.minnctapersm`), a
-    kernel of its own beside the uncapped one (the setting is in the compile key); the w2 kernel is the same."""
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe
-
-    s = shard("k3", tp=tp)
-    plain13, plain2 = compile_moe(*_moe_args(s, batch))
-    monkeypatch.setenv("KIMI_DECODE_W13_MIN_CTAS", ctas)
-    capped13, capped2 = compile_moe(*_moe_args(s, batch))
-    assert capped13 is not None and capped13 is not plain13 and capped2 is plain2
-
-
-@needs_cute
-@pytest.mark.parametrize("tp, stage", [(16, "1"), (8, "1"), (8, "0")])
-def test_moe_w2_grouped_at_a_register_cap_compiles_for_sm90a(sm90a, monkeypatch, tp, stage):
-    """KIMI_DECODE_GROUPED_W2_MIN_CTAS=3: the grouped w2 kernel compiled for 3 CTAs per SM, staged (TP8's whole
-    quads) and not, a kernel of its own beside the uncapped one; the w13 kernel is the same."""
-    from kimi_decode.kernels.moe_mxfp4_grouped import compile_grouped
-
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_STAGE", stage)
-    s = shard("k3", tp=tp)
-    plain13, plain2 = compile_grouped(*_grouped_args(s, 64))
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_W2_MIN_CTAS", "3")
-    capped13, capped2 = compile_grouped(*_grouped_args(s, 64))
-    assert capped2 is not None and capped2 is not plain2 and capped13 is plain13
-
-
-@pytest.mark.parametrize("name", ["KIMI_DECODE_W13_MIN_CTAS", "KIMI_DECODE_GROUPED_W2_MIN_CTAS"])
-@pytest.mark.parametrize("raw", ["10", "-1", "two"])
-def test_expert_min_ctas_settings_refused_by_name(monkeypatch, name, raw):
-    from kimi_decode.kernels.cute_common import min_ctas_launch
-    from kimi_decode.kernels.moe_mxfp4 import w13_min_ctas
-    from kimi_decode.kernels.moe_mxfp4_grouped import grouped_w2_min_ctas
-
-    read = w13_min_ctas if name == "KIMI_DECODE_W13_MIN_CTAS" else grouped_w2_min_ctas
-    monkeypatch.delenv(name, raising=False)
-    assert read() == 0 and min_ctas_launch(0) == {}
-    monkeypatch.setenv(name, "3")
-    assert read() == 3
-    monkeypatch.setenv(name, raw)
-    with pytest.raises(ValueError, match=name):
-        read()
-
-
-@needs_cute
 @pytest.mark.parametrize("tp, batch, pad, chunk", [(16, 1, True, "1"), (16, 8, False, "2"), (8, 1, True, "1"),
                                                    (8, 8, True, "4")])
 def test_moe_mxfp4_compiles_for_sm90a_at_each_w2_chunk(sm90a_pdl, monkeypatch, tp, batch, pad, chunk):

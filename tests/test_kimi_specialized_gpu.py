@@ -1243,32 +1243,6 @@ def test_oproj_attn_res_last_with_the_loads_slice_by_slice_matches_float64(monke
         test_oproj_attn_res_matches_float64(monkeypatch, K, n_blocks, delta_mode, pdl, "1", "last")
 
 
-@pytest.mark.parametrize("ctas", ["5", "6"])
-@pytest.mark.parametrize("tp, pad", [(16, True), (8, True)])
-def test_moe_w13_at_a_register_cap_matches_float64(monkeypatch, tp, pad, ctas):
-    """KIMI_DECODE_W13_MIN_CTAS: the per-pair w13 kernel compiled for 5 or 6 CTAs per SM, on quad-major codes at 3 and
-    8 tokens (TP8: 3 and 7, its per-pair range), against float64 with its outputs poisoned."""
-    monkeypatch.setenv("KIMI_DECODE_W13_MIN_CTAS", ctas)
-    for batch in (3, 8 if tp == 16 else 7):
-        _check_moe_mxfp4(tp, pad, batch, quad=True)
-
-
-@pytest.mark.parametrize("tp, pad", [(16, True), (16, False), (8, True)])
-def test_moe_w2_grouped_at_a_register_cap_matches_float64(monkeypatch, tp, pad):
-    """KIMI_DECODE_GROUPED_W2_MIN_CTAS=3: the grouped w2 kernel at 3 CTAs per SM (its registers capped at 80, with
-    spills), at ~300 distinct experts (batch 64) and every token on the same 16 (batch 33)."""
-    monkeypatch.setenv("KIMI_DECODE_GROUPED_W2_MIN_CTAS", "3")
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 64, False, True, "operands")
-    test_moe_mxfp4_grouped_matches_float64(tp, pad, 33, True, True)
-
-
-@pytest.mark.parametrize("name, value, tp, batch", [("KIMI_DECODE_W13_MIN_CTAS", "5", 16, 8),
-                                                    ("KIMI_DECODE_GROUPED_W2_MIN_CTAS", "3", 16, 64),
-                                                    ("KIMI_DECODE_GROUPED_W2_MIN_CTAS", "3", 8, 64)])
-def test_specialized_layer_at_an_expert_register_cap_matches_reference(monkeypatch, name, value, tp, batch):
-    _layer_matches_with(monkeypatch, name, value, tp, batch, 5400)
-
-
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_specialized_layer_with_the_attn_res_loads_slice_by_slice_matches_reference(monkeypatch, tp, batch):

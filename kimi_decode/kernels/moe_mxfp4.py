@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          min_ctas_launch, mx_alu, mx_packed, norm_weight_first, signature, sm_count)
+                          mx_alu, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -369,8 +369,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0,
-                     min_ctas: int = 0):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -381,8 +380,7 @@ if HAVE_CUTE:
             row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
-            order; the others are loaded as the mma loop reaches them). `min_ctas` (`w13_min_ctas`): CTAs per SM
-            that its registers must allow, 0 the compiler's choice."""
+            order; the others are loaded as the mma loop reaches them)."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
@@ -390,7 +388,6 @@ if HAVE_CUTE:
             self.x_once = x_once
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
             self.first = min(first, self.per_warp)
-            self.min_ctas = min_ctas
 
         def alloc_x(self, smem):
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
@@ -424,8 +421,7 @@ if HAVE_CUTE:
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, ids, gW, w_scale, act).launch(
-                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch,
-                **min_ctas_launch(self.min_ctas))
+                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
@@ -888,14 +884,6 @@ def w13_warps(used: int, tokens: int, topk: int) -> int:
     return int(raw)
 
 
-def w13_min_ctas() -> int:
-    """KIMI_DECODE_W13_MIN_CTAS: CTAs of the per-pair w13 kernel (batches 2 to 8, and 1 where the shared experts are
-    not inside) that its registers must let share an SM (ptxas `.minnctapersm`), for A/B timing; 0, the default,
-    leaves it to the compiler. Under cutlass-dsl 4.3.5 at TP16 batch 8 it takes 70 registers, 4 CTAs of 224
-    threads per SM, and waits mostly on its loads (benchmarks/NOTES.md item 95); 5 caps it at 56."""
-    return env_int("KIMI_DECODE_W13_MIN_CTAS", 0, 0, 9, "CTAs per SM")
-
-
 def w13_x_once(tokens: int) -> bool:
     """Whether the w13 kernel's warps convert the activations to mma operands once, through shared memory
     (`MoEW13Act.stage_x`), rather than every lane each of its groups' (`KIMI_DECODE_W13_X_ONCE`: "auto", the default,
@@ -985,9 +973,8 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        first, min_ctas = w13_first(B, quad_split(L, cap)[1]), w13_min_ctas()
-        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, first, min_ctas)  # first "all": a count
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, min_ctas, *signature(*a13)), op,
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]))  # "all": a count
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
                               *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)

@@ -39,7 +39,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          min_ctas_launch, signature, sm_count)
+                          signature, sm_count)
 from .moe_mxfp4 import (GROUP, QUAD, ROWS13, WARPS, _words, check_expert_args, fits_int32_offsets, layout_groups,
                         quad_major_offset, quad_split, w2_scales)
 
@@ -403,7 +403,7 @@ if HAVE_CUTE:
         """out[p, r] = weight[p] * (w2[e, r, :used] . act[p, :used]) for every pair p of expert e."""
 
         def __init__(self, latent: int, used: int, topk: int, tiles: int, scale_words: bool, pairs: int,
-                     quad_major: int = 0, stage: bool = False, ahead: bool = False, min_ctas: int = 0):
+                     quad_major: int = 0, stage: bool = False, ahead: bool = False):
             """`scale_words`: `w_scale` comes as int32 words (each row's scale bytes a multiple of 4); `quad_major`: as
             `MoEW13Grouped`'s; `pairs`: the segment slots (B x k), over `segment_ctas` CTAs along the segments, each
             looping over its share. `stage` (`grouped_staged`, with `scale_words`, on rows of whole quads of MX
@@ -414,10 +414,8 @@ if HAVE_CUTE:
             `tiles` whose buffers fit W2_STAGE_BYTES. `ahead` (`w2_ahead`): lane i holds the CTA's i-th segment's
             length, start and expert from the start, and each segment's first tile of pairs (the act operands' pair
             and the two output columns') is loaded during the segment before it, so a segment starts with its act
-            and weight loads side by side instead of after two round trips (its table entry, then its pairs).
-            `min_ctas` (`grouped_w2_min_ctas`): CTAs per SM that its registers must allow, 0 the compiler's choice."""
+            and weight loads side by side instead of after two round trips (its table entry, then its pairs)."""
             self.topk = topk
-            self.min_ctas = min_ctas
             self.ahead = ahead
             self.qm = quad_major
             self.groups = used // GROUP
@@ -448,8 +446,7 @@ if HAVE_CUTE:
             gA = cute.zipped_divide(act, (1, 4))  # int32 pairs of fp16: ((1,4), (P, used/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile
             self.kernel(gA, weights, w, gW, w_scale, order, seg_start, seg_len, seg_expert, out).launch(
-                grid=[L // (ROWS2_CTA * self.tiles), self.seg_ctas, 1], block=[32 * WARPS, 1, 1], stream=stream,
-                **min_ctas_launch(self.min_ctas))
+                grid=[L // (ROWS2_CTA * self.tiles), self.seg_ctas, 1], block=[32 * WARPS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, gA: cute.Tensor, weights: cute.Tensor, w: cute.Tensor, gW: cute.Tensor,
@@ -671,14 +668,6 @@ def kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_
     return a13, a2
 
 
-def grouped_w2_min_ctas() -> int:
-    """KIMI_DECODE_GROUPED_W2_MIN_CTAS: CTAs of the grouped w2 kernel that its registers must let share an SM (ptxas
-    `.minnctapersm`), for A/B timing; 0, the default, leaves it to the compiler. Under cutlass-dsl 4.3.5 at TP16
-    batch 64 it takes 128 registers, 2 CTAs of 256 threads per SM (23% occupancy), and waits mostly on its loads
-    (benchmarks/NOTES.md item 95); 3 caps it at 80."""
-    return env_int("KIMI_DECODE_GROUPED_W2_MIN_CTAS", 0, 0, 8, "CTAs per SM")
-
-
 def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out, used: int,
                     quad_major: bool = False, x_operands: bool = False):
     L, I, k = latent.shape[1], w13.shape[1] // 2, ids.shape[1]
@@ -691,10 +680,8 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
     f13 = compile_kernel(("moe_w13_grouped", used, t13, qm13, stage13, x_operands, k13.unroll, k13.seg_rows,
                           *signature(*a13)), k13, *(fake_like(t, align=16) for t in a13))
     ahead = w2_ahead()
-    min_ctas = grouped_w2_min_ctas()
-    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead, min_ctas)
-    f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, ahead, min_ctas,
-                         *signature(*a2)), k2,
+    k2 = MoEW2Grouped(L, used, k, t2, a2[3].dtype == torch.int32, ids.numel(), qm2, stage2, ahead)
+    f2 = compile_kernel(("moe_w2_grouped", used, k2.tiles, qm2, k2.seg_ctas, stage2, ahead, *signature(*a2)), k2,
                         *(fake_like(t, align=16) for t in a2))
     return f13, f2
 
