@@ -34,8 +34,9 @@ from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, 
                           mx_alu, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
-    from .cute_common import (copy_async_16, count_done, last_cta, load4, mma_lanes, pdl_launch_dependents,
-                              pdl_reads_ahead, pdl_wait, prefetch_l2, situ_glu, take_ticket, wait_count)
+    from .cute_common import (bulk_copy_g2s, count_done, last_cta, load4, mbarrier_expect_tx, mbarrier_init,
+                              mbarrier_wait, mma_lanes, pdl_launch_dependents, pdl_reads_ahead, pdl_wait, prefetch_l2,
+                              situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -382,10 +383,13 @@ if HAVE_CUTE:
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
             order; the others are loaded as the mma loop reaches them). `stage` (`w13_stage`): once the expert id is
-            known, every lane copies the words of all of its warp's quads into slots of its own in shared memory
-            (`cp.async`, one commit group per quad) and loads its scale words into registers, and the mma loop waits
-            for one quad's group at a time; `first` is then 0. All of a CTA's weight bytes are on their way at once,
-            without the registers that holding them takes ("all" above), so more CTAs fit an SM."""
+            known, 16 lanes of each warp copy the warp's K slice of the CTA's 16 rows (w1, w3) into shared memory, one
+            bulk copy per row (`cp.async.bulk`, the SM's copy engine, not the load queue) completing on the warp's
+            mbarrier, and every lane loads its scale words into registers; the mma loop waits on the mbarrier once,
+            then reads each quad's 16 bytes per lane from shared memory; `first` is then 0. All of a CTA's weight
+            bytes are on their way at once, without the registers that holding them takes ("all" above), so more
+            CTAs fit an SM; rows sit `pitch` 16-byte units apart, an odd multiple of 64 bytes, so that a warp's
+            reads of 8 rows fall in distinct banks."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
@@ -394,12 +398,16 @@ if HAVE_CUTE:
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
             self.stage = stage
             self.first = 0 if stage else min(first, self.per_warp)
+            units = self.per_warp * QUAD  # 16-byte units of a warp's slice of a row
+            self.pitch = units + (QUAD if units % 8 == 0 else 0)
 
         def alloc_w(self, smem):
-            """The staged form's weight slots: [4 words, lane, (quad, w1 / w3), warp] (None without `stage`)."""
+            """The staged form's rows and mbarriers: ([4 words, pitch units, 2 ROWS13 rows, warp], [warp]), or None
+            without `stage`."""
             if cutlass.const_expr(not self.stage):
                 return None
-            return smem.allocate_tensor(Int32, cute.make_layout((4, 32, 2 * self.per_warp, self.warps)), 16)
+            rows = smem.allocate_tensor(Int32, cute.make_layout((4, self.pitch, 2 * ROWS13, self.warps)), 128)
+            return rows, smem.allocate_tensor(cutlass.Int64, cute.make_layout(self.warps), 8)
 
         def alloc_x(self, smem):
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
@@ -465,11 +473,18 @@ if HAVE_CUTE:
             early = [self.quad_weights(gW, w_scale, e, j, warp, it, t) for it in range(self.first)]
             scales = []
             if cutlass.const_expr(self.stage):
-                for it in cutlass.range_constexpr(self.per_warp):
-                    G0 = (warp * self.per_warp + it) * QUAD
-                    copy_async_16(gW[(None, (e, j, G0 + t))], wbuf[(None, lane, 2 * it, warp)])
-                    copy_async_16(gW[(None, (e, self.I + j, G0 + t))], wbuf[(None, lane, 2 * it + 1, warp)])
-                    cute.arch.cp_async_commit_group()
+                sW, bars = wbuf
+                bar = cute.make_tensor(bars.iterator + warp, cute.make_layout(1))
+                nbytes = self.per_warp * QUAD * 16  # the warp's slice of one row
+                if lane == 0:
+                    mbarrier_init(bar, 1)
+                cute.arch.sync_warp()
+                if lane == 0:
+                    mbarrier_expect_tx(bar, 2 * ROWS13 * nbytes)
+                if lane < 2 * ROWS13:  # lane r copies row r: w1 rows j0.. at 0..7, the matching w3 rows at 8..15
+                    row = bx * ROWS13 + lane % ROWS13 + lane // ROWS13 * self.I
+                    bulk_copy_g2s(gW[(None, (e, row, warp * self.per_warp * QUAD))], sW[(None, 0, lane, warp)],
+                                  nbytes, bar)
                 q0 = warp * self.per_warp  # the warp's first quad: scale word q0 + it holds quad it's four scales
                 scales = [(w_scale[e, j, q0 + it], w_scale[e, self.I + j, q0 + it]) for it in range(self.per_warp)]
             if cutlass.const_expr(self.x_once):
@@ -479,9 +494,10 @@ if HAVE_CUTE:
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
                 if cutlass.const_expr(self.stage):
-                    cute.arch.cp_async_wait_group(self.per_warp - 1 - it)  # this lane's copies of quad it are in
-                    v1 = load4(wbuf[(None, lane, 2 * it, warp)])
-                    v3 = load4(wbuf[(None, lane, 2 * it + 1, warp)])
+                    if cutlass.const_expr(it == 0):
+                        mbarrier_wait(bar)  # the warp's 16 rows are in
+                    v1 = load4(sW[(None, it * QUAD + t, g, warp)])
+                    v3 = load4(sW[(None, it * QUAD + t, ROWS13 + g, warp)])
                     u1 = quad_exchange([v1[0], v1[1], v1[2], v1[3]], t, self.qm)
                     u3 = quad_exchange([v3[0], v3[1], v3[2], v3[3]], t, self.qm)
                     sw1, sw3 = scales[it]
@@ -932,12 +948,14 @@ def w13_prefetch() -> bool:
 
 
 def w13_stage() -> bool:
-    """Whether the per-pair w13 kernel (the two-kernel form without the shared experts' CTAs) stages each lane's
-    weight words in shared memory (`MoEW13Act(stage=True)`; `KIMI_DECODE_W13_STAGE`: "0", the default until
+    """Whether the per-pair w13 kernel (the two-kernel form without the shared experts' CTAs) stages its rows in
+    shared memory by bulk copies (`MoEW13Act(stage=True)`; `KIMI_DECODE_W13_STAGE`: "0", the default until
     measured, or "1"). At TP8 and one token the register form that loads all of a warp's quads first ("all",
-    `w13_first`) holds 126-128 registers: 4 CTAs of 4 warps per SM, 528 places for 768 CTAs, two waves, so half of
-    the weight bytes are asked for only after the first wave's mma work. Staged, the words take shared memory
-    instead (36 KB a CTA: 6 per SM, one wave) and every CTA's bytes are asked for at once."""
+    `w13_first`) holds 126-128 registers: 4 CTAs of 4 warps per SM, 528 places for 768 CTAs, two waves, so a
+    third of the weight bytes are asked for only after the first wave's mma work. Staged, the rows take shared
+    memory instead (36 KB a CTA: 6 per SM, one wave) and every CTA's bytes are asked for at once. A form with one
+    16-byte `cp.async` per lane and quad lost 2.7 us on the H100 (TP8 alone, NOTES item 97): its 14 copies per lane
+    filled the SM's load queue ("LG throttle"), which the copy engine's row copies do not use."""
     return env_flag("KIMI_DECODE_W13_STAGE", "0")
 
 
