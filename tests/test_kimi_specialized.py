@@ -741,31 +741,6 @@ def test_moe_w13_with_its_first_quads_loaded_early_compiles_for_sm90a(sm90a_pdl,
 
 
 @needs_cute
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8)])
-def test_moe_w13_staged_in_shared_memory_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
-    """KIMI_DECODE_W13_STAGE=1: a w13 kernel of its own (cached apart from the register form), on both layouts,
-    that ignores KIMI_DECODE_W13_FIRST; "0" (the default) is the register form; other values are refused by name."""
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe, w13_stage
-
-    args = _moe_args(shard("k3", tp=tp, pad_experts=True), batch)
-    monkeypatch.delenv("KIMI_DECODE_W13_STAGE", raising=False)
-    assert not w13_stage()
-    plain = compile_moe(*args)[0]
-    monkeypatch.setenv("KIMI_DECODE_W13_STAGE", "0")
-    assert compile_moe(*args)[0] is plain
-    monkeypatch.setenv("KIMI_DECODE_W13_STAGE", "1")
-    staged = compile_moe(*args)[0]
-    assert staged is not None and staged is not plain
-    assert compile_moe(*args, quad_major=True)[0] not in (None, staged, plain)
-    for first in ("0", "all"):  # the staged form loads every quad its own way: one kernel whatever W13_FIRST says
-        monkeypatch.setenv("KIMI_DECODE_W13_FIRST", first)
-        assert compile_moe(*args)[0] is staged
-    monkeypatch.setenv("KIMI_DECODE_W13_STAGE", "yes")
-    with pytest.raises(ValueError, match="KIMI_DECODE_W13_STAGE"):
-        compile_moe(*args)
-
-
-@needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
 def test_moe_w2_with_its_ids_and_scales_before_its_wait_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp):
     """KIMI_DECODE_W2_PRE_WAIT: a variant of the batch-1 w2 kernel per setting, plain and with the shared experts'

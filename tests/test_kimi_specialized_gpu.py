@@ -192,13 +192,6 @@ def test_specialized_layer_with_the_first_w13_quads_loaded_early_matches_referen
     _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_FIRST", first, tp, batch, 3600)
 
 
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_specialized_layer_with_the_w13_weights_staged_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_W13_STAGE=1: the per-pair w13 kernel's weight words staged in shared memory."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_W13_STAGE", "1", tp, batch, 3650)
-
-
 @pytest.mark.parametrize("batch", [1, 8, 16, 64])
 def test_specialized_layer_with_w2_rows_of_their_stored_width_matches_reference(monkeypatch, batch):
     """KIMI_DECODE_W2_COMPACT=0 at TP16 (the padded shard): the expert kernels on w2 rows as stored, zero columns
@@ -521,15 +514,6 @@ def test_moe_mxfp4_with_the_first_w13_quads_loaded_early_matches_float64(monkeyp
     """The w13 kernel with the weights of its warps' first quads (or all of them) loaded before the activations'
     staging (KIMI_DECODE_W13_FIRST), on both layouts; the shared experts' forms keep their own kernels."""
     monkeypatch.setenv("KIMI_DECODE_W13_FIRST", first)
-    _check_moe_mxfp4(tp, True, batch)
-    _check_moe_mxfp4(tp, True, batch, quad=True)
-
-
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
-def test_moe_mxfp4_with_the_w13_weights_staged_in_shared_memory_matches_float64(monkeypatch, tp, batch):
-    """The w13 kernel with every lane's weight words copied into shared memory once the expert id is known
-    (KIMI_DECODE_W13_STAGE=1), on both layouts; the shared experts' forms keep their own kernels."""
-    monkeypatch.setenv("KIMI_DECODE_W13_STAGE", "1")
     _check_moe_mxfp4(tp, True, batch)
     _check_moe_mxfp4(tp, True, batch, quad=True)
 

@@ -299,38 +299,6 @@ if HAVE_CUTE:
         16-byte form is the only one that may skip L1)."""
         _copy_async(src, dst, 32 * words, cpasync.LoadCacheMode.ALWAYS)
 
-    def _asm(args, text: str, constraints: str) -> None:
-        _llvm.inline_asm(None, [a.ir_value() for a in args], text, constraints, has_side_effects=True,
-                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
-
-    def _smem_addr(tensor):
-        """The 32-bit shared-memory address of `tensor`'s first element."""
-        return tensor.iterator.toint()
-
-    def mbarrier_init(bar: cute.Tensor, count: int) -> None:
-        """Initialise the mbarrier at `bar` (8 bytes of shared memory) for `count` arrivals per phase, and make the
-        initialisation visible to the async proxy (the bulk copies that complete on it). One thread; the threads
-        that wait on it must be ordered after it (a barrier)."""
-        _asm([_smem_addr(bar), cutlass.Int32(count)], "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r")
-        _asm([], "fence.mbarrier_init.release.cluster;", "")
-
-    def mbarrier_expect_tx(bar: cute.Tensor, nbytes) -> None:
-        """One arrival on the mbarrier at `bar`, announcing `nbytes` that bulk copies will complete on it."""
-        _asm([_smem_addr(bar), cutlass.Int32(nbytes)], "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
-             "r,r")
-
-    def bulk_copy_g2s(src: cute.Tensor, dst: cute.Tensor, nbytes, bar: cute.Tensor) -> None:
-        """`nbytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned) by the SM's copy
-        engine (`cp.async.bulk`), completing on the mbarrier at `bar`; one instruction of one thread."""
-        _asm([_smem_addr(dst), src.iterator.toint(), cutlass.Int32(nbytes), _smem_addr(bar)],
-             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];", "r,l,r,r")
-
-    def mbarrier_wait(bar: cute.Tensor, parity: int = 0) -> None:
-        """Wait in this thread until phase `parity` of the mbarrier at `bar` has completed: what the bulk copies
-        counted on it wrote is then visible to the thread. (cutlass-dsl's retry loop: the same loop written inside
-        one inline-asm block made ptxas spill registers around it.)"""
-        cute.arch.mbarrier_wait(bar.iterator, parity)
-
     def _element(tensor, index):
         """A pointer to `tensor`'s element `index` (its iterator itself for a constant 0)."""
         return tensor.iterator if isinstance(index, int) and index == 0 else tensor.iterator + index

@@ -34,9 +34,8 @@ from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, 
                           mx_alu, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
-    from .cute_common import (bulk_copy_g2s, count_done, last_cta, load4, mbarrier_expect_tx, mbarrier_init,
-                              mbarrier_wait, mma_lanes, pdl_launch_dependents, pdl_reads_ahead, pdl_wait, prefetch_l2,
-                              situ_glu, take_ticket, wait_count)
+    from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
+                              pdl_wait, prefetch_l2, situ_glu, take_ticket, wait_count)
     from .gemv import SmallBatchGemv
 
 GROUP = 32  # codes per MX group = 16 bytes = 4 words
@@ -370,8 +369,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0,
-                     stage: bool = False):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -382,32 +380,14 @@ if HAVE_CUTE:
             row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
-            order; the others are loaded as the mma loop reaches them). `stage` (`w13_stage`): once the expert id is
-            known, 16 lanes of each warp copy the warp's K slice of the CTA's 16 rows (w1, w3) into shared memory, one
-            bulk copy per row (`cp.async.bulk`, the SM's copy engine, not the load queue) completing on the warp's
-            mbarrier, and every lane loads its scale words into registers; the mma loop waits on the mbarrier once,
-            then reads each quad's 16 bytes per lane from shared memory; `first` is then 0. All of a CTA's weight
-            bytes are on their way at once, without the registers that holding them takes ("all" above), so more
-            CTAs fit an SM; rows sit `pitch` 16-byte units apart, an odd multiple of 64 bytes, so that a warp's
-            reads of 8 rows fall in distinct banks."""
+            order; the others are loaded as the mma loop reaches them)."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
             self.x_once = x_once
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
-            self.stage = stage
-            self.first = 0 if stage else min(first, self.per_warp)
-            units = self.per_warp * QUAD  # 16-byte units of a warp's slice of a row
-            self.pitch = units + (QUAD if units % 8 == 0 else 0)
-
-        def alloc_w(self, smem):
-            """The staged form's rows and mbarriers: ([4 words, pitch units, 2 ROWS13 rows, warp], [warp]), or None
-            without `stage`."""
-            if cutlass.const_expr(not self.stage):
-                return None
-            rows = smem.allocate_tensor(Int32, cute.make_layout((4, self.pitch, 2 * ROWS13, self.warps)), 128)
-            return rows, smem.allocate_tensor(cutlass.Int64, cute.make_layout(self.warps), 8)
+            self.first = min(first, self.per_warp)
 
         def alloc_x(self, smem):
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
@@ -453,14 +433,13 @@ if HAVE_CUTE:
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
             xbuf = self.alloc_x(smem)
-            self.tile(gX, ids, gW, w_scale, act, red, xbuf, bx, p, tidx, self.alloc_w(smem))
+            self.tile(gX, ids, gW, w_scale, act, red, xbuf, bx, p, tidx)
 
         @cute.jit
         def tile(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor,
-                 red: cute.Tensor, xbuf: cute.Tensor, bx, p, tidx, wbuf=None):
+                 red: cute.Tensor, xbuf: cute.Tensor, bx, p, tidx):
             """Intermediate rows bx * ROWS13 .. of pair p: the whole kernel but for its shared memory, `red`
-            [2 ROWS13, warps] fp32, `xbuf` (`alloc_x`) and, staged, `wbuf` (`alloc_w`) (`MoEExperts` runs it as its
-            first stage)."""
+            [2 ROWS13, warps] fp32 and `xbuf` (`alloc_x`) (`MoEExperts` runs it as its first stage)."""
             warp, lane, g, t = mma_lanes(tidx)
             j = bx * ROWS13 + g
             b = p // self.topk
@@ -471,38 +450,13 @@ if HAVE_CUTE:
                     prefetch_l2(gW[(None, (e, j, G0 + t))])
                     prefetch_l2(gW[(None, (e, self.I + j, G0 + t))])
             early = [self.quad_weights(gW, w_scale, e, j, warp, it, t) for it in range(self.first)]
-            scales = []
-            if cutlass.const_expr(self.stage):
-                sW, bars = wbuf
-                bar = cute.make_tensor(bars.iterator + warp, cute.make_layout(1))
-                nbytes = self.per_warp * QUAD * 16  # the warp's slice of one row
-                if lane == 0:
-                    mbarrier_init(bar, 1)
-                cute.arch.sync_warp()
-                if lane == 0:
-                    mbarrier_expect_tx(bar, 2 * ROWS13 * nbytes)
-                if lane < 2 * ROWS13:  # lane r copies row r: w1 rows j0.. at 0..7, the matching w3 rows at 8..15
-                    row = bx * ROWS13 + lane % ROWS13 + lane // ROWS13 * self.I
-                    bulk_copy_g2s(gW[(None, (e, row, warp * self.per_warp * QUAD))], sW[(None, 0, lane, warp)],
-                                  nbytes, bar)
-                q0 = warp * self.per_warp  # the warp's first quad: scale word q0 + it holds quad it's four scales
-                scales = [(w_scale[e, j, q0 + it], w_scale[e, self.I + j, q0 + it]) for it in range(self.per_warp)]
             if cutlass.const_expr(self.x_once):
                 self.stage_x(gX, xbuf, b, warp, lane)
             acc1 = Float32(0.0)
             acc3 = Float32(0.0)
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
-                if cutlass.const_expr(self.stage):
-                    if cutlass.const_expr(it == 0):
-                        mbarrier_wait(bar)  # the warp's 16 rows are in
-                    v1 = load4(sW[(None, it * QUAD + t, g, warp)])
-                    v3 = load4(sW[(None, it * QUAD + t, ROWS13 + g, warp)])
-                    u1 = quad_exchange([v1[0], v1[1], v1[2], v1[3]], t, self.qm)
-                    u3 = quad_exchange([v3[0], v3[1], v3[2], v3[3]], t, self.qm)
-                    sw1, sw3 = scales[it]
-                else:
-                    u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
+                u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
                 for i in cutlass.range_constexpr(QUAD):
                     if cutlass.const_expr(self.x_once):
                         bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
@@ -947,18 +901,6 @@ def w13_prefetch() -> bool:
     return env_flag("KIMI_DECODE_W13_PREFETCH", "0")
 
 
-def w13_stage() -> bool:
-    """Whether the per-pair w13 kernel (the two-kernel form without the shared experts' CTAs) stages its rows in
-    shared memory by bulk copies (`MoEW13Act(stage=True)`; `KIMI_DECODE_W13_STAGE`: "0", the default until
-    measured, or "1"). At TP8 and one token the register form that loads all of a warp's quads first ("all",
-    `w13_first`) holds 126-128 registers: 4 CTAs of 4 warps per SM, 528 places for 768 CTAs, two waves, so a
-    third of the weight bytes are asked for only after the first wave's mma work. Staged, the rows take shared
-    memory instead (36 KB a CTA: 6 per SM, one wave) and every CTA's bytes are asked for at once. A form with one
-    16-byte `cp.async` per lane and quad lost 2.7 us on the H100 (TP8 alone, NOTES item 97): its 14 copies per lane
-    filled the SM's load queue ("LG throttle"), which the copy engine's row copies do not use."""
-    return env_flag("KIMI_DECODE_W13_STAGE", "0")
-
-
 def w13_first(tokens: int, quads: int) -> int:
     """How many of its quads of MX groups a per-pair w13 warp loads before the activations' staging
     (`KIMI_DECODE_W13_FIRST`: "auto", the default, "0" .. "4", or "all"; capped at the warp's `quads`). In the SASS of
@@ -1031,10 +973,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]),  # "all": a count
-                       w13_stage())
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, op.stage, *signature(*a13)),
-                              op, *(fake_like(t, align=16) for t in a13))
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]))  # "all": a count
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
+                              *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
         gate_up, hx, s_act, down, s_out = shared
