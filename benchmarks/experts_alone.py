@@ -25,19 +25,37 @@ from kimi_decode.kernels.cute_common import launch
 from kimi_decode.kernels.moe_mxfp4 import _w2_args, _w13_args, compile_moe, quad_major
 from kimi_decode.weights import init_layer
 
-p = argparse.ArgumentParser()
+
+
+def setting_arg(text: str) -> str:
+    """A --settings value: "defaults", or NAME=VALUE pairs joined by commas."""
+    if text != "defaults" and not all(kv.partition("=")[0] and kv.partition("=")[1] for kv in text.split(",")):
+        raise argparse.ArgumentTypeError(f'{text!r}: expected "defaults" or NAME=VALUE[,NAME=VALUE...]')
+    return text
+
+
+p = argparse.ArgumentParser(description="The batch-1 expert kernels alone, weights cold and hot.")
 p.add_argument("--kernel", nargs="+", choices=["w13", "w2"], default=["w13"])
 p.add_argument("--tp", type=int, nargs="+", default=[16, 8])
-p.add_argument("--settings", nargs="+", default=["defaults"],
+p.add_argument("--settings", nargs="+", type=setting_arg, default=["defaults"],
                help='"defaults" or NAME=VALUE[,NAME=VALUE...] (each timed in turn, in this process)')
-p.add_argument("--sets", type=int, default=8)
+p.add_argument("--sets", type=int, default=8, help="routing sets (and shared down copies) rotated when cold")
 p.add_argument("--replays", type=int, default=50)
 a = p.parse_args()
+if a.sets < 1 or a.replays < 1:
+    p.error("--sets and --replays must be at least 1")
+try:
+    for tp in a.tp:
+        shard("k3", tp=tp)
+except ValueError as e:
+    p.error(f"--tp: {e}")
+if not torch.cuda.is_available():
+    sys.exit("experts_alone: needs a CUDA GPU (the kernels run on it)")
 
 
 def with_setting(setting: str, fn):
     """fn() with the setting's environment variables set, restored afterwards."""
-    pairs = [] if setting == "defaults" else [kv.split("=", 1) for kv in setting.split(",")]
+    pairs = [] if setting == "defaults" else [kv.split("=", 1) for kv in setting.split(",")]  # (`setting_arg`)
     saved = {k: os.environ.get(k) for k, _ in pairs}
     os.environ.update(dict(pairs))
     try:
@@ -90,6 +108,8 @@ def time_shard(tp: int) -> None:
 
 print(f"{'kernel':>6} {'tp':>3} {'setting':<36} {'cold us':>9} {'hot us':>8} {'MB':>7} {'cold TB/s':>10}")
 for tp in a.tp:
-    time_shard(tp)
+    try:
+        time_shard(tp)
+    except ValueError as e:  # a setting's value the kernels refuse, by name
+        sys.exit(f"experts_alone: {e}")
     torch.cuda.empty_cache()
-sys.exit(0)
