@@ -11,7 +11,7 @@ so its rows are mostly not in L2 (a TP8 layer's w13 holds ~1.2 GB); hot: every l
 rows stay in L2 (w13 23 / 12 MB at TP8 / TP16, w2 with the shared down 23 / 11). The launches run back to back in a
 CUDA graph (each waits for the one before, no PDL), so a launch's time is the kernel's whole chain: ids,
 activations, weights, the mma work and the reduction, and the ~1.2 us a kernel costs in a graph. Hot against cold
-says how much of it the weight bytes are; the rest is the chain and the arithmetic.
+says how much of it fetching the weights from HBM rather than L2 is; hot still moves them, from L2.
 """
 import argparse
 import os

@@ -369,8 +369,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0,
-                     ahead: int = 0):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -381,18 +380,14 @@ if HAVE_CUTE:
             row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
-            order; the others are loaded as the mma loop reaches them). `ahead` (`w13_ahead`), when not 0, replaces
-            `first`: quads 0 .. ahead - 1 are loaded before the staging, and each iteration of the mma loop loads quad
-            it + ahead before it works on quad it, so every warp keeps `ahead` quads on their way (a software
-            pipeline) at the registers of `ahead` quads rather than all of them."""
+            order; the others are loaded as the mma loop reaches them)."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
             self.warps, self.per_warp = quad_split(latent, max_warps)
             self.x_once = x_once
             self.units = self.per_warp * QUAD * 4  # a warp's (group, t) operand units of 16 bytes
-            self.ahead = min(ahead, self.per_warp)
-            self.first = self.ahead if self.ahead else min(first, self.per_warp)
+            self.first = min(first, self.per_warp)
 
         def alloc_x(self, smem):
             """The shared-memory operand buffer `tile` takes: [4 words, units of every warp] (a stand-in of one unit
@@ -461,8 +456,6 @@ if HAVE_CUTE:
             acc3 = Float32(0.0)
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
-                if cutlass.const_expr(self.ahead and it + self.ahead < self.per_warp):
-                    early.append(self.quad_weights(gW, w_scale, e, j, warp, it + self.ahead, t))
                 u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
                 for i in cutlass.range_constexpr(QUAD):
                     if cutlass.const_expr(self.x_once):
@@ -908,16 +901,6 @@ def w13_prefetch() -> bool:
     return env_flag("KIMI_DECODE_W13_PREFETCH", "0")
 
 
-def w13_ahead() -> int:
-    """How many quads of MX groups each per-pair w13 warp keeps on their way ahead of its mma loop
-    (`KIMI_DECODE_W13_AHEAD`: "0", the default until measured: `w13_first` decides; 1 to 7: a software pipeline
-    that loads quad it + N as it starts quad it, `MoEW13Act(ahead=N)`). At TP8 and one token the warps' 7 quads are
-    all loaded first ("all"): 126 registers, 4 CTAs per SM, two waves of 768 CTAs, and with their weights in L2
-    the kernel still takes 80% of its time (NOTES item 97); with 2 quads ahead the registers of 2 quads allow one
-    wave."""
-    return env_int("KIMI_DECODE_W13_AHEAD", 0, 0, 7, "quads ahead")
-
-
 def w13_first(tokens: int, quads: int) -> int:
     """How many of its quads of MX groups a per-pair w13 warp loads before the activations' staging
     (`KIMI_DECODE_W13_FIRST`: "auto", the default, "0" .. "4", or "all"; capped at the warp's `quads`). In the SASS of
@@ -990,10 +973,9 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
         cap = w13_warps(used, B, k)
-        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]),  # "all": a count
-                       w13_ahead())
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, op.ahead, *signature(*a13)),
-                              op, *(fake_like(t, align=16) for t in a13))
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]))  # "all": a count
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
+                              *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
         gate_up, hx, s_act, down, s_out = shared
