@@ -116,13 +116,6 @@ def mx_alu() -> bool:
     return env_flag("KIMI_DECODE_MX_ALU", "0")
 
 
-def mx_split() -> bool:
-    """KIMI_DECODE_MX_SPLIT: whether the two k16 mma of each MXFP4 group in the expert kernels start from zero each
-    and are added after ("1": independent, so the second need not wait for the first, 4 more adds per group) or the
-    second accumulates onto the first ("0", the default until measured)."""
-    return env_flag("KIMI_DECODE_MX_SPLIT", "0")
-
-
 def mx_packed() -> bool:
     """KIMI_DECODE_MX_PACKED: whether the MXFP4 expert kernels dequantise quad-major codes (`moe_mxfp4.quad_major`,
     whose copy then also moves each byte's two codes into the fields the dequantisation wants) in 9 instructions per
@@ -211,7 +204,7 @@ def compile_kernel(key: tuple, op, *fake_args):
     op.pdl = pdl_enabled()
     op.pdl_launch = op.pdl and key[0] not in pdl_skipped()
     mode = (pdl_trigger(), pdl_prefetch_iters()) if op.pdl else ("wait", PDL_PREFETCH_ITERS)
-    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed(), mx_split())
+    key = (*key, op.pdl, op.pdl_launch, mode, mx_alu(), mx_packed())
     fn = _cache.get(key)
     if fn is None:
         arch = target_arch()

@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          mx_alu, mx_packed, mx_split, norm_weight_first, signature, sm_count)
+                          mx_alu, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -116,32 +116,21 @@ _MMA_PAIR = (" mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3
              " {z, z, z, z};\n"
              " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {ha2, hb2, ha3, hb3}, {b2, b3},"
              " {e0, e1, e2, e3};\n}")
-# `mx_split()`: the two mma of a group on accumulators of their own, added after (no mma waits for the other)
-_MMA_SPLIT = (" {\n .reg .b32 g<4>;\n"
-              " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {ha0, hb0, ha1, hb1}, {b0, b1},"
-              " {z, z, z, z};\n"
-              " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {g0, g1, g2, g3}, {ha2, hb2, ha3, hb3}, {b2, b3},"
-              " {z, z, z, z};\n"
-              " add.f32 $0, e0, g0; add.f32 $1, e1, g1; add.f32 $2, e2, g2; add.f32 $3, e3, g3;\n }\n}")
 _MMA_REGS = "{\n .reg .b32 t0, t1, t2, ha<4>, hb<4>, f<8>, b<4>, z, e<4>;\n mov.b32 z, 0;\n"
-
-
-def _mma_pair() -> str:
-    return _MMA_SPLIT if mx_split() else _MMA_PAIR
 
 
 def _group_mma_asm(bf16_activations: bool, quad: bool = False) -> str:
     """PTX of one 16-row x 32-code group: $4 / $5 the words of rows g / g + 8 (`quad`: see `_dequant`), $6..$9 the
     activations; outputs $0..$3 the fp32 accumulator fragment (c0, c1: row g; c2, c3: row g + 8), unscaled."""
     return (_MMA_REGS + _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
-            + _b_operands(bf16_activations, 6, "b") + _mma_pair())
+            + _b_operands(bf16_activations, 6, "b") + _MMA_PAIR)
 
 
 def _operand_mma_asm(quad: bool = False) -> str:
     """`_group_mma_asm` with the activations already in operand form ($6..$9, from `_operands_asm`): kernels that
     use one activation group against several weight tiles convert it once."""
     return (_MMA_REGS + _dequant("$4", "ha", quad) + _dequant("$5", "hb", quad)
-            + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _mma_pair())
+            + " mov.b32 b0, $6; mov.b32 b1, $7; mov.b32 b2, $8; mov.b32 b3, $9;\n" + _MMA_PAIR)
 
 
 def _operands_asm(bf16_activations: bool) -> str:
