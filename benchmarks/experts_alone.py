@@ -26,7 +26,6 @@ from kimi_decode.kernels.moe_mxfp4 import _w2_args, _w13_args, compile_moe, quad
 from kimi_decode.weights import init_layer
 
 
-
 def setting_arg(text: str) -> str:
     """A --settings value: "defaults", or NAME=VALUE pairs joined by commas."""
     if text != "defaults" and not all(kv.partition("=")[0] and kv.partition("=")[1] for kv in text.split(",")):
