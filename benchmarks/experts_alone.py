@@ -3,9 +3,9 @@
     python benchmarks/experts_alone.py --kernel w13 w2 --tp 16 8 --settings defaults KIMI_DECODE_W13_WARPS=8
 
 Each setting ("defaults", or NAME=VALUE[,NAME=VALUE...] environment variables set on top of them) compiles the
-kernels as the layer does at batch 1: quad-major codes; w13 the plain kernel; w2 the one with the shared experts'
-down-projection in CTAs of its own and the routed sum's bf16(out * norm weight) written for the MoE tail; TP16's
-w2 rows cut to their used columns (the backend's compact copy). Cold: each launch takes the next of `--sets` routing
+kernels as the layer does at batch 1, on the expert codes the backend gives them under that setting (its
+quad-major, packed and compact copies: `_expert_codes`); w13 the plain kernel; w2 the one with the shared experts'
+down-projection in CTAs of its own and the routed sum's bf16(out * norm weight) written for the MoE tail. Cold: each launch takes the next of `--sets` routing
 sets (16 experts of the layer drawn at random) and, for w2, the next of as many copies of the shared down weight,
 so its rows are mostly not in L2 (a TP8 layer's w13 holds ~1.2 GB); hot: every launch the same set and copy, whose
 rows stay in L2 (w13 23 / 12 MB at TP8 / TP16, w2 with the shared down 23 / 11). The launches run back to back in a
@@ -20,9 +20,10 @@ import sys
 import torch
 
 from graph_timing import launch_us
+from kimi_decode.backends import get_backend
 from kimi_decode.config import shard
 from kimi_decode.kernels.cute_common import launch
-from kimi_decode.kernels.moe_mxfp4 import _w2_args, _w13_args, compile_moe, quad_major
+from kimi_decode.kernels.moe_mxfp4 import _w2_args, _w13_args, compile_moe
 from kimi_decode.weights import init_layer
 
 
@@ -72,8 +73,6 @@ def time_shard(tp: int) -> None:
     m, used = s.model, s.expert_inter_used
     H, S, L, k, bf = m.hidden, s.shared_inter, m.moe_latent, m.top_k, torch.bfloat16
     w = init_layer(s, 1, seed=7, device="cuda").mlp
-    w2_rows = w.w2 if used == s.expert_inter else w.w2[..., :used // 2].contiguous()
-    w13, w2 = quad_major(w.w13), quad_major(w2_rows)
     g = torch.Generator(device="cuda").manual_seed(tp)
     latent = torch.randn(1, L, device="cuda", generator=g).to(bf)
     sets = [torch.randperm(m.num_experts, device="cuda", generator=g)[:k].view(1, -1).int() for _ in range(a.sets)]
@@ -88,10 +87,15 @@ def time_shard(tp: int) -> None:
     # the rows the math reads (codes and scales; w2 with the shared down weight)
     mb = {"w13": k * 2 * used * (L // 2 + L // 32) / 1e6,
           "w2": (k * L * (used // 2 + used // 32) + 2 * H * S) / 1e6}
+
+    def build():
+        """The expert codes as a backend made under the setting gives them, and the two kernels compiled for them."""
+        w13, w2, quad = get_backend("latency_specialized")._expert_codes(w, used)
+        return (w13, w2, *compile_moe(latent, sets[0], weights, w13, w.w13_scale, w2, w.w2_scale, act, out, ssq,
+                                      used, scaled, shared=shared, shared_act_ready=True, quad_major=quad))
+
     for setting in a.settings:
-        f13, f2 = with_setting(setting, lambda: compile_moe(
-            latent, sets[0], weights, w13, w.w13_scale, w2, w.w2_scale, act, out, ssq, used, scaled,
-            shared=shared, shared_act_ready=True, quad_major=True))
+        w13, w2, f13, f2 = with_setting(setting, build)
         runs = {
             "w13": lambda i: launch(f13, *_w13_args(latent, sets[i], w13, w.w13_scale, act)),
             "w2": lambda i: launch(f2, *_w2_args(act, sets[i], weights, w2, w.w2_scale, out, ssq, scaled),
