@@ -306,57 +306,6 @@ def test_w13_warps_under_auto_shrink_only_a_one_token_grid_past_one_wave(monkeyp
     assert warps == {(384, 1, 16): 4, (192, 1, 16): 7, (384, 8, 16): 7}
 
 
-def test_w13_row_tiles_are_one_or_two_and_halve_the_grid_that_auto_warps_sees(monkeypatch):
-    """KIMI_DECODE_W13_TILES: 1 (the default) or 2, refused by name otherwise; 2 only where the used rows split into
-    tiles of 16; at 2 the TP8 one-token grid (384 CTAs) fits one wave, so auto keeps 7 warps there."""
-    from kimi_decode.kernels.moe_mxfp4 import quad_split, w13_row_tiles, w13_warps
-
-    monkeypatch.delenv("KIMI_DECODE_W13_TILES", raising=False)
-    monkeypatch.delenv("KIMI_DECODE_W13_WARPS", raising=False)
-    monkeypatch.setattr("kimi_decode.kernels.moe_mxfp4.sm_count", lambda device=None: 132)
-    assert w13_row_tiles(384) == 1
-    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "2")
-    assert (w13_row_tiles(384), w13_row_tiles(192), w13_row_tiles(200)) == (2, 2, 1)
-    assert quad_split(3584, w13_warps(384, 1, 16, 2))[0] == 7 and quad_split(3584, w13_warps(384, 1, 16))[0] == 4
-    for bad in ("0", "3", "auto", ""):
-        monkeypatch.setenv("KIMI_DECODE_W13_TILES", bad)
-        with pytest.raises(ValueError, match="KIMI_DECODE_W13_TILES"):
-            w13_row_tiles(384)
-
-
-@needs_cute
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (8, 8)])
-def test_moe_w13_with_two_row_tiles_per_warp_compiles_for_sm90a(sm90a_pdl, monkeypatch, tp, batch):
-    """KIMI_DECODE_W13_TILES=2 compiles a w13 kernel of its own (half the CTAs: its grid is part of the kernel)."""
-    from kimi_decode.kernels.moe_mxfp4 import compile_moe
-
-    s = shard("k3", tp=tp, pad_experts=True)
-    args = _moe_args(s, batch)
-    monkeypatch.delenv("KIMI_DECODE_W13_TILES", raising=False)
-    one, _ = compile_moe(*args)
-    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "2")
-    two, _ = compile_moe(*args)
-    assert one is not None and two is not None and two is not one
-    assert compile_moe(*args)[0] is two
-    monkeypatch.setenv("KIMI_DECODE_W13_MIN_CTAS", "3")  # a register cap: a kernel of its own, the w2 kernel the same
-    capped, capped2 = compile_moe(*args)
-    assert capped is not None and capped not in (one, two) and capped2 is compile_moe(*args)[1]
-
-
-@pytest.mark.parametrize("raw", ["10", "-1", "two"])
-def test_w13_min_ctas_outside_zero_to_nine_is_refused_by_name(monkeypatch, raw):
-    from kimi_decode.kernels.cute_common import min_ctas_launch
-    from kimi_decode.kernels.moe_mxfp4 import w13_min_ctas
-
-    monkeypatch.delenv("KIMI_DECODE_W13_MIN_CTAS", raising=False)
-    assert w13_min_ctas() == 0 and min_ctas_launch(0) == {}
-    monkeypatch.setenv("KIMI_DECODE_W13_MIN_CTAS", "3")
-    assert w13_min_ctas() == 3
-    monkeypatch.setenv("KIMI_DECODE_W13_MIN_CTAS", raw)
-    with pytest.raises(ValueError, match="KIMI_DECODE_W13_MIN_CTAS"):
-        w13_min_ctas()
-
-
 @pytest.mark.parametrize("raw", ["3", "0", "16", "two"])
 def test_kda_split_that_does_not_fit_the_head_is_refused_by_name(monkeypatch, raw):
     from kimi_decode.kernels.kda_decode import kda_split

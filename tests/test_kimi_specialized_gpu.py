@@ -498,22 +498,6 @@ def test_moe_mxfp4_with_fewer_w13_warps_matches_float64(monkeypatch, warps, tp, 
     _check_moe_mxfp4(tp, True, batch)
 
 
-@pytest.mark.parametrize("warps, ctas", [("auto", "0"), ("auto", "3"), ("4", "0")])
-@pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
-def test_moe_mxfp4_with_two_w13_row_tiles_per_warp_matches_float64(monkeypatch, warps, ctas, tp, batch):
-    """The w13 kernel with two row tiles per warp (KIMI_DECODE_W13_TILES=2: 16 intermediate rows per CTA), on both
-    layouts, with K over 7 warps (auto; also at a register cap of 3 CTAs per SM, KIMI_DECODE_W13_MIN_CTAS) or 4 (7
-    quads a warp, all loaded first at one token), and at one token with the shared experts' down-projection riding
-    in the w2 kernel (the layer's form)."""
-    monkeypatch.setenv("KIMI_DECODE_W13_TILES", "2")
-    monkeypatch.setenv("KIMI_DECODE_W13_WARPS", warps)
-    monkeypatch.setenv("KIMI_DECODE_W13_MIN_CTAS", ctas)
-    _check_moe_mxfp4(tp, True, batch)
-    _check_moe_mxfp4(tp, True, batch, quad=True)
-    if batch == 1:
-        test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, True, True, quad=True)
-
-
 @pytest.mark.parametrize("tp, batch", [(16, 1), (8, 1), (16, 8), (8, 3)])
 def test_moe_mxfp4_with_the_w13_weights_asked_of_l2_first_matches_float64(monkeypatch, tp, batch):
     """The w13 kernel with each lane's quads asked of L2 once the expert id is known (KIMI_DECODE_W13_PREFETCH=1),

@@ -100,19 +100,6 @@ def env_int(name: str, default: int, lo: int, hi: int, what: str) -> int:
     return int(raw)
 
 
-def min_ctas_launch(n: int) -> dict:
-    """The launch options that ask ptxas for `n` CTAs per SM (`.minnctapersm`, which caps the registers per thread;
-    none for 0). A preferred shared-memory carveout comes with them where cutlass-dsl takes one (4.8): without it,
-    it asks the device for its shared memory at compile time, which a machine without a GPU cannot answer; 4.3
-    computes one from the launch's shared memory."""
-    if not n:
-        return {}
-    from cutlass.base_dsl.dsl import BaseDSL
-
-    fields = BaseDSL.LaunchConfig.__dataclass_fields__
-    return {"min_blocks_per_mp": n, **({"preferred_smem_carveout": 0} if "preferred_smem_carveout" in fields else {})}
-
-
 def pdl_setting() -> str:
     """KIMI_DECODE_PDL: "1" every kernel under PDL, "0" none, "auto" (default) where the backend asks for it for the
     layer it runs (`set_layer_pdl`)."""

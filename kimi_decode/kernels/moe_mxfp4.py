@@ -31,7 +31,7 @@ import os
 import torch
 
 from .cute_common import (HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, env_int, fake_like, launch,
-                          min_ctas_launch, mx_alu, mx_packed, norm_weight_first, signature, sm_count)
+                          mx_alu, mx_packed, norm_weight_first, signature, sm_count)
 
 if HAVE_CUTE:
     from .cute_common import (count_done, last_cta, load4, mma_lanes, pdl_launch_dependents, pdl_reads_ahead,
@@ -369,8 +369,7 @@ if HAVE_CUTE:
         """act[p, j] = SiTU-GLU(w1[e_p, j] . x_p, w3[e_p, j] . x_p) for j < used."""
 
         def __init__(self, latent: int, inter: int, used: int, topk: int, max_warps: int = WARPS,
-                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0,
-                     row_tiles: int = 1, min_ctas: int = 0):
+                     x_once: bool = False, prefetch: bool = False, quad_major: int = 0, first: int = 0):
             """`w_scale` comes as int32 words (4 scale bytes each); K is split over up to `max_warps` warps in whole
             quads (`quad_split`), read with 16-byte loads (`quad_words`). `x_once` (`w13_x_once`): each warp turns
             its slice of the token's activations into mma operands once, into shared memory (`stage_x`), instead of
@@ -381,14 +380,7 @@ if HAVE_CUTE:
             row when they come in `quad_major` order (then no word exchange), 0 for natural rows. `first`
             (`w13_first`): the quads of each warp whose weight words and scales are loaded before the activations'
             staging, so that they are on their way beside the activations instead of after them (ptxas keeps that
-            order; the others are loaded as the mma loop reaches them). `row_tiles` (`w13_row_tiles`): tiles of
-            ROWS13 intermediate rows per warp (and CTA), each group's activation operands shared by their mma: 2
-            gives each warp two independent chains and the grid half the CTAs. `min_ctas` (`w13_min_ctas`): CTAs per
-            SM that its registers must allow, 0 the compiler's choice."""
-            self.min_ctas = min_ctas
-            if used % (ROWS13 * row_tiles):
-                raise ValueError(f"MoE w13: {used} used rows do not split into tiles of {ROWS13 * row_tiles}")
-            self.row_tiles = row_tiles
+            order; the others are loaded as the mma loop reaches them)."""
             self.I, self.used, self.topk = inter, used, topk
             self.qm = quad_major
             self.prefetch = prefetch
@@ -429,8 +421,7 @@ if HAVE_CUTE:
             gX = cute.zipped_divide(x, (1, 4))  # int32 pairs of bf16: ((1,4), (B, L/8))
             gW = cute.zipped_divide(w, (1, 1, 4))  # one MX group (16 bytes) per tile: ((1,1,4), (E, 2I, L/32))
             self.kernel(gX, ids, gW, w_scale, act).launch(
-                grid=[self.used // (ROWS13 * self.row_tiles), P, 1], block=[32 * self.warps, 1, 1], stream=stream,
-                use_pdl=self.pdl_launch, **min_ctas_launch(self.min_ctas))
+                grid=[self.used // ROWS13, P, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.pdl_launch)
 
         @cute.kernel
         def kernel(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor,
@@ -440,66 +431,59 @@ if HAVE_CUTE:
             pdl_launch_dependents(self.pdl)
             pdl_wait(self.pdl)
             smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13 * self.row_tiles, self.warps)), 16)
+            red = smem.allocate_tensor(Float32, cute.make_layout((2 * ROWS13, self.warps)), 16)
             xbuf = self.alloc_x(smem)
             self.tile(gX, ids, gW, w_scale, act, red, xbuf, bx, p, tidx)
 
         @cute.jit
         def tile(self, gX: cute.Tensor, ids: cute.Tensor, gW: cute.Tensor, w_scale: cute.Tensor, act: cute.Tensor,
                  red: cute.Tensor, xbuf: cute.Tensor, bx, p, tidx):
-            """Intermediate rows bx * ROWS13 * row_tiles .. of pair p: the whole kernel but for its shared memory,
-            `red` [2 ROWS13 row_tiles, warps] fp32 and `xbuf` (`alloc_x`) (`MoEExperts` runs it as its first
-            stage, at one row tile)."""
+            """Intermediate rows bx * ROWS13 .. of pair p: the whole kernel but for its shared memory, `red`
+            [2 ROWS13, warps] fp32 and `xbuf` (`alloc_x`) (`MoEExperts` runs it as its first stage)."""
             warp, lane, g, t = mma_lanes(tidx)
-            R = self.row_tiles
-            j = bx * (ROWS13 * R) + g  # row tile r holds rows j + r ROWS13
+            j = bx * ROWS13 + g
             b = p // self.topk
             e = ids[b, p % self.topk]
             if cutlass.const_expr(self.prefetch):
                 for it in cutlass.range_constexpr(self.per_warp):
                     G0 = (warp * self.per_warp + it) * QUAD
-                    for r in cutlass.range_constexpr(R):
-                        prefetch_l2(gW[(None, (e, j + r * ROWS13, G0 + t))])
-                        prefetch_l2(gW[(None, (e, self.I + j + r * ROWS13, G0 + t))])
-            early = [[self.quad_weights(gW, w_scale, e, j + r * ROWS13, warp, it, t) for r in range(R)]
-                     for it in range(self.first)]
+                    prefetch_l2(gW[(None, (e, j, G0 + t))])
+                    prefetch_l2(gW[(None, (e, self.I + j, G0 + t))])
+            early = [self.quad_weights(gW, w_scale, e, j, warp, it, t) for it in range(self.first)]
             if cutlass.const_expr(self.x_once):
                 self.stage_x(gX, xbuf, b, warp, lane)
-            acc1 = [Float32(0.0) for _ in range(R)]
-            acc3 = [Float32(0.0) for _ in range(R)]
+            acc1 = Float32(0.0)
+            acc3 = Float32(0.0)
             for it in cutlass.range_constexpr(self.per_warp):
                 G0 = (warp * self.per_warp + it) * QUAD
-                ws = early[it] if it < len(early) else [
-                    self.quad_weights(gW, w_scale, e, j + r * ROWS13, warp, it, t) for r in range(R)]
+                u1, u3, sw1, sw3 = self.quad_weights(gW, w_scale, e, j, warp, it, t, early)
                 for i in cutlass.range_constexpr(QUAD):
-                    for r in cutlass.range_constexpr(R):
-                        u1, u3, sw1, sw3 = ws[r]
-                        if cutlass.const_expr(self.x_once):
-                            bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
-                            c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0)
-                            d1, d3 = c[0], c[2]
-                        else:
-                            xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
-                            d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
-                        acc1[r] = acc1[r] + d1 * mx_scale_of(sw1, i)
-                        acc3[r] = acc3[r] + d3 * mx_scale_of(sw3, i)
+                    if cutlass.const_expr(self.x_once):
+                        bs = load4(xbuf[None, warp * self.units + (it * QUAD + i) * 4 + t])
+                        c = operand_mma(u1[i], u3[i], [bs[0], bs[1], bs[2], bs[3]], self.qm != 0)
+                        d1, d3 = c[0], c[2]
+                    else:
+                        xs = load4(gX[(None, (b, (G0 + i) * 4 + t))])
+                        d1, d3 = _group_mma(u1[i], u3[i], [xs[0], xs[1], xs[2], xs[3]], True, self.qm != 0)
+                    acc1 = acc1 + d1 * mx_scale_of(sw1, i)
+                    acc3 = acc3 + d3 * mx_scale_of(sw3, i)
             if t == 0:
-                for r in cutlass.range_constexpr(R):
-                    red[2 * ROWS13 * r + g, warp] = acc1[r]
-                    red[2 * ROWS13 * r + ROWS13 + g, warp] = acc3[r]
+                red[g, warp] = acc1
+                red[ROWS13 + g, warp] = acc3
             cute.arch.barrier()
-            for r in cutlass.range_constexpr(R):  # warp r sums row tile r
-                if warp == r and t == 0:
-                    h1 = Float32(0.0)
-                    h3 = Float32(0.0)
-                    for i in cutlass.range_constexpr(self.warps):
-                        h1 = h1 + red[2 * ROWS13 * r + g, i]
-                        h3 = h3 + red[2 * ROWS13 * r + ROWS13 + g, i]
-                    act[p, j + r * ROWS13] = situ_glu(h1, h3).to(act.element_type)
+            if warp == 0 and t == 0:
+                h1 = Float32(0.0)
+                h3 = Float32(0.0)
+                for i in cutlass.range_constexpr(self.warps):
+                    h1 = h1 + red[g, i]
+                    h3 = h3 + red[ROWS13 + g, i]
+                act[p, j] = situ_glu(h1, h3).to(act.element_type)
 
-        def quad_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, e, j, warp, it: int, t):
-            """Quad `it` of this warp for row j: the w1 and w3 words (`quad_words`) and their four scale bytes each
-            (a plain function, inlined where it is called)."""
+        def quad_weights(self, gW: cute.Tensor, w_scale: cute.Tensor, e, j, warp, it: int, t, loaded=()):
+            """Quad `it` of this warp for row j: the w1 and w3 words (`quad_words`) and their four scale bytes each,
+            or `loaded[it]` where those were loaded already (a plain function, inlined where it is called)."""
+            if it < len(loaded):
+                return loaded[it]
             G0 = (warp * self.per_warp + it) * QUAD
             return (quad_words(gW, e, j, G0, t, self.qm), quad_words(gW, e, self.I + j, G0, t, self.qm),
                     w_scale[e, j, G0 // QUAD], w_scale[e, self.I + j, G0 // QUAD])
@@ -888,30 +872,14 @@ W13_SMALL_WARPS = 4  # warps of the w13 kernel where its 7-warp grid would not f
 W13_CTAS_PER_SM = 5  # 7-warp w13 CTAs the H200's register file holds per SM (48 registers; ncu, NOTES v15)
 
 
-def w13_row_tiles(used: int) -> int:
-    """Row tiles of ROWS13 intermediate rows per warp of the per-pair w13 kernel (`KIMI_DECODE_W13_TILES`: "1", the
-    default, or "2"; `MoEW13Act`'s `row_tiles`): with 2 each warp runs two independent mma chains on the same
-    activation operands, in half the CTAs. Where `used` does not split into tiles of 2 ROWS13 rows, 1."""
-    tiles = int(env_choice("KIMI_DECODE_W13_TILES", "1", ("1", "2")))
-    return tiles if used % (ROWS13 * tiles) == 0 else 1
-
-
-def w13_min_ctas() -> int:
-    """KIMI_DECODE_W13_MIN_CTAS: CTAs of the plain per-pair w13 kernel that its registers must let share an SM (ptxas
-    `.minnctapersm`), for A/B timing; 0, the default, leaves it to the compiler. At two row tiles per warp
-    (`w13_row_tiles`) the 7-warp kernel takes 96 registers, 2 CTAs per SM: 384 CTAs at TP8 one token are 1.5
-    waves; 3 caps it so that they are one."""
-    return env_int("KIMI_DECODE_W13_MIN_CTAS", 0, 0, 9, "CTAs per SM")
-
-
-def w13_warps(used: int, tokens: int, topk: int, row_tiles: int = 1) -> int:
+def w13_warps(used: int, tokens: int, topk: int) -> int:
     """At most how many warps split K in the w13 kernel (`KIMI_DECODE_W13_WARPS`: "auto", the default, or 1 to
-    WARPS). auto: W13_SMALL_WARPS at one token where the CTAs of the 7-warp split (of `row_tiles` row tiles each)
-    would be more than one wave (TP8 at one row tile: 768 CTAs for 660 places; measured 1.3 us faster there, but
-    3.5 to 5.8 us slower at TP16 and at batch 8), else WARPS."""
+    WARPS). auto: W13_SMALL_WARPS at one token where the CTAs of the 7-warp split would be more than one
+    wave (TP8: 768 CTAs for 660 places; measured 1.3 us faster there, but 3.5 to 5.8 us slower at TP16 and at batch
+    8), else WARPS."""
     raw = env_choice("KIMI_DECODE_W13_WARPS", "auto", ("auto", *(str(n) for n in range(1, WARPS + 1))))
     if raw == "auto":
-        ctas = used // (ROWS13 * row_tiles) * tokens * topk
+        ctas = used // ROWS13 * tokens * topk
         return W13_SMALL_WARPS if tokens == 1 and ctas > W13_CTAS_PER_SM * sm_count() else WARPS
     return int(raw)
 
@@ -1004,12 +972,10 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
 
     def plain_w13():
         a13 = _w13_args(latent, ids, w13, w13_scale, act)
-        tiles = w13_row_tiles(used)
-        cap = w13_warps(used, B, k, tiles)
-        first, min_ctas = w13_first(B, quad_split(L, cap)[1]), w13_min_ctas()  # first "all": a count
-        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, first, tiles, min_ctas)
-        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, tiles, min_ctas,
-                               *signature(*a13)), op, *(fake_like(t, align=16) for t in a13))
+        cap = w13_warps(used, B, k)
+        op = MoEW13Act(L, I, used, k, cap, x_once, pf, qm13, w13_first(B, quad_split(L, cap)[1]))  # "all": a count
+        return compile_kernel(("moe_w13_act", used, cap, x_once, pf, qm13, op.first, *signature(*a13)), op,
+                              *(fake_like(t, align=16) for t in a13))
 
     if shared is not None:  # the shared experts' GEMVs ride along (gate/up in w13's unless done already, down in w2's)
         gate_up, hx, s_act, down, s_out = shared
