@@ -801,7 +801,7 @@ def test_shared_down_lanes_setting(monkeypatch):
     from kimi_decode.kernels.moe_mxfp4 import shared_down_lanes
 
     monkeypatch.delenv("KIMI_DECODE_SHARED_DOWN_LANES", raising=False)
-    assert [shared_down_lanes(S) for S in (192, 384, 768, 1536, 6144)] == [8, 8, 16, 32, 32]
+    assert [shared_down_lanes(S) for S in (8, 192, 384, 768, 1536, 6144)] == [8, 8, 8, 16, 32, 32]
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "auto")
     assert shared_down_lanes(768) == 16
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "32")

@@ -925,12 +925,13 @@ def shared_down_lanes(shared_inter: int) -> int:
     (`KIMI_DECODE_SHARED_DOWN_LANES`: "auto", the default, or 32 / 16 / 8 / 4; a row of K = `shared_inter` is K / 8
     16-byte slices). auto: as many lanes as give each lane SHARED_DOWN_SLICES slices of a row, from 8 to 32 (TP16:
     8 lanes, four rows per warp; TP8: 16, two rows). On the H200 (NOTES, v19) 8 lanes were 0.7 / 1.0 us per layer
-    faster than one row per warp at TP16 / TP8, and even with 4 lanes per row; at TP8 16 lanes were 0.4-0.9 us
-    faster than 8 on the H100 (item 102), where at TP16 they were even to 0.5 us slower."""
+    faster than one row per warp at TP16 / TP8, and even with 4 lanes per row; on the H100 16 lanes were 0.3-0.7 us
+    per KDA layer faster than 8 at TP8 and even to 0.5 us slower at TP16 (items 102, 103)."""
     raw = env_choice("KIMI_DECODE_SHARED_DOWN_LANES", "auto", ("auto", *SHARED_DOWN_LANES))
     if raw != "auto":
         return int(raw)
-    return min(32, max(8, 1 << ((shared_inter // 8 // SHARED_DOWN_SLICES).bit_length() - 1)))
+    slices = shared_inter // 8 // SHARED_DOWN_SLICES
+    return min(32, max(8, 1 << max(slices.bit_length() - 1, 0)))
 
 
 def w2_early(tokens: int) -> bool:
