@@ -796,19 +796,16 @@ def test_moe_w13_with_its_weights_asked_of_l2_compiles_for_sm90a(sm90a_pdl, monk
 
 
 def test_shared_down_lanes_setting(monkeypatch):
-    """KIMI_DECODE_SHARED_DOWN_LANES: under auto 6 slices of a row per lane, from 8 to 32 lanes (TP16's 384-wide rows
-    8, TP8's 768 16, TP1's 6144 32); the value given otherwise; others refused."""
+    """KIMI_DECODE_SHARED_DOWN_LANES: 8 lanes per row under auto, the value given otherwise; others refused."""
     from kimi_decode.kernels.moe_mxfp4 import shared_down_lanes
 
     monkeypatch.delenv("KIMI_DECODE_SHARED_DOWN_LANES", raising=False)
-    assert [shared_down_lanes(S) for S in (8, 192, 384, 768, 1536, 6144)] == [8, 8, 8, 16, 32, 32]
-    monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "auto")
-    assert shared_down_lanes(768) == 16
+    assert shared_down_lanes() == 8
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "32")
-    assert shared_down_lanes(384) == 32
+    assert shared_down_lanes() == 32
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", "2")
     with pytest.raises(ValueError, match="KIMI_DECODE_SHARED_DOWN_LANES must be one of auto, 32, 16, 8, 4"):
-        shared_down_lanes(384)
+        shared_down_lanes()
 
 
 def test_w13_activation_setting(monkeypatch):

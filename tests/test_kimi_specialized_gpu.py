@@ -441,12 +441,12 @@ def test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, pad, act_r
     assert rel_err(s_out, a @ w.shared_down.double().T) < BF16_TOL
 
 
-@pytest.mark.parametrize("lanes", ["32", "16", "8", "4"])
+@pytest.mark.parametrize("lanes", ["32", "16", "4"])
 @pytest.mark.parametrize("tp", [16, 8])
 def test_moe_mxfp4_with_the_shared_down_rows_side_by_side_matches_float64(monkeypatch, lanes, tp):
     """The shared experts' down-projection CTAs in the w2 kernel with 32 // lanes rows side by side in each warp
-    (KIMI_DECODE_SHARED_DOWN_LANES; the default, 8 at TP16 and 16 at TP8, runs in the test this calls), also with the
-    gate/up in the w13 kernel's CTAs."""
+    (KIMI_DECODE_SHARED_DOWN_LANES; the default 8 runs in the test this calls), also with the gate/up in the w13
+    kernel's CTAs."""
     monkeypatch.setenv("KIMI_DECODE_SHARED_DOWN_LANES", lanes)
     test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, True, True)
     test_moe_mxfp4_with_the_shared_experts_inside_matches_float64(tp, False, False)

@@ -917,21 +917,16 @@ def w13_first(tokens: int, quads: int) -> int:
 
 
 SHARED_DOWN_LANES = ("32", "16", "8", "4")
-SHARED_DOWN_SLICES = 6  # 16-byte slices of a shared down row per lane that `shared_down_lanes`' auto aims for
 
 
-def shared_down_lanes(shared_inter: int) -> int:
+def shared_down_lanes() -> int:
     """Lanes per output row of the shared experts' down-projection CTAs in the w2 kernel
-    (`KIMI_DECODE_SHARED_DOWN_LANES`: "auto", the default, or 32 / 16 / 8 / 4; a row of K = `shared_inter` is K / 8
-    16-byte slices). auto: as many lanes as give each lane SHARED_DOWN_SLICES slices of a row, from 8 to 32 (TP16:
-    8 lanes, four rows per warp; TP8: 16, two rows). On the H200 (NOTES, v19) 8 lanes were 0.7 / 1.0 us per layer
-    faster than one row per warp at TP16 / TP8, and even with 4 lanes per row; on the H100 16 lanes were 0.3-0.7 us
-    per KDA layer faster than 8 at TP8 and even to 0.5 us slower at TP16 (items 102, 103)."""
+    (`KIMI_DECODE_SHARED_DOWN_LANES`: "auto", the default, or 32 / 16 / 8 / 4; a row of K = the shared intermediate
+    width is K / 8 16-byte slices). auto: 8, four rows per warp, each lane 6 (TP16) or 12 (TP8) slices of a row;
+    on the H200 (NOTES, v19) 0.7 / 1.0 us per layer faster than one row per warp at TP16 / TP8, and even with 4
+    lanes per row."""
     raw = env_choice("KIMI_DECODE_SHARED_DOWN_LANES", "auto", ("auto", *SHARED_DOWN_LANES))
-    if raw != "auto":
-        return int(raw)
-    slices = shared_inter // 8 // SHARED_DOWN_SLICES
-    return min(32, max(8, 1 << max(slices.bit_length() - 1, 0)))
+    return 8 if raw == "auto" else int(raw)
 
 
 def w2_early(tokens: int) -> bool:
@@ -994,7 +989,7 @@ def compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ss
                                  MoEW13ActShared(L, I, used, k, H, S, split, x_once, pf, qm13),
                                  *(fake_like(t, align=16) for t in a13))
         a2 = (*w2_args, down, s_act, s_out)
-        lanes, pre = shared_down_lanes(S), w2_pre_wait()
+        lanes, pre = shared_down_lanes(), w2_pre_wait()
         f2 = compile_kernel(("moe_w2_sum_shared", used, scaled is not None, early, chunk, lanes, qm2, pre,
                              norm_first, *signature(*a2)),
                             MoEW2SumShared(used, k, scaled is not None, L, H, S, early, chunk, scale_words, lanes,
