@@ -7,11 +7,12 @@ kernels as the layer does at batch 1, on the expert codes the backend gives them
 quad-major, packed and compact copies: `_expert_codes`); w13 the plain kernel; w2 the one with the shared experts'
 down-projection in CTAs of its own and the routed sum's bf16(out * norm weight) written for the MoE tail. Cold:
 each launch takes the next of `--sets` routing sets (16 experts of the layer drawn at random) and, for w2, the next
-of as many copies of the shared down weight, so its rows are mostly not in L2 (a TP8 layer's w13 holds ~1.2 GB); hot: every launch the same set and copy, whose
-rows stay in L2 (w13 23 / 12 MB at TP8 / TP16, w2 with the shared down 23 / 11). The launches run back to back in a
-CUDA graph (each waits for the one before, no PDL), so a launch's time is the kernel's whole chain: ids,
-activations, weights, the mma work and the reduction, and the ~1.2 us a kernel costs in a graph. Hot against cold
-says how much of it fetching the weights from HBM rather than L2 is; hot still moves them, from L2.
+of as many copies of the shared down weight, so its rows are mostly not in L2 (a TP8 layer's w13 holds ~1.2 GB);
+hot: every launch the same set and copy, whose rows stay in L2 (w13 23 / 12 MB at TP8 / TP16, w2 with the shared
+down 23 / 11). The launches run back to back in a CUDA graph (each waits for the one before, no PDL), so a
+launch's time is the kernel's whole chain: ids, activations, weights, the mma work and the reduction, and the ~1.2
+us a kernel costs in a graph. Hot against cold says how much of it fetching the weights from HBM rather than L2 is;
+hot still moves them, from L2.
 """
 import argparse
 import os
