@@ -1304,35 +1304,6 @@ def test_attn_res_reads_blocks_before_the_wait_as_a_variant_of_its_own(sm90a, mo
 
 
 @needs_cute
-@pytest.mark.parametrize("cluster", ["2", "4", "8"])
-def test_attn_res_in_a_cluster_compiles_for_sm90a_as_a_variant_of_its_own(sm90a_pdl, monkeypatch, cluster):
-    """KIMI_DECODE_ATTN_RES_CLUSTER: every form decode_layer calls compiles with the row split over a cluster, apart
-    from the one-CTA kernel; a row that does not split into whole 16-byte slices per CTA and other values are refused
-    by name."""
-    from kimi_decode.kernels.attn_res import cluster_size, compile_attn_res
-
-    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_CLUSTER", raising=False)
-    assert cluster_size() == 1
-    flags = dict(n_blocks=3, commit=False, delta_mode=1, use_partial=True, eps=1e-5)
-    one, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_CLUSTER", cluster)
-    assert cluster_size() == int(cluster)
-    split, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-    assert one is not None and split is not None and one is not split
-    for batch in (1, 8, 64):
-        for n_blocks, commit, delta_mode, use_partial in ATTN_RES_FLAGS:
-            assert compile_attn_res(*_attn_res_args(batch, delta=delta_mode > 0), n_blocks=n_blocks, commit=commit,
-                                    delta_mode=delta_mode, use_partial=use_partial, eps=1e-5)[0] is not None
-    assert compile_attn_res(*_attn_res_args(1, hidden=256, num_blocks=3), n_blocks=2, commit=False, delta_mode=1,
-                            use_partial=True, eps=1e-5)[0] is not None
-    with pytest.raises(ValueError, match="does not split into"):
-        compile_attn_res(*_attn_res_args(1, hidden=36, num_blocks=3), **flags)
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_CLUSTER", "16")
-    with pytest.raises(ValueError, match="KIMI_DECODE_ATTN_RES_CLUSTER must be one of 1, 2, 4, 8"):
-        compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-
-
-@needs_cute
 def test_attn_res_refuses_bad_arguments():
     from kimi_decode.kernels.attn_res import attn_res
 

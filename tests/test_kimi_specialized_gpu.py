@@ -1233,32 +1233,6 @@ def test_attn_res_with_its_loads_slice_by_slice_matches_float64(monkeypatch, bat
     test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, "1")
 
 
-@pytest.mark.parametrize("cluster", ["2", "4", "8"])
-@pytest.mark.parametrize("pdl, early", [("0", "1"), ("1", "1"), ("1", "0")])
-@pytest.mark.parametrize("batch, hidden, strided", [(1, 7168, False), (8, 7168, True), (64, 7168, False),
-                                                    (1, 256, False)])
-def test_attn_res_in_a_cluster_matches_float64(monkeypatch, cluster, batch, hidden, strided, pdl, early):
-    """KIMI_DECODE_ATTN_RES_CLUSTER: each sequence's row split over a cluster of 2, 4 or 8 CTAs that exchange their
-    sums through distributed shared memory; every AttnRes form, as `test_attn_res_matches_float64`."""
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_CLUSTER", cluster)
-    test_attn_res_matches_float64(monkeypatch, batch, hidden, strided, pdl, early)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_specialized_layer_with_attn_res_in_a_cluster_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_ATTN_RES_CLUSTER=8 in whole layers (under PDL at batch 1)."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_ATTN_RES_CLUSTER", "8", tp, batch, 5410)
-
-
-@pytest.mark.parametrize("cluster", ["4", "8"])
-def test_attn_res_in_a_cluster_replays_in_a_graph_like_eager(monkeypatch, cluster):
-    """AttnRes over a cluster of CTAs under PDL, captured in a CUDA graph: replays give the eager steps' results."""
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_CLUSTER", cluster)
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    _check_graph_replays_like_eager(16)
-
-
 @pytest.mark.parametrize("K", [768, 1536])
 @pytest.mark.parametrize("n_blocks, delta_mode", [(0, 2), (3, 1)])
 def test_oproj_attn_res_last_with_the_loads_slice_by_slice_matches_float64(monkeypatch, K, n_blocks, delta_mode):

@@ -20,29 +20,20 @@ The Triton kernel is latency-bound (one block-wide reduction per candidate, in s
 Candidate slices stay in registers as far as the register file allows (the most recent ones: the partial and the
 newly committed block first); the older blocks are read a second time for the mix (L1 / L2 hits).
 n_blocks, commit, delta_mode and use_partial are compile-time constants.
-
-With `KIMI_DECODE_ATTN_RES_CLUSTER=C` (2, 4 or 8; 1, one CTA per sequence, is the default) a sequence's row is split
-between the C CTAs of a thread-block cluster, each owning H / C of it, so that the row's bytes (up to 9 candidates
-of 28 KB at H = 7168) go through C SMs instead of one. Each CTA reduces its own partial sums as above, then pushes
-its totals into every CTA's shared memory (`st.shared::cluster`), and after a cluster barrier each CTA adds the C
-totals in the same order, so all of them take the same softmax weights and the same RMSNorm scale; the mix's sum
-of squares goes the same way. A cluster barrier at the start (its wait just before the first push) makes sure every
-CTA of the cluster runs before its shared memory is written.
 """
 from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, fake_like, launch, signature
 
 if HAVE_CUTE:
-    from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait, store_cluster_f32
+    from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait
 
 VEC = 4  # fp32 per 16-byte access
 MAX_THREADS = 512
 REG_FILE = 65536  # 32-bit registers per SM (one CTA per row, so the CTA may use all of them)
 REG_RESERVE = 24  # registers per thread kept free for addresses, indices, loop state
-CLUSTER_SIZES = ("1", "2", "4", "8")  # the portable cluster sizes
 
 
 def plan(hidden: int) -> tuple[int, int]:
@@ -68,12 +59,6 @@ def loads_first() -> bool:
     after another. On the H200 "1" was 0.3-1.0 us faster per KDA layer at TP16 batches 1 and 8, and even elsewhere
     (benchmarks/NOTES.md, item 86)."""
     return env_flag("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
-
-
-def cluster_size() -> int:
-    """CTAs per sequence (`KIMI_DECODE_ATTN_RES_CLUSTER`: "1", the default, "2", "4" or "8"; a thread-block cluster
-    when above 1)."""
-    return int(env_choice("KIMI_DECODE_ATTN_RES_CLUSTER", "1", CLUSTER_SIZES))
 
 
 def _next_pow2(n: int) -> int:
@@ -118,20 +103,16 @@ if HAVE_CUTE:
 
     class AttnRes:
         def __init__(self, hidden: int, n_blocks: int, commit: bool, delta_mode: int, use_partial: bool,
-                     eps: float, cluster: int = 1):
+                     eps: float):
             self.H, self.NB, self.commit, self.delta_mode, self.use_partial = (
                 hidden, n_blocks, bool(commit), int(delta_mode), bool(use_partial))
             self.eps = float(eps)
             self.blocks_early = blocks_early()
             self.loads_first = loads_first()
-            self.n4 = hidden // VEC
-            if self.n4 % cluster:
-                raise ValueError(f"attn_res: a row of {hidden} does not split into {cluster} CTAs of 16-byte slices")
-            self.C = int(cluster)  # CTAs per sequence
-            self.span = self.n4 // self.C  # 16-byte slices per CTA
-            self.T, self.K = plan(hidden // self.C)
+            self.T, self.K = plan(hidden)
             self.W = self.T // 32
-            self.exact = self.T * self.K == self.span
+            self.n4 = hidden // VEC
+            self.exact = self.T * self.K == self.n4
             self.NC = n_blocks + int(self.use_partial)  # candidates
             self.P = 2 * _next_pow2(self.NC)  # reduced values: dots at [0, P/2), sums of squares at [P/2, P)
             self.NCP = -(-self.NC // VEC) * VEC  # softmax weights, padded to whole 16-byte loads
@@ -147,19 +128,13 @@ if HAVE_CUTE:
             self.R = min(self.NC, max(fit, special, 1))
             self.resident = list(range(self.NC - self.R, self.NC))
             self.reload = list(range(self.NC - self.R))  # plain blocks, read-only here
-            self.XS = self.C * (self.P + 1)  # cluster exchange: C x P score totals, then C sums of squares
 
         @cute.jit
         def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, delta: cute.Tensor, query: cute.Tensor,
                      key_norm: cute.Tensor, input_norm: cute.Tensor, out: cute.Tensor, stream):
             gB, gP, gD, gQ, gK, gN, gO = self.tiles(blocks, partial, delta, query, key_norm, input_norm, out)
-            if cutlass.const_expr(self.C == 1):
-                self.kernel(gB, gP, gD, gQ, gK, gN, gO).launch(grid=[partial.shape[0], 1, 1], block=[self.T, 1, 1],
-                                                               stream=stream, use_pdl=self.pdl_launch)
-            else:
-                self.kernel(gB, gP, gD, gQ, gK, gN, gO).launch(grid=[partial.shape[0] * self.C, 1, 1],
-                                                               block=[self.T, 1, 1], cluster=[self.C, 1, 1],
-                                                               stream=stream, use_pdl=self.pdl_launch)
+            self.kernel(gB, gP, gD, gQ, gK, gN, gO).launch(grid=[partial.shape[0], 1, 1], block=[self.T, 1, 1],
+                                                           stream=stream, use_pdl=self.pdl_launch)
 
         @staticmethod
         def tiles(blocks, partial, delta, query, key_norm, input_norm, out) -> tuple:
@@ -173,19 +148,11 @@ if HAVE_CUTE:
         def kernel(self, gB: cute.Tensor, gP: cute.Tensor, gD: cute.Tensor, gQ: cute.Tensor, gK: cute.Tensor,
                    gN: cute.Tensor, gO: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
-            bid, _, _ = cute.arch.block_idx()
+            b, _, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
             smem = cutlass.utils.SmemAllocator()
             red, sW, red2 = self.allocate(smem)
-            if cutlass.const_expr(self.C == 1):
-                self.body(gB, gP, gD, gQ, gK, gN, gO, bid, tidx, red, sW, red2, self.pdl)
-            else:
-                # the peers' shared memory is written only once all of them run: this arrive's wait comes before
-                # the first push (`softmax_weights`)
-                cute.arch.cluster_arrive_relaxed()
-                xs = smem.allocate_tensor(Float32, cute.make_layout(self.XS), 16)
-                self.body(gB, gP, gD, gQ, gK, gN, gO, bid // self.C, tidx, red, sW, red2, self.pdl,
-                          rank=bid % self.C, xs=xs)
+            self.body(gB, gP, gD, gQ, gK, gN, gO, b, tidx, red, sW, red2, self.pdl)
 
         def allocate(self, smem):
             """The shared memory `body` uses, from the kernel's one allocator."""
@@ -258,11 +225,10 @@ if HAVE_CUTE:
         @cute.jit
         def body(self, gB: cute.Tensor, gP: cute.Tensor, gD: cute.Tensor, gQ: cute.Tensor, gK: cute.Tensor,
                  gN: cute.Tensor, gO: cute.Tensor, b: Int32, tidx: Int32, red: cute.Tensor, sW: cute.Tensor,
-                 red2: cute.Tensor, pdl: cutlass.Constexpr, rank=None, xs=None):
+                 red2: cute.Tensor, pdl: cutlass.Constexpr):
             """Sequence b's AttnRes step by the T threads of one CTA (the whole kernel but for its launch and shared
             memory, so that another kernel's last CTA can run it); with `pdl` it waits for the previous kernel after
-            loading the weights. In a cluster (C > 1) the CTA of `rank` takes slices [rank * span, (rank + 1) * span)
-            of the row, and `xs` is its part of the cluster's exchange buffer."""
+            loading the weights."""
             lane = tidx % 32
             warp = tidx // 32
             K, T, NC, P = self.K, self.T, self.NC, self.P
@@ -275,11 +241,10 @@ if HAVE_CUTE:
             tmp = cute.make_rmem_tensor((VEC,), Float32)
             for k in cutlass.range_constexpr(K):
                 j = tidx + T * k
-                g = self.at(j, rank)
-                if self.exact or j < self.span:
-                    _load4(gQ[(None, g)], qk[(None, k)])
-                    _load4(gK[(None, g)], tmp)
-                    _load4(gN[(None, g)], nrm[(None, k)])
+                if self.exact or j < self.n4:
+                    _load4(gQ[(None, j)], qk[(None, k)])
+                    _load4(gK[(None, j)], tmp)
+                    _load4(gN[(None, j)], nrm[(None, k)])
                     for e in cutlass.range_constexpr(VEC):
                         qk[e, k] = qk[e, k] * tmp[e]
             vals = cute.make_rmem_tensor((VEC, K, self.R), Float32)
@@ -292,9 +257,8 @@ if HAVE_CUTE:
             if cutlass.const_expr(early):
                 for k in cutlass.range_constexpr(K):
                     j = tidx + T * k
-                    g = self.at(j, rank)
-                    if self.exact or j < self.span:
-                        self.plain_blocks(gB, b, g, k, vals, acc, qk, tmp)
+                    if self.exact or j < self.n4:
+                        self.plain_blocks(gB, b, j, k, vals, acc, qk, tmp)
             pdl_wait(pdl)
 
             # residual update / commit, then the candidates' partial sums
@@ -304,34 +268,27 @@ if HAVE_CUTE:
             if cutlass.const_expr(first):
                 for k in cutlass.range_constexpr(K):
                     j = tidx + T * k
-                    g = self.at(j, rank)
-                    if self.exact or j < self.span:
-                        self.update_loads(gP, gD, b, g, k, vals, dls[(None, k)])
+                    if self.exact or j < self.n4:
+                        self.update_loads(gP, gD, b, j, k, vals, dls[(None, k)])
                 for k in cutlass.range_constexpr(K):
                     j = tidx + T * k
-                    g = self.at(j, rank)
-                    if self.exact or j < self.span:
-                        self.update_stores(gB, gP, b, g, k, vals, dls[(None, k)])
+                    if self.exact or j < self.n4:
+                        self.update_stores(gB, gP, b, j, k, vals, dls[(None, k)])
             for k in cutlass.range_constexpr(K):
                 j = tidx + T * k
-                g = self.at(j, rank)
-                if self.exact or j < self.span:
+                if self.exact or j < self.n4:
                     if cutlass.const_expr(not first):
-                        self.update_loads(gP, gD, b, g, k, vals, dl, gB)
+                        self.update_loads(gP, gD, b, j, k, vals, dl, gB)
                     if cutlass.const_expr(not early):
-                        self.plain_blocks(gB, b, g, k, vals, acc, qk, tmp)
+                        self.plain_blocks(gB, b, j, k, vals, acc, qk, tmp)
                     for r in cutlass.range_constexpr(self.R):
                         s = self.NC - self.R + r
                         for e in cutlass.range_constexpr(VEC):
                             acc[s] = acc[s] + vals[e, k, r] * qk[e, k]
                             acc[P // 2 + s] = acc[P // 2 + s] + vals[e, k, r] * vals[e, k, r]
 
-            wts = self.softmax_weights(acc, tidx, lane, warp, red, sW, red2, rank=rank, xs=xs)
-            self.mix_and_store(gB, gO, b, tidx, lane, warp, vals, wts, nrm, tmp, red2, rank=rank, xs=xs)
-
-        def at(self, j, rank):
-            """Slice j of this CTA's part of the row as an index into the whole row (a plain function, inlined)."""
-            return j if rank is None else j + rank * self.span
+            wts = self.softmax_weights(acc, tidx, lane, warp, red, sW, red2)
+            self.mix_and_store(gB, gO, b, tidx, lane, warp, vals, wts, nrm, tmp, red2)
 
         @cute.jit
         def sums_to_smem(self, acc: cute.Tensor, lane: Int32, warp: Int32, red: cute.Tensor):
@@ -352,30 +309,16 @@ if HAVE_CUTE:
 
         @cute.jit
         def softmax_weights(self, acc: cute.Tensor, tidx: Int32, lane: Int32, warp: Int32, red: cute.Tensor,
-                            sW: cute.Tensor, red2: cute.Tensor, rank=None, xs=None) -> cute.Tensor:
+                            sW: cute.Tensor, red2: cute.Tensor) -> cute.Tensor:
             """The softmax weights of the candidates, in every thread's registers, from each thread's partial sums
-            `acc` (dots at [0, P/2), sums of squares at [P/2, P)); also zeroes red2's padding for `mix_and_store`.
-            In a cluster the sums are the cluster's: each CTA's P totals go to every CTA's `xs`."""
+            `acc` (dots at [0, P/2), sums of squares at [P/2, P)); also zeroes red2's padding for `mix_and_store`."""
             NC, P = self.NC, self.P
             # one block reduction of all 2 NC sums: transposing butterfly, shared memory, warp 0 finishes
             self.sums_to_smem(acc, lane, warp, red)
-            if cutlass.const_expr(xs is not None):
-                cute.arch.cluster_wait()  # the kernel's first arrive: every CTA of the cluster runs
-                if warp == 0:
-                    if lane < P:
-                        mine = self.summed(red, lane)
-                        for c in cutlass.range_constexpr(self.C):
-                            store_cluster_f32(xs, rank * P + lane, c, mine)
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
             if warp == 0:
                 t = Float32(0.0)
                 if lane < P:
-                    if cutlass.const_expr(xs is None):
-                        t = self.summed(red, lane)
-                    else:
-                        for c in cutlass.range_constexpr(self.C):  # the same order in every CTA
-                            t = t + xs[c * P + lane]
+                    t = self.summed(red, lane)
                 ssq = cute.arch.shuffle_sync_down(t, offset=P // 2)
                 valid = lane < NC
                 score = _sel(valid, t * cute.math.rsqrt(ssq * Float32(1.0 / self.H) + Float32(self.eps)),
@@ -398,23 +341,20 @@ if HAVE_CUTE:
 
         @cute.jit
         def mix_and_store(self, gB: cute.Tensor, gO: cute.Tensor, b: Int32, tidx: Int32, lane: Int32, warp: Int32,
-                          vals: cute.Tensor, wts: cute.Tensor, nrm: cute.Tensor, tmp: cute.Tensor, red2: cute.Tensor,
-                          rank=None, xs=None):
+                          vals: cute.Tensor, wts: cute.Tensor, nrm: cute.Tensor, tmp: cute.Tensor, red2: cute.Tensor):
             """out = bf16(mix * rstd(mix) * input_norm) for this thread's slices: the mix of the resident candidates
-            `vals` (the R newest) and the plain blocks read again, weighted by `wts`. In a cluster the mix's sum of
-            squares is the cluster's (each CTA's total to every CTA's `xs`, after its score totals)."""
+            `vals` (the R newest) and the plain blocks read again, weighted by `wts`."""
             K, T = self.K, self.T
             # the mix (in place of the newest candidate's registers) and its sum of squares
             mss = Float32(0.0)
             for k in cutlass.range_constexpr(K):
                 j = tidx + T * k
-                g = self.at(j, rank)
-                if self.exact or j < self.span:
+                if self.exact or j < self.n4:
                     for e in cutlass.range_constexpr(VEC):
                         tmp[e] = Float32(0.0)
                     for s in cutlass.range_constexpr(len(self.reload)):
                         mv = cute.make_rmem_tensor((VEC,), Float32)
-                        _load4(gB[(None, (b, s, g))], mv)
+                        _load4(gB[(None, (b, s, j))], mv)
                         for e in cutlass.range_constexpr(VEC):
                             tmp[e] = tmp[e] + wts[s] * mv[e]
                     for r in cutlass.range_constexpr(self.R):
@@ -436,26 +376,15 @@ if HAVE_CUTE:
             total = Float32(0.0)
             for i in cutlass.range_constexpr(self.W4):
                 total = total + parts[i]
-            if cutlass.const_expr(xs is not None):
-                base = self.C * self.P
-                if tidx == 0:
-                    for c in cutlass.range_constexpr(self.C):
-                        store_cluster_f32(xs, base + rank, c, total)
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()  # after it no CTA touches another's shared memory: all may exit
-                total = Float32(0.0)
-                for c in cutlass.range_constexpr(self.C):  # the same order in every CTA
-                    total = total + xs[base + c]
             rstd = cute.math.rsqrt(total * Float32(1.0 / self.H) + Float32(self.eps))
 
             o = cute.make_rmem_tensor((VEC,), BFloat16)
             for k in cutlass.range_constexpr(K):
                 j = tidx + T * k
-                g = self.at(j, rank)
-                if self.exact or j < self.span:
+                if self.exact or j < self.n4:
                     for e in cutlass.range_constexpr(VEC):
                         o[e] = (vals[e, k, self.R - 1] * rstd * nrm[e, k]).to(BFloat16)
-                    cute.autovec_copy(o, gO[(None, (b, g))])
+                    cute.autovec_copy(o, gO[(None, (b, j))])
 
 
 def _check(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks, commit, delta_mode, use_partial):
@@ -507,10 +436,9 @@ def _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks,
     if not delta_mode:
         delta = out  # not read; any bf16 [B, H] tensor of the right layout keeps the signature fixed
     args = (blocks, partial, delta, query, key_norm, input_norm, out)
-    cluster = cluster_size()
     key = ("attn_res", int(n_blocks), bool(commit), int(delta_mode), bool(use_partial), float(eps), blocks_early(),
-           loads_first(), cluster, *signature(*args))
-    fn = compile_kernel(key, AttnRes(partial.shape[1], n_blocks, commit, delta_mode, use_partial, eps, cluster),
+           loads_first(), *signature(*args))
+    fn = compile_kernel(key, AttnRes(partial.shape[1], n_blocks, commit, delta_mode, use_partial, eps),
                         *(fake_like(t, align=_align(t)) for t in args))
     return fn, args
 
