@@ -22,6 +22,7 @@ import torch
 
 from graph_timing import launch_us
 from kimi_decode.backends import get_backend
+from kimi_decode.bench import expert_stage_bytes
 from kimi_decode.config import shard
 from kimi_decode.kernels.cute_common import launch
 from kimi_decode.kernels.moe_mxfp4 import _w2_args, _w13_args, compile_moe
@@ -86,8 +87,8 @@ def time_shard(tp: int) -> None:
     shared = (torch.empty(2 * S, H, dtype=bf, device="cuda"), torch.empty(1, H, dtype=bf, device="cuda"), s_act,
               downs[0], s_out)
     # the rows the math reads (codes and scales; w2 with the shared down weight)
-    mb = {"w13": k * 2 * used * (L // 2 + L // 32) / 1e6,
-          "w2": (k * L * (used // 2 + used // 32) + 2 * H * S) / 1e6}
+    w13_bytes, w2_bytes = expert_stage_bytes(w, used)
+    mb = {"w13": k * w13_bytes / 1e6, "w2": (k * w2_bytes + 2 * H * S) / 1e6}
 
     def build():
         """The expert codes as a backend made under the setting gives them, and the two kernels compiled for them."""

@@ -34,11 +34,17 @@ from .weights import DenseMLPWeights, LayerWeights, MoEWeights
 HBM_BYTES_PER_S = 4.3e12
 
 
-def expert_bytes(w: MoEWeights, used_inter: int, group: int = 32) -> int:
-    """MXFP4 bytes (codes and scales) of one expert's slice that the math needs: padding rows excluded."""
+def expert_stage_bytes(w: MoEWeights, used_inter: int, group: int = 32) -> tuple[int, int]:
+    """MXFP4 bytes (codes and scales) of one expert's slice that each stage's math needs, (w1 and w3, w2): padding
+    rows excluded."""
     latent = w.w2.shape[1]
     per_row = latent // 2 + latent // group  # a w1/w3 row over the latent width
-    return 2 * used_inter * per_row + latent * (used_inter // 2 + used_inter // group)
+    return 2 * used_inter * per_row, latent * (used_inter // 2 + used_inter // group)
+
+
+def expert_bytes(w: MoEWeights, used_inter: int, group: int = 32) -> int:
+    """MXFP4 bytes (codes and scales) of one expert's slice that the math needs: padding rows excluded."""
+    return sum(expert_stage_bytes(w, used_inter, group))
 
 
 def layer_bytes(lw: LayerWeights, state, routes: torch.Tensor | None, batch: int, used_inter: int,
