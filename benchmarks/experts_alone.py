@@ -17,6 +17,7 @@ hot still moves them, from L2.
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -58,16 +59,8 @@ if not torch.cuda.is_available():
 def with_setting(setting: str, fn):
     """fn() with the setting's environment variables set, restored afterwards."""
     pairs = [] if setting == "defaults" else [kv.split("=", 1) for kv in setting.split(",")]  # (`setting_arg`)
-    saved = {k: os.environ.get(k) for k, _ in pairs}
-    os.environ.update(dict(pairs))
-    try:
+    with mock.patch.dict(os.environ, dict(pairs)):
         return fn()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def time_shard(tp: int) -> None:
