@@ -14,7 +14,13 @@ copies rotate between replays). The chain is timed as one CUDA graph in four for
   after it: what a kernel that can hold that much of its weights until its input arrives could do. With
   `--w13-waits` the w13 stage waits first in both early forms (mode `...+w13w`): its weight addresses are the expert
   ids the kernel before writes. Under PDL every kernel lets the next one launch at its start, or with
-  `--trigger wait` right after its own wait, as the `latency_specialized` kernels do (mode `...+tw`).
+  `--trigger wait` right after its own wait, as the `latency_specialized` kernels do (mode `...+tw`);
+- `grid-wait`, `grid-firstN` (`--grid-first N`): the 8 stages as one kernel, one grid whose CTAs take tickets in the
+  order they start; the first tickets run the first stage, the next ones the second, and so on. A CTA of a later
+  stage reads its first N x 32 KB (none in `grid-wait`), then waits until every CTA of the stage before has counted
+  itself done (an acquire poll on a global counter), then reads the rest. No kernel boundary, no launch: what a
+  persistent layer kernel, whose stages hand over through counters instead of grid completion, could reach.
+  `--w13-waits` applies as above.
 
 Medians of graph replays timed with CUDA events; % of floor = bytes / 4.3 TB/s over the time. Since the real kernels
 also compute and wait on dependent loads, these are upper bounds on what the layer's kernels can reach.
@@ -47,10 +53,18 @@ TRIGGERS = ("start", "wait")
 DISTINCT_SEEN = {1: 16, 8: 101, 64: 300}
 
 
-def first_iters(mode: str) -> int | None:
-    """N of a "pdl-firstN" mode (N > 0), else None."""
-    n = mode[len("pdl-first"):] if mode.startswith("pdl-first") else ""
+def first_iters(mode: str, prefix: str = "pdl-first") -> int | None:
+    """N of a "pdl-firstN" mode (or of `prefix` N) with N > 0, else None."""
+    n = mode[len(prefix):] if mode.startswith(prefix) else ""
     return int(n) if n.isdigit() and int(n) > 0 else None
+
+
+def grid_early(mode: str) -> int | None:
+    """The 32 KB iterations each CTA of a one-grid chain reads before its wait: 0 for "grid-wait", N for
+    "grid-firstN", None for any other mode."""
+    if mode == "grid-wait":
+        return 0
+    return first_iters(mode, "grid-first")
 
 
 def plan(nbytes: int, sms: int) -> tuple[int, int]:
@@ -117,6 +131,83 @@ if HAVE_CUTE:
                 if cutlass.const_expr(self.mode == "pdl-early"):
                     self.wait()
             out[bidx * THREADS + tidx] = acc
+
+
+if HAVE_CUTE:
+    from kimi_decode.kernels.cute_common import count_done, last_cta, take_ticket, wait_count
+
+    class TicketChain:
+        """The stages' reads as one grid: `plans` [(ctas, iterations)] per stage, stage s's vectors at `offsets[s]`
+        of `data` in StreamRead's order, `early[s]` iterations read before the wait (stage 0 waits for nothing).
+        `counters` [stages + 1] int32, 0 at launch: [0] hands out the tickets, [1 + s] counts stage s's CTAs done;
+        the last CTA of the last stage sets them all back to 0, so the kernel replays in a CUDA graph as it is."""
+
+        def __init__(self, plans: list[tuple[int, int]], early: list[int]):
+            self.plans, self.early = plans, [min(e, it) for e, (_, it) in zip(early, plans)]
+            self.starts, self.offsets = [], []
+            t = v = 0
+            for ctas, iters in plans:
+                self.starts.append(t)
+                self.offsets.append(v)
+                t += ctas
+                v += ctas * iters * THREADS * UNROLL
+            self.ctas, self.vectors = t, v
+
+        @cute.jit
+        def iterations(self, data: cute.Tensor, first, acc, ctas: int, start: int, stop: int):
+            """StreamRead.iterations over a stage of `ctas` CTAs."""
+            for it in cutlass.range(start, stop, unroll=1):
+                base = first + it * (ctas * THREADS * UNROLL)
+                vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
+                for v in vals:
+                    acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
+            return acc
+
+        @cute.jit
+        def __call__(self, data: cute.Tensor, out: cute.Tensor, counters: cute.Tensor, stream):
+            self.kernel(data, out, counters).launch(grid=[self.ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, data: cute.Tensor, out: cute.Tensor, counters: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            smem = cutlass.utils.SmemAllocator()
+            slot = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            ticket = take_ticket(counters, slot, tidx)
+            S = len(self.plans)
+            for s in cutlass.range_constexpr(S):
+                ctas, iters = self.plans[s]
+                if ticket >= self.starts[s]:
+                    if ticket < self.starts[s] + ctas:
+                        cta = ticket - self.starts[s]
+                        first = self.offsets[s] + cta * (THREADS * UNROLL) + tidx
+                        acc = Int32(0)
+                        E = self.early[s] if s > 0 else iters
+                        if cutlass.const_expr(E > 0):
+                            acc = self.iterations(data, first, acc, ctas, 0, E)
+                        if cutlass.const_expr(s > 0):
+                            wait_count(counters, s, self.plans[s - 1][0], tidx)
+                        if cutlass.const_expr(E < iters):
+                            acc = self.iterations(data, first, acc, ctas, E, iters)
+                        out[ticket * THREADS + tidx] = acc
+                        if cutlass.const_expr(s < S - 1):
+                            count_done(counters, s + 1, tidx)
+                        else:
+                            if last_cta(counters, flag, tidx, ctas, S) != 0:
+                                if tidx == 0:
+                                    for i in cutlass.range_constexpr(S):
+                                        counters[i] = Int32(0)
+
+
+def compile_grid(data: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, plans: list[tuple[int, int]],
+                 early: list[int]):
+    """The one-grid chain of `plans` (TicketChain), compiled once; `data` [vectors, 4] int32 holds every stage's
+    vectors in order, `out` one int32 per thread of the grid, `counters` stages + 1 int32 zeros."""
+    op = TicketChain(plans, early)
+    if data.shape != (op.vectors, 4) or out.shape != (op.ctas * THREADS,) or counters.shape != (len(plans) + 1,):
+        raise ValueError("data must be [every stage's vectors, 4], out [grid threads] and counters [stages + 1]")
+    return compile_kernel(("ticket_chain", tuple(plans), tuple(op.early), *signature(data, out, counters)), op,
+                          fake_like(data), fake_like(out), fake_like(counters))
 
 
 def compile_read(data: torch.Tensor, out: torch.Tensor, ctas: int, iters: int, mode: str, trigger: str = "start"):
@@ -211,6 +302,48 @@ class Chain:
         return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
 
 
+def expected_xor(data: torch.Tensor, plans: list[tuple[int, int]]) -> torch.Tensor:
+    """What every thread of a one-grid chain (or of StreamRead, one stage) stores: the XOR of its stage's vectors
+    that it reads, in ticket order."""
+    outs, v = [], 0
+    for ctas, iters in plans:
+        n = ctas * iters * THREADS * UNROLL
+        x = data[v:v + n].view(iters, ctas, UNROLL, THREADS, 4).permute(1, 3, 0, 2, 4).reshape(ctas, THREADS, -1)
+        acc = torch.zeros(ctas, THREADS, dtype=data.dtype, device=data.device)
+        for j in range(x.shape[-1]):
+            acc ^= x[..., j]
+        outs.append(acc.reshape(-1))
+        v += n
+    return torch.cat(outs)
+
+
+class GridChain(Chain):
+    """The stages' reads as one kernel (`TicketChain`), each CTA reading `early` iterations before its wait (0 for
+    the stages in `waits_first`), `copies` buffer sets, one CUDA graph per set."""
+
+    def __init__(self, sizes: list[int], early: int, copies: int, sms: int, waits_first: tuple[int, ...] = ()):
+        plans = [plan(n, sms) for n in sizes]
+        per_stage = [0 if i in waits_first else early for i in range(len(sizes))]
+        self.graphs = []
+        for _ in range(copies):
+            op = TicketChain(plans, per_stage)
+            data = torch.randint(-2**31, 2**31 - 1, (op.vectors, 4), dtype=torch.int32, device="cuda")
+            out = torch.empty(op.ctas * THREADS, dtype=torch.int32, device="cuda")
+            counters = torch.zeros(len(plans) + 1, dtype=torch.int32, device="cuda")
+            fn = compile_grid(data, out, counters, plans, per_stage)
+            self.bytes = data.numel() * 4
+            launch(fn, data, out, counters)  # warm-up (and module load) outside the capture
+            torch.cuda.synchronize()
+            if counters.any():
+                raise RuntimeError("stream_chain: the one-grid chain left its counters set")
+            if not torch.equal(out, expected_xor(data, plans)):
+                raise RuntimeError("stream_chain: the one-grid chain's CTAs did not each read their stage's vectors")
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                launch(fn, data, out, counters)
+            self.graphs.append((g, (data, out, counters)))
+
+
 def row(tp: int, batch: int, what: str, mode: str, kernels: int, chain: Chain, replays: int) -> dict:
     """One table row: the chain timed, its bytes and their share of the floor."""
     us = chain.time_us(replays)
@@ -229,6 +362,9 @@ def main(argv=None) -> int:
                         help="also the chain with each CTA reading its first N x 32 KB before its wait (pdl-firstN)")
     parser.add_argument("--w13-waits", action="store_true",
                         help="in pdl-early / pdl-firstN, the w13 stage still waits first (its expert ids)")
+    parser.add_argument("--grid-first", type=int, nargs="*", default=None, metavar="N",
+                        help="also the chain as one grid handing over through counters: grid-wait, and grid-firstN "
+                             "for each N given (no N: grid-wait only)")
     parser.add_argument("--trigger", choices=TRIGGERS, default="start",
                         help="under PDL, each kernel lets the next launch at its start or after its wait (mode +tw)")
     parser.add_argument("--no-alone", dest="alone", action="store_false", help="skip timing each stage alone")
@@ -252,6 +388,11 @@ def main(argv=None) -> int:
                 rows.append(row(tp, batch, "layer", mode + tag, 1 if mode == "fused" else len(sizes),
                                 Chain(sizes, mode, args.copies, sms, waits_first=waits, trigger=args.trigger),
                                 args.replays))
+            grid = [] if args.grid_first is None else [0, *(n for n in args.grid_first if n > 0)]
+            for n in grid:
+                waits = (names.index("w13"),) if args.w13_waits and n > 0 else ()
+                mode = ("grid-wait" if n == 0 else f"grid-first{n}") + ("+w13w" if waits else "")
+                rows.append(row(tp, batch, "layer", mode, 1, GridChain(sizes, n, args.copies, sms, waits), args.replays))
             torch.cuda.empty_cache()
     print(f"{'tp':>3}{'batch':>6}  {'what':<16}{'mode':<16}{'kernels':>8}{'MB':>9}{'us':>9}{'% floor':>9}")
     for r in rows:

@@ -54,3 +54,41 @@ def test_stream_read_compiles_for_sm90a(monkeypatch, mode, trigger):
             sc.compile_read(data, out, ctas, iters, bad, trigger)
     with pytest.raises(ValueError, match="trigger must be"):
         sc.compile_read(data, out, ctas, iters, mode, "end")
+
+
+def test_grid_modes_parse():
+    assert sc.grid_early("grid-wait") == 0
+    assert sc.grid_early("grid-first2") == 2
+    for other in ("grid-first0", "grid-firstx", "pdl-first1", "pdl-wait"):
+        assert sc.grid_early(other) is None
+
+
+@pytest.mark.skipif(not cute_common.HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
+@pytest.mark.parametrize("early", [[0] * 8, [1] * 8, [1, 1, 1, 1, 1, 0, 1, 1]])
+def test_one_grid_chain_compiles_for_sm90a(monkeypatch, early):
+    """The layer's 8 stand-in stages as one ticketed grid, each CTA's first iteration before its wait or none."""
+    monkeypatch.setenv("KIMI_DECODE_CUTE_ARCH", "sm_90a")
+    plans = [sc.plan(n, 132) for _, n in sc.stages(16, 1)]
+    op = sc.TicketChain(plans, early)
+    assert op.ctas == sum(c for c, _ in plans)
+    assert op.vectors * 16 >= sum(n for _, n in sc.stages(16, 1))
+    data = torch.empty(op.vectors, 4, dtype=torch.int32)
+    out = torch.empty(op.ctas * sc.THREADS, dtype=torch.int32)
+    counters = torch.zeros(len(plans) + 1, dtype=torch.int32)
+    assert sc.compile_grid(data, out, counters, plans, early) is not None
+    with pytest.raises(ValueError, match="counters"):
+        sc.compile_grid(data, out, counters[1:], plans, early)
+
+
+def test_expected_xor_follows_the_read_order():
+    """Thread (cta, t) of a stage reads vectors it * (ctas * T * U) + cta * (T * U) + u * T + t: flipping one word of
+    one such vector changes that thread's expected value and no other."""
+    plans = [(2, 3), (1, 1)]
+    n = sum(c * i for c, i in plans) * sc.THREADS * sc.UNROLL
+    data = torch.randint(-2**31, 2**31 - 1, (n, 4), dtype=torch.int32)
+    base = sc.expected_xor(data, plans)
+    assert base.shape == (3 * sc.THREADS,)
+    it, cta, u, t = 2, 1, 5, 7
+    data[it * (2 * sc.THREADS * sc.UNROLL) + cta * (sc.THREADS * sc.UNROLL) + u * sc.THREADS + t, 3] ^= 1
+    changed = (sc.expected_xor(data, plans) != base).nonzero().flatten().tolist()
+    assert changed == [cta * sc.THREADS + t]
