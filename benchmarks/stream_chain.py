@@ -20,7 +20,8 @@ copies rotate between replays). The chain is timed as one CUDA graph in four for
   stage reads its first N x 32 KB (none in `grid-wait`), then waits until every CTA of the stage before has counted
   itself done (an acquire poll on a global counter), then reads the rest. No kernel boundary, no launch: what a
   persistent layer kernel, whose stages hand over through counters instead of grid completion, could reach.
-  `--w13-waits` applies as above.
+  `--w13-waits` applies as above. With `--handover flag` (mode `...+flag`) the waiters poll a flag that the stage's
+  last CTA sets instead of the count itself, which every CTA of the stage adds to.
 
 Medians of graph replays timed with CUDA events; % of floor = bytes / 4.3 TB/s over the time. Since the real kernels
 also compute and wait on dependent loads, these are upper bounds on what the layer's kernels can reach.
@@ -49,6 +50,8 @@ UNROLL = 8  # 16-byte loads in flight per thread: 32 KB per CTA
 CTAS_PER_SM = 4
 MODES = ("fused", "serial", "pdl-wait", "pdl-early")
 TRIGGERS = ("start", "wait")
+HANDOVERS = ("count", "flag")
+LINE = 32  # int32 words per 128-byte line: each counter of the one-grid chain on a line of its own
 # distinct experts the benchmark's router selects at layer 1 (from `kimi_decode.bench`'s weight bytes, both shards)
 DISTINCT_SEEN = {1: 16, 8: 101, 64: 300}
 
@@ -134,16 +137,29 @@ if HAVE_CUTE:
 
 
 if HAVE_CUTE:
+    from cutlass._mlir.dialects import llvm
+
     from kimi_decode.kernels.cute_common import count_done, last_cta, take_ticket, wait_count
+
+    def store_release(tensor: cute.Tensor, index: int, value: int) -> None:
+        """tensor[index] = value (an int32 in global memory), a release store at gpu scope."""
+        llvm.inline_asm(None, [(tensor.iterator + index).toint().ir_value(), Int32(value).ir_value()],
+                        "st.release.gpu.global.u32 [$0], $1;", "l,r", has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
 
     class TicketChain:
         """The stages' reads as one grid: `plans` [(ctas, iterations)] per stage, stage s's vectors at `offsets[s]`
         of `data` in StreamRead's order, `early[s]` iterations read before the wait (stage 0 waits for nothing).
-        `counters` [stages + 1] int32, 0 at launch: [0] hands out the tickets, [1 + s] counts stage s's CTAs done;
-        the last CTA of the last stage sets them all back to 0, so the kernel replays in a CUDA graph as it is."""
+        `counters` [counter_words(stages)] int32, 0 at launch, each on a 128-byte line of its own (LINE words
+        apart): line 0 hands out the tickets, line 1 + s counts stage s's CTAs done and line 1 + stages + s is
+        stage s's flag. `handover` "count": a CTA of stage s waits until stage s - 1's count reaches its CTAs;
+        "flag": the last CTA of stage s - 1 to count itself (the count's old value says which) sets the flag, and
+        the waiters poll the flag, a line no atomic writes to. The last CTA of the last stage sets every line back
+        to 0, so the kernel replays in a CUDA graph as it is."""
 
-        def __init__(self, plans: list[tuple[int, int]], early: list[int]):
+        def __init__(self, plans: list[tuple[int, int]], early: list[int], handover: str = "count"):
             self.plans, self.early = plans, [min(e, it) for e, (_, it) in zip(early, plans)]
+            self.handover = handover
             self.starts, self.offsets = [], []
             t = v = 0
             for ctas, iters in plans:
@@ -175,6 +191,7 @@ if HAVE_CUTE:
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
             ticket = take_ticket(counters, slot, tidx)
             S = len(self.plans)
+            flagged = self.handover == "flag"
             for s in cutlass.range_constexpr(S):
                 ctas, iters = self.plans[s]
                 if ticket >= self.starts[s]:
@@ -186,28 +203,43 @@ if HAVE_CUTE:
                         if cutlass.const_expr(E > 0):
                             acc = self.iterations(data, first, acc, ctas, 0, E)
                         if cutlass.const_expr(s > 0):
-                            wait_count(counters, s, self.plans[s - 1][0], tidx)
+                            if cutlass.const_expr(flagged):
+                                wait_count(counters, (1 + S + s - 1) * LINE, 1, tidx)
+                            else:
+                                wait_count(counters, s * LINE, self.plans[s - 1][0], tidx)
                         if cutlass.const_expr(E < iters):
                             acc = self.iterations(data, first, acc, ctas, E, iters)
                         out[ticket * THREADS + tidx] = acc
-                        if cutlass.const_expr(s < S - 1):
-                            count_done(counters, s + 1, tidx)
+                        if cutlass.const_expr(s < S - 1 and not flagged):
+                            count_done(counters, (s + 1) * LINE, tidx)
                         else:
-                            if last_cta(counters, flag, tidx, ctas, S) != 0:
+                            if last_cta(counters, flag, tidx, ctas, (s + 1) * LINE) != 0:
                                 if tidx == 0:
-                                    for i in cutlass.range_constexpr(S):
-                                        counters[i] = Int32(0)
+                                    if cutlass.const_expr(s < S - 1):
+                                        store_release(counters, (1 + S + s) * LINE, 1)
+                                    else:
+                                        for i in cutlass.range_constexpr(2 * S + 1):
+                                            counters[i * LINE] = Int32(0)
+
+
+def counter_words(stages: int) -> int:
+    """The int32 words a one-grid chain of `stages` stages counts in: tickets, counts and flags, a line each."""
+    return (2 * stages + 1) * LINE
 
 
 def compile_grid(data: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, plans: list[tuple[int, int]],
-                 early: list[int]):
+                 early: list[int], handover: str = "count"):
     """The one-grid chain of `plans` (TicketChain), compiled once; `data` [vectors, 4] int32 holds every stage's
-    vectors in order, `out` one int32 per thread of the grid, `counters` stages + 1 int32 zeros."""
-    op = TicketChain(plans, early)
-    if data.shape != (op.vectors, 4) or out.shape != (op.ctas * THREADS,) or counters.shape != (len(plans) + 1,):
-        raise ValueError("data must be [every stage's vectors, 4], out [grid threads] and counters [stages + 1]")
-    return compile_kernel(("ticket_chain", tuple(plans), tuple(op.early), *signature(data, out, counters)), op,
-                          fake_like(data), fake_like(out), fake_like(counters))
+    vectors in order, `out` one int32 per thread of the grid, `counters` counter_words(stages) int32 zeros."""
+    if handover not in HANDOVERS:
+        raise ValueError(f"handover must be one of {HANDOVERS}, not {handover!r}")
+    op = TicketChain(plans, early, handover)
+    if (data.shape != (op.vectors, 4) or out.shape != (op.ctas * THREADS,)
+            or counters.shape != (counter_words(len(plans)),)):
+        raise ValueError("data must be [every stage's vectors, 4], out [grid threads] and counters "
+                         "[counter_words(stages)]")
+    return compile_kernel(("ticket_chain", tuple(plans), tuple(op.early), handover,
+                           *signature(data, out, counters)), op, fake_like(data), fake_like(out), fake_like(counters))
 
 
 def compile_read(data: torch.Tensor, out: torch.Tensor, ctas: int, iters: int, mode: str, trigger: str = "start"):
@@ -321,16 +353,17 @@ class GridChain(Chain):
     """The stages' reads as one kernel (`TicketChain`), each CTA reading `early` iterations before its wait (0 for
     the stages in `waits_first`), `copies` buffer sets, one CUDA graph per set."""
 
-    def __init__(self, sizes: list[int], early: int, copies: int, sms: int, waits_first: tuple[int, ...] = ()):
+    def __init__(self, sizes: list[int], early: int, copies: int, sms: int, waits_first: tuple[int, ...] = (),
+                 handover: str = "count"):
         plans = [plan(n, sms) for n in sizes]
         per_stage = [0 if i in waits_first else early for i in range(len(sizes))]
         self.graphs = []
         for _ in range(copies):
-            op = TicketChain(plans, per_stage)
+            op = TicketChain(plans, per_stage, handover)
             data = torch.randint(-2**31, 2**31 - 1, (op.vectors, 4), dtype=torch.int32, device="cuda")
             out = torch.empty(op.ctas * THREADS, dtype=torch.int32, device="cuda")
-            counters = torch.zeros(len(plans) + 1, dtype=torch.int32, device="cuda")
-            fn = compile_grid(data, out, counters, plans, per_stage)
+            counters = torch.zeros(counter_words(len(plans)), dtype=torch.int32, device="cuda")
+            fn = compile_grid(data, out, counters, plans, per_stage, handover)
             self.bytes = data.numel() * 4
             launch(fn, data, out, counters)  # warm-up (and module load) outside the capture
             torch.cuda.synchronize()
@@ -365,6 +398,8 @@ def main(argv=None) -> int:
     parser.add_argument("--grid-first", type=int, nargs="*", default=None, metavar="N",
                         help="also the chain as one grid handing over through counters: grid-wait, and grid-firstN "
                              "for each N given (no N: grid-wait only)")
+    parser.add_argument("--handover", choices=HANDOVERS, nargs="+", default=["count"],
+                        help="how a one-grid stage hands over: its CTAs' count, or a flag its last CTA sets (+flag)")
     parser.add_argument("--trigger", choices=TRIGGERS, default="start",
                         help="under PDL, each kernel lets the next launch at its start or after its wait (mode +tw)")
     parser.add_argument("--no-alone", dest="alone", action="store_false", help="skip timing each stage alone")
@@ -390,9 +425,12 @@ def main(argv=None) -> int:
                                 args.replays))
             grid = [] if args.grid_first is None else [0, *(n for n in args.grid_first if n > 0)]
             for n in grid:
-                waits = (names.index("w13"),) if args.w13_waits and n > 0 else ()
-                mode = ("grid-wait" if n == 0 else f"grid-first{n}") + ("+w13w" if waits else "")
-                rows.append(row(tp, batch, "layer", mode, 1, GridChain(sizes, n, args.copies, sms, waits), args.replays))
+                for how in args.handover:
+                    waits = (names.index("w13"),) if args.w13_waits and n > 0 else ()
+                    mode = (("grid-wait" if n == 0 else f"grid-first{n}") + ("+w13w" if waits else "")
+                            + ("+flag" if how == "flag" else ""))
+                    rows.append(row(tp, batch, "layer", mode, 1, GridChain(sizes, n, args.copies, sms, waits, how),
+                                    args.replays))
             torch.cuda.empty_cache()
     print(f"{'tp':>3}{'batch':>6}  {'what':<16}{'mode':<16}{'kernels':>8}{'MB':>9}{'us':>9}{'% floor':>9}")
     for r in rows:

@@ -64,8 +64,9 @@ def test_grid_modes_parse():
 
 
 @pytest.mark.skipif(not cute_common.HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
+@pytest.mark.parametrize("handover", sc.HANDOVERS)
 @pytest.mark.parametrize("early", [[0] * 8, [1] * 8, [1, 1, 1, 1, 1, 0, 1, 1]])
-def test_one_grid_chain_compiles_for_sm90a(monkeypatch, early):
+def test_one_grid_chain_compiles_for_sm90a(monkeypatch, early, handover):
     """The layer's 8 stand-in stages as one ticketed grid, each CTA's first iteration before its wait or none."""
     monkeypatch.setenv("KIMI_DECODE_CUTE_ARCH", "sm_90a")
     plans = [sc.plan(n, 132) for _, n in sc.stages(16, 1)]
@@ -74,10 +75,12 @@ def test_one_grid_chain_compiles_for_sm90a(monkeypatch, early):
     assert op.vectors * 16 >= sum(n for _, n in sc.stages(16, 1))
     data = torch.empty(op.vectors, 4, dtype=torch.int32)
     out = torch.empty(op.ctas * sc.THREADS, dtype=torch.int32)
-    counters = torch.zeros(len(plans) + 1, dtype=torch.int32)
-    assert sc.compile_grid(data, out, counters, plans, early) is not None
+    counters = torch.zeros(sc.counter_words(len(plans)), dtype=torch.int32)
+    assert sc.compile_grid(data, out, counters, plans, early, handover) is not None
     with pytest.raises(ValueError, match="counters"):
-        sc.compile_grid(data, out, counters[1:], plans, early)
+        sc.compile_grid(data, out, counters[1:], plans, early, handover)
+    with pytest.raises(ValueError, match="handover must be"):
+        sc.compile_grid(data, out, counters, plans, early, "barrier")
 
 
 def test_expected_xor_follows_the_read_order():
