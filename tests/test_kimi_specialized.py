@@ -395,9 +395,6 @@ def test_kernels_compile_with_pdl_for_sm90a(sm90a, monkeypatch, trigger):
     monkeypatch.setenv("KIMI_DECODE_KDA_TRIGGER", "late")  # the KDA kernel's trigger after its inputs are read
     late = compile_kda_decode(*kda[0], **kda[1])
     assert late is not None and late is not with_pdl[0]
-    monkeypatch.setenv("KIMI_DECODE_KDA_TRIGGER", "start")  # the KDA kernel lets the next one launch at its start
-    start = compile_kda_decode(*kda[0], **kda[1])
-    assert start is not None and start is not with_pdl[0] and start is not late
     monkeypatch.delenv("KIMI_DECODE_KDA_TRIGGER")
     monkeypatch.setenv("KIMI_DECODE_PDL_TRIGGER", "early")
     with pytest.raises(ValueError, match="KIMI_DECODE_PDL_TRIGGER must be one of wait, start"):
@@ -487,7 +484,7 @@ def test_kernel_settings_with_a_bad_value_are_refused_by_name(monkeypatch):
 
 @needs_cute
 @pytest.mark.parametrize("name, bad, allowed", [("KIMI_DECODE_KDA_STATE_FIRST", "yes", "0, 1"),
-                                                ("KIMI_DECODE_KDA_TRIGGER", "early", "wait, late, start"),
+                                                ("KIMI_DECODE_KDA_TRIGGER", "early", "wait, late"),
                                                 ("KIMI_DECODE_GEMV_EPI_EARLY", "late", "0, 1")])
 def test_kernel_switches_with_a_bad_value_are_refused_by_name_before_compiling(monkeypatch, name, bad, allowed):
     from kimi_decode.kernels.gemv import compile_gemv
@@ -1303,24 +1300,6 @@ def test_attn_res_reads_blocks_before_the_wait_as_a_variant_of_its_own(sm90a, mo
     assert early is not None and late is not None and early is not late
     monkeypatch.setenv("KIMI_DECODE_ATTN_RES_EARLY", "yes")
     with pytest.raises(ValueError, match="KIMI_DECODE_ATTN_RES_EARLY"):
-        compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-
-
-@needs_cute
-def test_attn_res_trigger_at_its_start_is_a_variant_of_its_own(sm90a, monkeypatch):
-    """KIMI_DECODE_ATTN_RES_TRIGGER: "wait" (the default) and "start" compile apart under PDL; other values are
-    refused by name."""
-    from kimi_decode.kernels.attn_res import compile_attn_res
-
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    flags = dict(n_blocks=3, commit=False, delta_mode=1, use_partial=True, eps=1e-5)
-    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_TRIGGER", raising=False)
-    wait, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_TRIGGER", "start")
-    start, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-    assert wait is not None and start is not None and wait is not start
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_TRIGGER", "late")
-    with pytest.raises(ValueError, match="KIMI_DECODE_ATTN_RES_TRIGGER must be one of wait, start, not 'late'"):
         compile_attn_res(*_attn_res_args(1, delta=True), **flags)
 
 

@@ -327,25 +327,6 @@ def test_pdl_steps_replay_in_a_graph_like_eager(monkeypatch, tp):
     _check_graph_replays_like_eager(tp)
 
 
-@pytest.mark.parametrize("name", ["KIMI_DECODE_ATTN_RES_TRIGGER", "KIMI_DECODE_KDA_TRIGGER"])
-@pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_a_start_trigger_matches_reference(monkeypatch, name, tp):
-    """Under PDL at one token, the AttnRes or the KDA kernel lets the next kernel launch at its start: the layer
-    against float64, outputs poisoned."""
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    _layer_matches_with(monkeypatch, name, "start", tp, 1, 5400 + len(name))
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_start_triggers_replay_in_a_graph_like_eager(monkeypatch, tp):
-    """Both start triggers under PDL, two chained layers (the second AttnRes launches its projection while the first
-    layer's MoE tail runs): graph replays give the eager steps' results."""
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_TRIGGER", "start")
-    monkeypatch.setenv("KIMI_DECODE_KDA_TRIGGER", "start")
-    _check_graph_replays_like_eager(tp)
-
-
 @pytest.mark.parametrize("tp, batch", [(16, 2), (8, 8), (16, 8), (8, 16), (16, 64)])
 def test_specialized_layer_with_the_shared_experts_after_the_latent_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_SHARED_AFTER=latent: the forked shared experts start once the latent down-projection is done."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait
@@ -59,14 +59,6 @@ def loads_first() -> bool:
     after another. On the H200 "1" was 0.3-1.0 us faster per KDA layer at TP16 batches 1 and 8, and even elsewhere
     (benchmarks/NOTES.md, item 86)."""
     return env_flag("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
-
-
-def trigger_start() -> bool:
-    """Whether the AttnRes kernel under PDL lets the next kernel (the input projection, whose early loads are its
-    weights only) launch at its start instead of after its wait (`KIMI_DECODE_ATTN_RES_TRIGGER`: "wait", the default,
-    or "start"). With "start" the projection's CTAs become resident, and copy their first weight slices, while the
-    kernel before AttnRes (the MoE tail's stream) still runs, rather than during AttnRes's own latency chain."""
-    return env_choice("KIMI_DECODE_ATTN_RES_TRIGGER", "wait", ("wait", "start")) == "start"
 
 
 def _next_pow2(n: int) -> int:
@@ -117,7 +109,6 @@ if HAVE_CUTE:
             self.eps = float(eps)
             self.blocks_early = blocks_early()
             self.loads_first = loads_first()
-            self.trigger_start = trigger_start()  # KIMI_DECODE_ATTN_RES_TRIGGER=start (this kernel only)
             self.T, self.K = plan(hidden)
             self.W = self.T // 32
             self.n4 = hidden // VEC
@@ -159,8 +150,6 @@ if HAVE_CUTE:
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
             pdl_launch_dependents(self.pdl)
-            if cutlass.const_expr(self.pdl and self.trigger_start):
-                cute.arch.griddepcontrol_launch_dependents()
             smem = cutlass.utils.SmemAllocator()
             red, sW, red2 = self.allocate(smem)
             self.body(gB, gP, gD, gQ, gK, gN, gO, b, tidx, red, sW, red2, self.pdl)
@@ -270,7 +259,7 @@ if HAVE_CUTE:
                     j = tidx + T * k
                     if self.exact or j < self.n4:
                         self.plain_blocks(gB, b, j, k, vals, acc, qk, tmp)
-            pdl_wait(pdl, trigger=not self.trigger_start)
+            pdl_wait(pdl)
 
             # residual update / commit, then the candidates' partial sums
             dl = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -448,7 +437,7 @@ def _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks,
         delta = out  # not read; any bf16 [B, H] tensor of the right layout keeps the signature fixed
     args = (blocks, partial, delta, query, key_norm, input_norm, out)
     key = ("attn_res", int(n_blocks), bool(commit), int(delta_mode), bool(use_partial), float(eps), blocks_early(),
-           loads_first(), trigger_start(), *signature(*args))
+           loads_first(), *signature(*args))
     fn = compile_kernel(key, AttnRes(partial.shape[1], n_blocks, commit, delta_mode, use_partial, eps),
                         *(fake_like(t, align=_align(t)) for t in args))
     return fn, args

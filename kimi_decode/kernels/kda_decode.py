@@ -24,10 +24,7 @@ written by the last step, not by the kernel before, so those loads are in flight
 under PDL before the wait for the input projection (`KIMI_DECODE_KDA_STATE_FIRST=0`: the state after the conv, as
 measured before v14). Under PDL with the "wait" trigger, `KIMI_DECODE_KDA_TRIGGER=late` lets the next kernel (the
 output projection, which loads its weights before its own wait) launch only once every thread has read its inputs
-(after the first barrier), so that the next kernel's weight stream does not queue in front of them; "start" lets it
-launch at this kernel's start instead, so that its CTAs become resident, and load their weights, while the input
-projection's stream still runs rather than during this kernel's latency chain (what the output projection reads
-before its wait was written three or more kernels back, or is weights).
+(after the first barrier), so that the next kernel's weight stream does not queue in front of them.
 """
 from __future__ import annotations
 
@@ -55,7 +52,7 @@ if HAVE_CUTE:
     class KDADecode:
         def __init__(self, heads: int, head_dim: int, width: int, b_col: int, eps: float, lower_bound: float,
                      f_col: int = -1, f_rank: int = 0, state_first: bool = True, split: int = 1,
-                     trigger: str = "wait", inputs_first: bool = False):
+                     trigger_late: bool = False, inputs_first: bool = False):
             self.H, self.D, self.W = heads, head_dim, width
             self.inputs_first = inputs_first  # the input projection's values loaded right after the wait
             self.d = heads * head_dim
@@ -63,7 +60,7 @@ if HAVE_CUTE:
             self.f_col, self.f_rank = f_col, f_rank  # f_col >= 0: `f` is f_b and the gate input is computed here
             self.state_first = state_first  # the state column's loads first (before the PDL wait), not after the conv
             self.P = split  # thread groups per head: group p owns rows p*D/P .. of every state column
-            self.trigger = trigger  # KIMI_DECODE_KDA_TRIGGER: "wait", "late" or "start"
+            self.trigger_late = trigger_late  # KIMI_DECODE_KDA_TRIGGER=late
 
         @cute.jit
         def __call__(self, y: cute.Tensor, f: cute.Tensor, conv_state: cute.Tensor, conv_w: cute.Tensor,
@@ -109,16 +106,12 @@ if HAVE_CUTE:
             p = tid // D  # the group (warp-uniform)
             ch = h * D + t
             pdl_launch_dependents(self.pdl)
-            start = self.pdl and self.trigger == "start"  # KIMI_DECODE_KDA_TRIGGER=start: this kernel's own
-            if cutlass.const_expr(start):
-                cute.arch.griddepcontrol_launch_dependents()
-            # the trigger after the inputs are read
-            late = self.pdl and self.trigger == "late" and pdl_reads_ahead()
+            late = self.pdl and self.trigger_late and pdl_reads_ahead()  # the trigger after the inputs are read
             # the state, the conv state (both written by the last step, many kernels back) and the weights: loaded
             # before the PDL wait unless kernels may run far ahead
             ahead = not self.pdl or pdl_reads_ahead()
             if cutlass.const_expr(not ahead):
-                pdl_wait(self.pdl, trigger=not start)
+                pdl_wait(self.pdl)
             col = cute.make_rmem_tensor((R,), Float32)
             if cutlass.const_expr(self.state_first):
                 for i in cutlass.range_constexpr(R):
@@ -141,7 +134,7 @@ if HAVE_CUTE:
             dt = dt_bias[ch]
             on = o_norm[t]
             if cutlass.const_expr(ahead):
-                pdl_wait(self.pdl, trigger=not (late or start))
+                pdl_wait(self.pdl, trigger=not late)
 
             smem = cutlass.utils.SmemAllocator()
             sX = smem.allocate_tensor(Float32, cute.make_layout(3 * D), 16)  # q, k, v after the conv and SiLU
@@ -283,11 +276,11 @@ def compile_kda_decode(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out,
     state_first = env_flag("KIMI_DECODE_KDA_STATE_FIRST", "1")
     rank = f.shape[1] if f_col >= 0 else 0
     split = kda_split(D, rank, y.shape[0])
-    trigger = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late", "start"))
+    late = env_choice("KIMI_DECODE_KDA_TRIGGER", "wait", ("wait", "late")) == "late"
     first = inputs_first()
-    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, trigger, first,
+    key = ("kda_decode", b_col, eps, lower_bound, f_col, state_first, split, late, first,
            *signature(y, f, conv_state, conv_w, A_log, dt_bias, S, o_norm, out))
-    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, trigger, first)
+    op = KDADecode(H, D, conv_w.shape[1], b_col, eps, lower_bound, f_col, rank, state_first, split, late, first)
     return compile_kernel(key, op, *(fake_like(t, align=4) for t in (y, f, conv_state, conv_w, A_log, dt_bias, S,
                                                                       o_norm, out)))
 
