@@ -56,18 +56,10 @@ LINE = 32  # int32 words per 128-byte line: each counter of the one-grid chain o
 DISTINCT_SEEN = {1: 16, 8: 101, 64: 300}
 
 
-def first_iters(mode: str, prefix: str = "pdl-first") -> int | None:
-    """N of a "pdl-firstN" mode (or of `prefix` N) with N > 0, else None."""
-    n = mode[len(prefix):] if mode.startswith(prefix) else ""
+def first_iters(mode: str) -> int | None:
+    """N of a "pdl-firstN" mode (N > 0), else None."""
+    n = mode[len("pdl-first"):] if mode.startswith("pdl-first") else ""
     return int(n) if n.isdigit() and int(n) > 0 else None
-
-
-def grid_early(mode: str) -> int | None:
-    """The 32 KB iterations each CTA of a one-grid chain reads before its wait: 0 for "grid-wait", N for
-    "grid-firstN", None for any other mode."""
-    if mode == "grid-wait":
-        return 0
-    return first_iters(mode, "grid-first")
 
 
 def plan(nbytes: int, sms: int) -> tuple[int, int]:
@@ -83,6 +75,17 @@ if HAVE_CUTE:
     from cutlass import Int32
 
     from kimi_decode.kernels.cute_common import load4
+
+    @cute.jit
+    def xor_reads(data: cute.Tensor, first, acc, ctas: int, start: int, stop: int):
+        """The XOR into acc of this thread's vectors of iterations start..stop-1 of a read by `ctas` CTAs, the
+        thread's first vector at `first` (UNROLL loads in flight per iteration)."""
+        for it in cutlass.range(start, stop, unroll=1):
+            base = first + it * (ctas * THREADS * UNROLL)
+            vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
+            for v in vals:
+                acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
+        return acc
 
     class StreamRead:
         """XOR of every 16-byte vector of `data` [vectors, 4] int32, one result per thread into `out`."""
@@ -102,12 +105,7 @@ if HAVE_CUTE:
         @cute.jit
         def iterations(self, data: cute.Tensor, first, acc, start: int, stop: int):
             """The XOR of this thread's vectors of iterations start..stop-1 into acc."""
-            for it in cutlass.range(start, stop, unroll=1):
-                base = first + it * (self.ctas * THREADS * UNROLL)
-                vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
-                for v in vals:
-                    acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
-            return acc
+            return xor_reads(data, first, acc, self.ctas, start, stop)
 
         @cute.jit
         def __call__(self, data: cute.Tensor, out: cute.Tensor, stream):
@@ -170,16 +168,6 @@ if HAVE_CUTE:
             self.ctas, self.vectors = t, v
 
         @cute.jit
-        def iterations(self, data: cute.Tensor, first, acc, ctas: int, start: int, stop: int):
-            """StreamRead.iterations over a stage of `ctas` CTAs."""
-            for it in cutlass.range(start, stop, unroll=1):
-                base = first + it * (ctas * THREADS * UNROLL)
-                vals = [load4(data[base + u * THREADS, None]) for u in range(UNROLL)]
-                for v in vals:
-                    acc = acc ^ v[0] ^ v[1] ^ v[2] ^ v[3]
-            return acc
-
-        @cute.jit
         def __call__(self, data: cute.Tensor, out: cute.Tensor, counters: cute.Tensor, stream):
             self.kernel(data, out, counters).launch(grid=[self.ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
@@ -201,14 +189,14 @@ if HAVE_CUTE:
                         acc = Int32(0)
                         E = self.early[s] if s > 0 else iters
                         if cutlass.const_expr(E > 0):
-                            acc = self.iterations(data, first, acc, ctas, 0, E)
+                            acc = xor_reads(data, first, acc, ctas, 0, E)
                         if cutlass.const_expr(s > 0):
                             if cutlass.const_expr(flagged):
                                 wait_count(counters, (1 + S + s - 1) * LINE, 1, tidx)
                             else:
                                 wait_count(counters, s * LINE, self.plans[s - 1][0], tidx)
                         if cutlass.const_expr(E < iters):
-                            acc = self.iterations(data, first, acc, ctas, E, iters)
+                            acc = xor_reads(data, first, acc, ctas, E, iters)
                         out[ticket * THREADS + tidx] = acc
                         if cutlass.const_expr(s < S - 1 and not flagged):
                             count_done(counters, (s + 1) * LINE, tidx)

@@ -56,13 +56,6 @@ def test_stream_read_compiles_for_sm90a(monkeypatch, mode, trigger):
         sc.compile_read(data, out, ctas, iters, mode, "end")
 
 
-def test_grid_modes_parse():
-    assert sc.grid_early("grid-wait") == 0
-    assert sc.grid_early("grid-first2") == 2
-    for other in ("grid-first0", "grid-firstx", "pdl-first1", "pdl-wait"):
-        assert sc.grid_early(other) is None
-
-
 @pytest.mark.skipif(not cute_common.HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
 @pytest.mark.parametrize("handover", sc.HANDOVERS)
 @pytest.mark.parametrize("early", [[0] * 8, [1] * 8, [1, 1, 1, 1, 1, 0, 1, 1]])
