@@ -1304,6 +1304,24 @@ def test_attn_res_reads_blocks_before_the_wait_as_a_variant_of_its_own(sm90a, mo
 
 
 @needs_cute
+def test_attn_res_late_trigger_is_a_variant_of_its_own(sm90a, monkeypatch):
+    """KIMI_DECODE_ATTN_RES_TRIGGER: "wait" (the default) and "late" compile apart under PDL; other values are refused
+    by name."""
+    from kimi_decode.kernels.attn_res import compile_attn_res
+
+    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
+    flags = dict(n_blocks=3, commit=False, delta_mode=1, use_partial=True, eps=1e-5)
+    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_TRIGGER", raising=False)
+    wait, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_TRIGGER", "late")
+    late, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+    assert wait is not None and late is not None and wait is not late
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_TRIGGER", "start")
+    with pytest.raises(ValueError, match="KIMI_DECODE_ATTN_RES_TRIGGER must be one of wait, late, not 'start'"):
+        compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+
+
+@needs_cute
 def test_attn_res_refuses_bad_arguments():
     from kimi_decode.kernels.attn_res import attn_res
 
