@@ -345,9 +345,9 @@ class GridChain(Chain):
                  handover: str = "count"):
         plans = [plan(n, sms) for n in sizes]
         per_stage = [0 if i in waits_first else early for i in range(len(sizes))]
+        op = TicketChain(plans, per_stage, handover)  # the grid's size and vectors, the same for every copy
         self.graphs = []
         for _ in range(copies):
-            op = TicketChain(plans, per_stage, handover)
             data = torch.randint(-2**31, 2**31 - 1, (op.vectors, 4), dtype=torch.int32, device="cuda")
             out = torch.empty(op.ctas * THREADS, dtype=torch.int32, device="cuda")
             counters = torch.zeros(counter_words(len(plans)), dtype=torch.int32, device="cuda")
