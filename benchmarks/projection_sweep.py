@@ -1,7 +1,8 @@
-"""Per-projection time of cuBLAS, the small-batch GEMV and the two tensor-core projections (split-K, `gemm_tc`, and
-row tiles with K over a CTA's warps, `gemm_tc_rows`), cold L2, by rows.
+"""Per-projection time of cuBLAS, the small-batch GEMV and the tensor-core projections (split-K, `gemm_tc`; row tiles
+with K over a CTA's warps, `gemm_tc_rows`; the warpgroup mma's split-K pipeline, `gemm_wgmma`), cold L2, by rows.
 
     python benchmarks/projection_sweep.py --tp 16 8 --rows 1 2 4 8 16 64
+    python benchmarks/projection_sweep.py --tp 16 8 --rows 32 64 --variants cublas wgmma --plans 64 --blas cublaslt
 
 Each variant runs as a CUDA graph of back-to-back launches over rotated weight copies (more bytes than L2 holds), 20
 replays, the median per launch; bytes are the weights plus x and y; TB/s against the 4.3 TB/s HBM floor.
@@ -16,6 +17,7 @@ from kimi_decode.bench import write_json
 from kimi_decode.config import shard
 from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
 from kimi_decode.kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX, RowsPlan, rows_plan_for, project_rows
+from kimi_decode.kernels.gemm_wgmma import STAGES, WgmmaPlan, project_wgmma, wgmma_plan_for
 from kimi_decode.kernels.gemv import MAX_ROWS as GEMV_ROWS, gemv
 from kimi_decode.testing import projection_shapes
 
@@ -27,10 +29,13 @@ p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
 p.add_argument("--plans", type=int, nargs="*", default=[8, 64], help="rows at which other tilings are timed too")
 p.add_argument("--replays", type=int, default=20)
 p.add_argument("--projections", nargs="*", choices=NAMES, help="only these projections (default: all)")
-p.add_argument("--variants", nargs="*", choices=["cublas", "gemv", "tc", "rows"],
+p.add_argument("--variants", nargs="*", choices=["cublas", "gemv", "tc", "rows", "wgmma"],
                help="only these kernels (default: all)")
+p.add_argument("--blas", choices=["cublas", "cublaslt"], default="cublas",
+               help="torch's BLAS library for the cuBLAS variant (the backend's projections above 16 rows: cublaslt)")
 p.add_argument("--json")
 a = p.parse_args()
+torch.backends.cuda.preferred_blas_library(a.blas)
 dev = torch.device("cuda")
 counters = torch.zeros(1024, dtype=torch.int32, device=dev)
 
@@ -78,6 +83,19 @@ for tp in a.tp:
                             pl = RowsPlan(M, N, K, warps, pipe)
                             variants.append((f"rows w{warps} p{pipe}",
                                              lambda i, pl=pl: project_rows(ws[i], x, y, plan=pl)))
+            if M >= 2:
+                best = wgmma_plan_for(M, N, K)
+                variants.append((f"wgmma g{best.wgs} s{best.splits} st{best.stages} (plan)",
+                                 lambda i, pl=best: project_wgmma(ws[i], x, y, counters, plan=pl)))
+                if M in a.plans:
+                    for wgs in (1, 2):
+                        for stages in sorted({3, STAGES, 6}):
+                            for splits in sorted({max(1, best.splits // 2), best.splits, best.splits * 2}):
+                                pl = WgmmaPlan(M, N, K, wgs, splits, stages)
+                                if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:
+                                    continue
+                                variants.append((f"wgmma g{wgs} s{pl.splits} st{stages}",
+                                                 lambda i, pl=pl: project_wgmma(ws[i], x, y, counters, plan=pl)))
             if a.variants:
                 variants = [(label, fn) for label, fn in variants if label.split()[0] in a.variants]
             for label, fn in variants:

@@ -169,3 +169,41 @@ def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
     assert set(counts["0"]) == set(counts["1"]) == names
     assert all(counts["0"][n] > 0 for n in names), counts
     assert all(counts["1"][n] == 0 for n in names), counts
+
+
+def test_wgmma_projection_compiled_for_sm90a(tmp_path):
+    """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, compiled
+    in a fresh process that keeps its PTX, then assembled: each stage's four `wgmma m64n64k16` on shared-memory
+    descriptors, fenced, committed and waited for in one block; operands staged by 16-byte `cp.async` only; 128
+    threads a warpgroup, no stack, and the CTAs per SM its plan counts on by registers."""
+    pytest.importorskip("cutlass")
+    if kr.ptxas() is None:
+        pytest.skip("no ptxas on this machine")
+    script = textwrap.dedent("""
+        import torch
+        from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for, workspace
+        plan = wgmma_plan_for(64, 7168, 3584)
+        w = torch.empty(7168, 3584, dtype=torch.bfloat16)
+        compile_wgmma_projection(w, torch.empty(64, 3584, dtype=torch.bfloat16), torch.empty(64, 7168),
+                                 workspace(plan, w.device), torch.zeros(plan.groups, dtype=torch.int32),
+                                 accumulate=True, addend=torch.empty(64, 7168, dtype=torch.bfloat16),
+                                 row_scale=(torch.empty(64, 224), 1e-5))
+    """)
+    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), KIMI_DECODE_CUTE_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
+    from kimi_decode.kernels.gemm_wgmma import wgmma_plan_for
+
+    (path,) = tmp_path.glob("*.ptx")
+    lines = path.read_text().splitlines()
+    mma = [ln for ln in lines if "wgmma.mma_async" in ln]
+    assert len(mma) == 4 and all("m64n64k16.f32.bf16.bf16" in ln and "da, db" in ln for ln in mma)
+    assert sum("wgmma.wait_group.sync.aligned 0" in ln for ln in lines) == 1
+    assert sum("wgmma.fence.sync.aligned" in ln for ln in lines) == 1
+    assert any("fence.proxy.async.shared::cta" in ln for ln in lines)
+    copies = [ln for ln in lines if "cp.async." in ln and "commit" not in ln and "wait" not in ln]
+    assert copies and all("cp.async.cg.shared.global" in ln and ", 16" in ln for ln in copies), copies[:3]
+    r = kr.resources(str(path), kr.ptxas())
+    plan = wgmma_plan_for(64, 7168, 3584)
+    assert r["threads"] == 128 * plan.wgs and r["stack"] == 0 and r["registers"] <= plan.regs
+    assert kr.ctas_per_sm_by_registers(r["registers"], r["threads"]) >= plan.per_sm

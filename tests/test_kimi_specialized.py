@@ -1070,6 +1070,70 @@ def test_tensor_core_moe_tail_compiles_for_sm90a(sm90a):
 
 @needs_cute
 @pytest.mark.parametrize("n, k", TC_SHAPES)
+def test_wgmma_projection_compiles_for_sm90a(sm90a, n, k):
+    """The warpgroup-mma projection at 17, 40 and 64 tokens on every projection shape, storing bf16 and accumulating
+    into fp32 with an addend; its PTX is the warpgroup mma with both operands from shared-memory descriptors."""
+    from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for, workspace
+
+    for rows in (17, 40, 64):
+        plan = wgmma_plan_for(rows, n, k)
+        w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(rows, k, dtype=torch.bfloat16)
+        counters = torch.zeros(plan.groups, dtype=torch.int32)
+        ws = workspace(plan, w.device)
+        assert compile_wgmma_projection(w, x, torch.empty(rows, n, dtype=torch.bfloat16), ws, counters)[0] is not None
+        assert compile_wgmma_projection(w, x, torch.empty(rows, n), ws, counters, accumulate=True,
+                                        addend=torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
+
+
+@pytest.mark.parametrize("rows", [2, 17, 33, 64])
+def test_wgmma_plan_fills_one_wave_within_its_limits(rows):
+    from kimi_decode.kernels.gemm_tc import GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT
+    from kimi_decode.kernels.gemm_wgmma import KS, SMEM_LIMIT, wgmma_plan_for
+
+    for tp in (16, 8):
+        for n, k in projection_shapes(shard("k3", tp=tp)):
+            p = wgmma_plan_for(rows, n, k, 132)
+            assert p.ctas <= p.per_sm * 132 and p.smem_bytes <= SMEM_LIMIT, (n, k, p.key())
+            assert (p.splits - 1) * p.per_split < k // KS <= p.splits * p.per_split  # every split has work
+            assert p.groups * 64 * p.wgs >= n > (p.groups - 1) * 64 * p.wgs
+            assert p.partial_bytes <= PARTIALS_LIMIT * n * k * 2
+            assert p.group_partial_bytes <= GROUP_PARTIALS_LIMIT
+            assert p.cols == 8 * -(-rows // 8) and p.cols % 8 == 0 and p.cols <= 64
+            if n * k >= 3584 * 7168:  # the big streams use every SM
+                assert p.ctas >= 132, (n, k, p.key())
+
+
+def test_wgmma_plan_refuses_a_pipeline_of_one_stage():
+    from kimi_decode.kernels.gemm_wgmma import WgmmaPlan
+
+    with pytest.raises(ValueError, match="2 stages"):
+        WgmmaPlan(64, 7168, 3584, 1, 2, stages=1)
+
+
+@needs_cute
+def test_wgmma_projection_refuses_bad_shapes():
+    from kimi_decode.kernels.gemm_wgmma import WgmmaPlan, project_wgmma
+
+    w, c = torch.empty(64, 256, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rows"):
+        project_wgmma(w, torch.empty(65, 256, dtype=torch.bfloat16), torch.empty(65, 64), c)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        project_wgmma(torch.empty(64, 224, dtype=torch.bfloat16), torch.empty(32, 224, dtype=torch.bfloat16),
+                      torch.empty(32, 64), c)
+    with pytest.raises(ValueError, match="chain"):
+        project_wgmma(w, torch.empty(32, 128, dtype=torch.bfloat16), torch.empty(32, 64), c)
+    with pytest.raises(ValueError, match="fp32 y"):
+        project_wgmma(w, torch.empty(32, 256, dtype=torch.bfloat16), torch.empty(32, 64, dtype=torch.bfloat16), c,
+                      accumulate=True)
+    with pytest.raises(ValueError, match="counters"):
+        project_wgmma(w, torch.empty(32, 256, dtype=torch.bfloat16), torch.empty(32, 64), c.float())
+    with pytest.raises(ValueError, match="not for this shape"):
+        project_wgmma(w, torch.empty(32, 256, dtype=torch.bfloat16), torch.empty(32, 64), c,
+                      plan=WgmmaPlan(64, 64, 256, 1, 1))
+
+
+@needs_cute
+@pytest.mark.parametrize("n, k", TC_SHAPES)
 def test_row_tile_projection_compiles_for_sm90a(sm90a, n, k):
     from kimi_decode.kernels.gemm_tc_rows import compile_rows_projection
 

@@ -31,19 +31,22 @@ def eager_then_graphed(run, reset, check, times: int = 2) -> None:
 
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("kernel, rows", [("gemv", 1), ("gemv", 3), ("gemv", 8), ("tc", 2), ("tc", 9), ("tc", 33),
-                                          ("tc", 64), ("rows", 2), ("rows", 5), ("rows", 8), ("rows", 16)])
+                                          ("tc", 64), ("rows", 2), ("rows", 5), ("rows", 8), ("rows", 16),
+                                          ("wgmma", 9), ("wgmma", 17), ("wgmma", 40), ("wgmma", 64)])
 def test_projection_matches_float64(tp, kernel, rows):
-    """The CUDA-core GEMV and the two tensor-core projections (split-K, and the row tiles with K over a CTA's warps)
-    on every projection shape, stored as bf16 and fp32 and accumulated into fp32 with an addend, against float64
-    (outputs poisoned); the split-K kernel's completion counters are back at 0 after each launch (its row groups
-    reset them)."""
+    """The CUDA-core GEMV and the tensor-core projections (split-K, the row tiles with K over a CTA's warps, and the
+    warpgroup mma's split-K pipeline) on every projection shape, stored as bf16 and fp32 and accumulated into fp32
+    with an addend, against float64 (outputs poisoned); the split-K kernels' completion counters are back at 0
+    after each launch (their row groups reset them)."""
     from kimi_decode.kernels.gemm_tc import project
     from kimi_decode.kernels.gemm_tc_rows import project_rows
+    from kimi_decode.kernels.gemm_wgmma import project_wgmma
     from kimi_decode.kernels.gemv import gemv
 
     counters = torch.zeros(256, dtype=torch.int32, device="cuda")
     run = {"gemv": gemv, "rows": project_rows,
-           "tc": lambda w, x, y, **kw: project(w, x, y, counters, **kw)}[kernel]
+           "tc": lambda w, x, y, **kw: project(w, x, y, counters, **kw),
+           "wgmma": lambda w, x, y, **kw: project_wgmma(w, x, y, counters, **kw)}[kernel]
     g = torch.Generator(device="cuda").manual_seed(900 + tp * 100 + rows)
     for n, k in projection_shapes(shard("k3", tp=tp)):
         w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
@@ -861,16 +864,19 @@ def test_expert_kernels_on_w2_rows_cut_to_their_used_columns_match_float64(monke
         test_moe_mxfp4_grouped_matches_float64(16, True, 33, True, quad, compact=True)
 
 
-@pytest.mark.parametrize("kernel, rows", [("tc", 4), ("tc", 17), ("tc", 64), ("rows", 2), ("rows", 8), ("rows", 13)])
+@pytest.mark.parametrize("kernel, rows", [("tc", 4), ("tc", 17), ("tc", 64), ("rows", 2), ("rows", 8), ("rows", 13),
+                                          ("wgmma", 17), ("wgmma", 64)])
 def test_tensor_core_projection_row_scale_and_graph_replay(kernel, rows):
     """The MoE tail's form (1/rms per row from partial sums of squares, addend, accumulate) in a CUDA graph replayed
     twice: the residual gets the update twice, the counters stay at 0, and a strided input (f_b's slice of the
-    in_proj output) is read as such; for both tensor-core projections."""
-    from kimi_decode.kernels import gemm_tc, gemm_tc_rows
+    in_proj output) is read as such; for every tensor-core projection."""
+    from kimi_decode.kernels import gemm_tc, gemm_tc_rows, gemm_wgmma
 
     def project(w, x, y, counters, **kw):
         if kernel == "rows":
             return gemm_tc_rows.project_rows(w, x, y, **kw)
+        if kernel == "wgmma":
+            return gemm_wgmma.project_wgmma(w, x, y, counters, **kw)
         return gemm_tc.project(w, x, y, counters, **kw)
 
     g = torch.Generator(device="cuda").manual_seed(950 + rows)

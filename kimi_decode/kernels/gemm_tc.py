@@ -81,6 +81,41 @@ if HAVE_CUTE:
         for nt in range(len(toks)):
             cute.autovec_copy(gX[(None, (toks[nt], kv))], xb[nt])
 
+    @cute.jit
+    def finish_group(op, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor, gWs: cute.Tensor, rs: cute.Tensor,
+                     n: Int32, warp: Int32, lane: Int32, warps: int):
+        """A row group's epilogue, in its last CTA, weight row `n` in this thread (none past N): the splits' partial
+        sums (`gWs`, fp32 [split, row, token] in 16-byte vectors) added in split order, then the store of
+        `gemv.store_output`, each token's sum scaled by its 1/rms first where `op.scaled` (from the partial sums of
+        squares in mSsq, computed by the CTA's `warps` warps into `rs`). `op`: the projection (plan `p`, its epilogue
+        flags, `parts`, `eps`)."""
+        p = op.p
+        if cutlass.const_expr(op.scaled):
+            for m in cutlass.range(warp, p.M, warps):
+                ssq = Float32(0.0)
+                for i in cutlass.range_constexpr(-(-op.parts // 32)):
+                    if lane + 32 * i < op.parts:
+                        ssq = ssq + mSsq[m, lane + 32 * i]
+                ssq = cute.arch.warp_reduction(ssq, lambda a, b: a + b)
+                if lane == 0:
+                    rs[m] = cute.math.rsqrt(ssq / Float32(p.K) + Float32(op.eps))
+            cute.arch.barrier()
+        if n < p.N:
+            for j in cutlass.range_constexpr(-(-p.M // 4)):
+                tot = cute.make_rmem_tensor((4,), Float32)
+                tot.fill(0.0)
+                for s in cutlass.range_constexpr(p.splits):  # unrolled: all the loads in flight at once
+                    v = load4(gWs[(None, (s, n, j))])
+                    for i in cutlass.range_constexpr(4):
+                        tot[i] = tot[i] + v[i]
+                for i in cutlass.range_constexpr(4):
+                    m = j * 4 + i
+                    if cutlass.const_expr(m < p.M):
+                        val = tot[i]
+                        if cutlass.const_expr(op.scaled):
+                            val = val * rs[m]
+                        store_output(mY, mAdd, m, n, val, op.accumulate, op.addend)
+
     class TensorCoreProjection:
         def __init__(self, plan: "Plan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
             self.p = plan
@@ -181,7 +216,7 @@ if HAVE_CUTE:
             else:
                 cute.arch.barrier()
             if is_last != 0:
-                self.finish(mY, mAdd, mSsq, gWs, rs, bx, tidx, warp, lane)
+                finish_group(self, mY, mAdd, mSsq, gWs, rs, bx * (32 * p.warps) + tidx, warp, lane, p.warps)
 
         def multiply(self, acc, wv, xv):
             """One K chunk: for each column tile and 16-row tile, two mma (weights 8t..8t+7 of rows g, g + 8 against
@@ -189,38 +224,6 @@ if HAVE_CUTE:
             for nt in range(self.p.tiles):
                 for q in range(2):
                     mma_chunk(acc, (q * self.p.tiles + nt) * 4, wv[2 * q], wv[2 * q + 1], xv[nt])
-
-        @cute.jit
-        def finish(self, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor, gWs: cute.Tensor, rs: cute.Tensor,
-                   bx: Int32, tidx: Int32, warp: Int32, lane: Int32):
-            """The row group's epilogue, one weight row per thread: the splits' sums in order, then the store."""
-            p = self.p
-            if cutlass.const_expr(self.scaled):
-                for m in cutlass.range(warp, p.M, p.warps):
-                    ssq = Float32(0.0)
-                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
-                        if lane + 32 * i < self.parts:
-                            ssq = ssq + mSsq[m, lane + 32 * i]
-                    ssq = cute.arch.warp_reduction(ssq, lambda a, b: a + b)
-                    if lane == 0:
-                        rs[m] = cute.math.rsqrt(ssq / Float32(p.K) + Float32(self.eps))
-                cute.arch.barrier()
-            n = bx * (32 * p.warps) + tidx
-            if n < p.N:
-                for j in cutlass.range_constexpr(-(-p.M // 4)):
-                    tot = cute.make_rmem_tensor((4,), Float32)
-                    tot.fill(0.0)
-                    for s in cutlass.range_constexpr(p.splits):  # unrolled: all the loads in flight at once
-                        v = load4(gWs[(None, (s, n, j))])
-                        for i in cutlass.range_constexpr(4):
-                            tot[i] = tot[i] + v[i]
-                    for i in cutlass.range_constexpr(4):
-                        m = j * 4 + i
-                        if cutlass.const_expr(m < p.M):
-                            val = tot[i]
-                            if cutlass.const_expr(self.scaled):
-                                val = val * rs[m]
-                            store_output(mY, mAdd, m, n, val, self.accumulate, self.addend)
 
 
 def _stride(per_split: int) -> int:

@@ -1,0 +1,322 @@
+"""Projection for 17 to 64 rows on the warpgroup mma: y[m, n] = sum_k x[m, k] * W[n, k], bf16 in, fp32 accumulate.
+
+Above 16 tokens the `mma.sync` projections (`gemm_tc.py`, `gemm_tc_rows.py`) issue an mma and a shared or global
+activation load per 8 tokens for every 16 weight rows and 16 k, so their instructions, not the weight bytes, bound
+them (benchmarks/NOTES.md, items 10 and 70), and cuBLAS launches one CTA per 64-row tile: 40-112 CTAs for 132 SMs
+(item 62). Here one `wgmma.mma_async m64nNk16` serves all the tokens (N = 8 x ceil(M / 8), up to 64) for 64 weight
+rows and 16 k, and the split-K plan fills every SM.
+
+Both operands from shared memory. A CTA's `wgs` warpgroups each own 64 weight rows; the CTA streams its rows' and
+its tokens' K slice through `stages` shared-memory buffers of KS = 64 k each with 16-byte `cp.async` (a multistage
+pipeline: `stages - 1` buffers in flight while the warpgroups multiply the oldest), so the weights never pass
+through registers and the loads in flight per SM are as deep as the buffers. Each buffer holds the rows and the
+tokens in the canonical K-major layout without swizzle: core matrices of 8 rows x 16 bytes (8 k), the 8 of a row
+block side by side (LBO = 128 bytes between k halves of a step), row blocks KS x 16 bytes apart (SBO). A warp's
+copies fill whole 512-byte runs of a buffer (lane: row lane % 8 of a block, 16-byte column lane // 8), so the
+shared-memory side is conflict-free and each row's 64 bytes per copy are two whole sectors. The stage's KS / 16
+wgmma are issued, committed and waited for in one asm block, so the buffer is free for the copies that the next
+iteration issues after its CTA barrier. Tokens past M are not copied: their columns of D are not stored, and a
+column of D reads only its own column of B; rows past N read row N - 1 and are not stored.
+
+Partial sums per K split go to an fp32 workspace [splits, N, 8 * tiles], and the last CTA of each row group adds
+them in split order and runs the epilogue of `gemv.py` (`gemm_tc.finish_group`), as the split-K `mma.sync` kernel
+does.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .cute_common import (DEFAULT_SMS, HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature,
+                          sm_count)
+from .gemm_tc import GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT, SM_REGS, SM_SMEM, SM_THREADS
+from .gemm_tc import check_projection
+
+MIN_ROWS, MAX_ROWS = 2, 64
+ROWS = 64  # weight rows per warpgroup: the wgmma's M
+KS = 64  # k per pipeline stage (4 wgmma k16 steps)
+STAGES = 4  # shared-memory buffers of the pipeline
+LBO = 128  # bytes between the two 8-k core matrices of a k16 step
+SBO = KS * 16  # bytes between 8-row (or 8-token) blocks
+SMEM_LIMIT = 200 * 1024
+FLIGHT_ENOUGH = 64 * 1024  # weight bytes in flight per SM past which more do not stream faster (~1.5 us at 4.3 TB/s)
+
+if HAVE_CUTE:
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    from .cute_common import copy_async_16, last_cta, mma_lanes
+    from .gemm_tc import finish_group
+
+    @functools.cache
+    def _wgmma_asm(cols: int) -> str:
+        """One stage of a warpgroup's 64 rows against `cols` tokens: KS / 16 `wgmma m64n{cols}k16` accumulating into
+        the cols / 2 outputs (tied to the first cols / 2 inputs), step s's A and B descriptors' low words the
+        inputs after those (A0, B0, A1, B1, ...; high words SBO / 16), then committed and waited for."""
+        na, steps = cols // 2, KS // 16
+        acc = ", ".join(f"${i}" for i in range(na))  # the outputs; $na..$2na-1 are the same values as inputs
+        op = f"wgmma.mma_async.sync.aligned.m64n{cols}k16.f32.bf16.bf16"
+        lines = ["{", " .reg .b64 da, db;", " .reg .b32 hi;", " .reg .pred p;", f" mov.b32 hi, {SBO >> 4};",
+                 f" setp.eq.b32 p, ${2 * na}, ${2 * na};", " wgmma.fence.sync.aligned;"]
+        for s in range(steps):
+            a, b = 2 * na + 2 * s, 2 * na + 2 * s + 1
+            lines += [f" mov.b64 da, {{${a}, hi}};", f" mov.b64 db, {{${b}, hi}};",
+                      f" {op} {{{acc}}}, da, db, p, 1, 1, 0, 0;"]
+        lines += [" wgmma.commit_group.sync.aligned;", " wgmma.wait_group.sync.aligned 0;", "}"]
+        return "\n".join(lines)
+
+    def wgmma_stage(acc, desc_a, desc_b, cols: int) -> None:
+        """acc (cols / 2 fp32 registers, the D fragment) += one stage: the 64 x KS rows whose descriptor's low word
+        is `desc_a` against the cols x KS tokens at `desc_b` (each step's core matrices 2 x LBO further on). Every
+        warp of the warpgroup calls it together."""
+        na = cols // 2
+        lows = []
+        for s in range(KS // 16):
+            lows += [desc_a + s * (2 * LBO >> 4), desc_b + s * (2 * LBO >> 4)]
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32()] * na),
+            [Float32(acc[i]).ir_value() for i in range(na)] + [Int32(v).ir_value() for v in lows],
+            _wgmma_asm(cols), ",".join(["=f"] * na + [str(i) for i in range(na)] + ["r"] * len(lows)),
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        for i in range(na):
+            acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
+
+    def fence_proxy_async_shared() -> None:
+        """This thread's shared-memory writes (stores and completed `cp.async`) made visible to the async proxy,
+        through which `wgmma` reads its operands."""
+        llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def desc_low(buf: cute.Tensor):
+        """The low word of a shared-memory matrix descriptor (no swizzle) of shared tensor `buf`'s start: its
+        address / 16 in bits 0-13, LBO / 16 in bits 16-29."""
+        return ((Int32(buf.iterator.toint()) & 0x3FFFF) >> 4) | ((LBO >> 4) << 16)
+
+    class WgmmaProjection:
+        def __init__(self, plan: "WgmmaPlan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
+            self.p = plan
+            self.accumulate, self.addend, self.scaled, self.parts, self.eps = accumulate, addend, scaled, parts, eps
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                     mWs: cute.Tensor, mCnt: cute.Tensor, stream):
+            p = self.p
+            gW = cute.zipped_divide(mW, (1, 4))  # 16-byte vectors of int32 pairs of bf16: ((1,4), (N, K/8))
+            gX = cute.zipped_divide(mX, (1, 4))
+            gWs = cute.zipped_divide(mWs, (1, 1, 4))
+            self.kernel(gW, gX, mY, mAdd, mSsq, mWs, gWs, mCnt).launch(
+                grid=[p.groups, p.splits, 1], block=[128 * p.wgs, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                   mWs: cute.Tensor, gWs: cute.Tensor, mCnt: cute.Tensor):
+            p = self.p
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, bs, _ = cute.arch.block_idx()
+            warp, lane, g, t = mma_lanes(tidx)
+            smem = cutlass.utils.SmemAllocator()
+            # per stage: the CTA's rows, then its tokens, each in 16-byte units of the canonical layout
+            sW = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), p.stages * p.w_units)), 1024)
+            sX = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), p.stages * p.x_units)), 1024)
+            rs = smem.allocate_tensor(Float32, cute.make_layout(p.cols), 16)
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            kb0 = bs * p.per_split  # this split's first stage of K
+            nkb = Int32(p.per_split)
+            if p.blocks - kb0 < nkb:
+                nkb = p.blocks - kb0
+
+            for s in cutlass.range_constexpr(p.stages - 1):
+                if s < nkb:
+                    self.load_stage(gW, gX, sW, sX, tidx, bx, kb0 + s, s)
+                cute.arch.cp_async_commit_group()
+            acc = cute.make_rmem_tensor((p.cols // 2,), Float32)
+            acc.fill(0.0)
+            wg = warp // 4
+            lo_w = desc_low(sW) + wg * (8 * SBO >> 4)  # this warpgroup's 64 rows: row blocks 8 wg..
+            lo_x = desc_low(sX)
+            for kb in cutlass.range(nkb):
+                cute.arch.cp_async_wait_group(p.stages - 2)  # this thread's copies of stage kb
+                fence_proxy_async_shared()
+                cute.arch.barrier()  # every thread's, and every warpgroup done with the buffer refilled next
+                nxt = kb + p.stages - 1
+                if nxt < nkb:
+                    self.load_stage(gW, gX, sW, sX, tidx, bx, kb0 + nxt, nxt % p.stages)
+                cute.arch.cp_async_commit_group()  # (an empty group at the end: the counts stay even)
+                slot = kb % p.stages
+                wgmma_stage(acc, lo_w + slot * (p.w_units * 16 >> 4), lo_x + slot * (p.x_units * 16 >> 4), p.cols)
+
+            # partial sums -> workspace [split, row, token]: D rows 16q + g and + 8 of the warpgroup's 64, tokens
+            # 8i + 2t and + 1
+            row0 = bx * (ROWS * p.wgs) + warp * 16
+            if row0 < p.N:
+                for i in cutlass.range_constexpr(p.tiles):
+                    col = i * 8 + 2 * t
+                    mWs[bs, row0 + g, col] = acc[4 * i]
+                    mWs[bs, row0 + g, col + 1] = acc[4 * i + 1]
+                    mWs[bs, row0 + g + 8, col] = acc[4 * i + 2]
+                    mWs[bs, row0 + g + 8, col + 1] = acc[4 * i + 3]
+            is_last = Int32(1)
+            if cutlass.const_expr(p.splits > 1):
+                is_last = last_cta(mCnt, flag, tidx, p.splits, bx)
+            else:
+                cute.arch.barrier()
+            if is_last != 0:
+                # one weight row per thread of the first 64 x wgs
+                n = bx * (ROWS * p.wgs) + tidx
+                if tidx >= ROWS * p.wgs:
+                    n = Int32(p.N)
+                finish_group(self, mY, mAdd, mSsq, gWs, rs, n, warp, lane, 4 * p.wgs)
+
+        @cute.jit
+        def load_stage(self, gW: cute.Tensor, gX: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, tidx: Int32,
+                       bx: Int32, kb: Int32, slot: Int32):
+            """`cp.async` of K stage `kb` (k = KS kb..) of the CTA's rows and of every token into buffer `slot`:
+            16-byte unit (block b, column j, row r) of a buffer at b * KS / 8 * 8 + j * 8 + r, a warp's 32 copies
+            rows r = lane % 8 of one block at columns j = 4 (its quarter) + lane // 8."""
+            p = self.p
+            quarters = KS // 32  # four 16-byte columns per warp copy
+            lane = tidx % 32
+            r = lane % 8
+            j4 = lane // 8
+            for u in cutlass.range_constexpr(p.w_units // (128 * p.wgs)):
+                v = u * 4 * p.wgs + tidx // 32  # this warp's copy: block v // quarters, quarter v % quarters
+                b = v // quarters
+                j = v % quarters * 4 + j4
+                row = bx * (ROWS * p.wgs) + b * 8 + r
+                if row >= p.N:
+                    row = Int32(p.N - 1)
+                copy_async_16(gW[(None, (row, kb * (KS // 8) + j))],
+                              sW[(None, slot * p.w_units + b * (KS // 8) * 8 + j * 8 + r)])
+            for v in cutlass.range(tidx // 32, p.x_units // 32, 4 * p.wgs):
+                b = v // quarters
+                j = v % quarters * 4 + j4
+                m = b * 8 + r
+                if m < p.M:
+                    copy_async_16(gX[(None, (m, kb * (KS // 8) + j))],
+                                  sX[(None, slot * p.x_units + b * (KS // 8) * 8 + j * 8 + r)])
+
+
+class WgmmaPlan:
+    """Tiling of one projection shape: `wgs` warpgroups of 64 rows per CTA, K in `splits` slices of `per_split`
+    stages of KS, `stages` buffers in the pipeline."""
+
+    def __init__(self, M: int, N: int, K: int, wgs: int, splits: int, stages: int = STAGES):
+        if stages < 2:
+            raise ValueError(f"the pipeline needs at least 2 stages, got {stages}")
+        self.M, self.N, self.K, self.wgs, self.stages = M, N, K, wgs, stages
+        self.tiles = -(-M // 8)  # 8-token blocks: the wgmma's N is 8 x tiles
+        self.cols = 8 * self.tiles
+        self.blocks = K // KS
+        self.per_split = -(-self.blocks // splits)
+        self.splits = -(-self.blocks // self.per_split)  # every split non-empty
+        self.groups = -(-N // (ROWS * wgs))
+        self.w_units = ROWS * wgs * KS // 8  # 16-byte units of one stage's rows
+        self.x_units = self.cols * KS // 8
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.w_units + self.x_units) * 16 + 1024 + self.cols * 4 + 16
+
+    @property
+    def ctas(self) -> int:
+        return self.groups * self.splits
+
+    @property
+    def warps(self) -> int:
+        return 4 * self.wgs
+
+    @property
+    def regs(self) -> int:
+        """Registers per thread, about: the accumulators and ~40 for addresses (`ptxas -v`: 80 at 64 tokens)."""
+        return -(-(self.cols // 2 + 48) // 8) * 8
+
+    @property
+    def per_sm(self) -> int:
+        threads = 128 * self.wgs
+        return max(1, min(SM_SMEM // (self.smem_bytes + 1024), SM_REGS // (self.regs * threads),
+                          SM_THREADS // threads))
+
+    @property
+    def partial_bytes(self) -> int:
+        return self.splits * self.N * self.cols * 4 if self.splits > 1 else 0
+
+    @property
+    def group_partial_bytes(self) -> int:
+        """The partial sums the last CTA of a row group reads back (its serial tail)."""
+        return self.splits * ROWS * self.wgs * self.cols * 4 if self.splits > 1 else 0
+
+    def key(self) -> tuple:
+        return (self.M, self.N, self.K, self.wgs, self.splits, self.stages)
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
+    """The tiling with the most weight bytes in flight (the stages but one of every resident CTA, up to
+    FLIGHT_ENOUGH per SM, over the SMs it uses) in one wave, its workspace within PARTIALS_LIMIT of the weights and its row groups' tails within GROUP_PARTIALS_LIMIT;
+    among those within 10% of the most, the least workspace, then two warpgroups per CTA (each staged token then
+    serves 128 rows instead of 64), then the fewer stages."""
+    fits = []
+    for wgs in (1, 2):
+        for stages in (3, 4, 6, 8):
+            for splits in range(1, K // KS + 1):
+                p = WgmmaPlan(M, N, K, wgs, splits, stages)
+                if p.splits != splits or p.smem_bytes > SMEM_LIMIT or p.ctas > p.per_sm * sms:
+                    continue
+                if p.partial_bytes <= PARTIALS_LIMIT * N * K * 2 and p.group_partial_bytes <= GROUP_PARTIALS_LIMIT:
+                    fits.append(p)
+    if not fits:  # more row groups than one wave holds
+        return WgmmaPlan(M, N, K, 2, 1)
+
+    def in_flight(p: WgmmaPlan) -> int:
+        per_sm = min(p.per_sm, -(-p.ctas // sms)) * (p.stages - 1) * p.w_units * 16
+        return min(p.ctas, sms) * min(per_sm, FLIGHT_ENOUGH)
+
+    most = max(in_flight(p) for p in fits)
+    return min((p for p in fits if in_flight(p) >= 0.9 * most),
+               key=lambda p: (p.partial_bytes, -p.wgs, p.stages, p.splits))
+
+
+def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
+    check_projection(w, x, y, accumulate, addend, row_scale, "wgmma projection", (MIN_ROWS, MAX_ROWS), 16)
+    if w.shape[1] % KS:
+        raise ValueError(f"wgmma projection needs K a multiple of {KS}, got K={w.shape[1]}")
+    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
+        raise ValueError("counters must be a contiguous int32 vector")
+
+
+def compile_wgmma_projection(w, x, y, ws, counters, accumulate: bool = False, addend=None, row_scale=None,
+                             plan: WgmmaPlan | None = None):
+    plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
+    extra = addend if addend is not None else y
+    ssq = row_scale[0] if row_scale is not None else y
+    eps = float(row_scale[1]) if row_scale is not None else 0.0
+    args = (w.view(torch.int32), x.view(torch.int32), y, extra, ssq, ws, counters)
+    key = ("gemm_wgmma", plan.key(), accumulate, addend is not None, row_scale is not None, eps, *signature(*args))
+    op = WgmmaProjection(plan, accumulate, addend is not None, row_scale is not None,
+                         ssq.shape[1] if row_scale is not None else 0, eps)
+    return compile_kernel(key, op, *(fake_like(t, align=4 if t is counters else 16) for t in args)), args
+
+
+def workspace(plan: WgmmaPlan, device) -> torch.Tensor:
+    """The partial sums one launch of `plan` writes: fp32 [splits, N, 8 * tiles]."""
+    return torch.empty(plan.splits, plan.N, plan.cols, dtype=torch.float32, device=device)
+
+
+def project_wgmma(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: torch.Tensor,
+                  accumulate: bool = False, addend: torch.Tensor | None = None, row_scale: tuple | None = None,
+                  plan: WgmmaPlan | None = None) -> torch.Tensor:
+    """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, on the current stream; the arguments are those of
+    `gemm_tc.project` (`counters`: int32, at least `wgmma_plan_for(...).groups` long, all 0, left at 0, used by no
+    kernel running at the same time; `plan`: another tiling, for benchmarks)."""
+    _check(w, x, y, accumulate, addend, row_scale, counters)
+    plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
+    if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
+        raise ValueError(f"plan {plan.key()} is not for this shape")
+    if counters.numel() < plan.groups:
+        raise ValueError(f"wgmma projection needs {plan.groups} counters, got {counters.numel()}")
+    ws = workspace(plan, w.device)
+    fn, args = compile_wgmma_projection(w, x, y, ws, counters, accumulate, addend, row_scale, plan)
+    launch(fn, *args, align=lambda t: 4 if t is counters else 16)
+    return y
