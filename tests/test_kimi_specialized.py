@@ -2525,13 +2525,14 @@ def test_router_warps_refuses_a_count_out_of_range(monkeypatch):
 
 def _dispatch_spy(monkeypatch, env):
     """A latency_specialized backend whose projection kernels only record which one was called."""
-    from kimi_decode.kernels import gemm_tc, gemm_tc_rows, gemv, rmsnorm
+    from kimi_decode.kernels import gemm_tc, gemm_tc_rows, gemm_wgmma, gemv, rmsnorm
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda w, x, y, **kw: calls.append("gemv") or y)
     monkeypatch.setattr(gemm_tc, "project", lambda w, x, y, counters, **kw: calls.append("tc") or y)
+    monkeypatch.setattr(gemm_wgmma, "project_wgmma", lambda w, x, y, counters, **kw: calls.append("wgmma") or y)
     monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, **kw: calls.append("rows") or y)
     monkeypatch.setattr(rmsnorm, "rmsnorm_rows", lambda x, w, out, eps: out)
     monkeypatch.setattr(rmsnorm, "routed_norm", lambda pairs, w, out, eps, **kw: calls.append("norm") or out)
@@ -2548,10 +2549,14 @@ def _dispatch_spy(monkeypatch, env):
     (8, {"KIMI_DECODE_TC_FORM": "split"}, "tc"), (16, {"KIMI_DECODE_TC_FORM": "split"}, "tc"),
     (9, {"KIMI_DECODE_TC_MAX_ROWS": "8"}, "cublas"), (3, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, "gemv"),
     (32, {"KIMI_DECODE_TC_MAX_ROWS": "64"}, "tc"),  # past the row tiles' 16 rows: the split-K kernel
+    (17, {"KIMI_DECODE_WGMMA": "1"}, "wgmma"), (64, {"KIMI_DECODE_WGMMA": "1"}, "wgmma"),
+    (16, {"KIMI_DECODE_WGMMA": "1"}, "rows"), (9, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "8"}, "wgmma"),
+    (32, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     """One row on the GEMV, 2 to 16 on the row-tile tensor-core projection, above on cuBLAS; the A/B switches put them
-    on cuBLAS (KIMI_DECODE_TC_PLAIN=0) or the split-K kernel (KIMI_DECODE_TC_FORM=split) and move the row counts."""
+    on cuBLAS (KIMI_DECODE_TC_PLAIN=0), the split-K kernel (KIMI_DECODE_TC_FORM=split) or, above 16 rows, the
+    warpgroup mma (KIMI_DECODE_WGMMA=1) and move the row counts."""
     backend, calls = _dispatch_spy(monkeypatch, env)
     x, w = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     backend._gemv(x, w)
@@ -2564,11 +2569,14 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     (8, True, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]), (16, False, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]),
     (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3"}, ["norm", "cublas"]),
     (3, True, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, ["gemv"]),
+    (17, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]), (64, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 16 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,
     accumulate and add in its epilogue; the grouped experts' per-pair outputs go through the routed norm first),
-    above it the routed norm, which adds the shared output into the residual, and one cuBLAS GEMM."""
+    above it the routed norm, which adds the shared output into the residual, and one cuBLAS GEMM (with
+    KIMI_DECODE_WGMMA=1 up to 64 rows the routed norm, then the warpgroup-mma projection adding it and the shared
+    output into the residual)."""
     from types import SimpleNamespace
 
     backend, calls = _dispatch_spy(monkeypatch, env)

@@ -1615,6 +1615,19 @@ def test_cublaslt_projections_replay_in_a_graph_like_eager(monkeypatch):
     _check_graph_replays_like_eager(16, 64)
 
 
+@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (16, 17), (8, 40)])
+def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_WGMMA=1: the plain projections and the MoE tail above 16 rows on the warpgroup-mma projection."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", "1", tp, batch, 4300)
+
+
+def test_wgmma_projections_replay_in_a_graph_like_eager(monkeypatch):
+    """The warpgroup-mma projections captured in a CUDA graph (TP8 batch 64, their counters on the fork's streams):
+    replays give the eager steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "1")
+    _check_graph_replays_like_eager(8, 64)
+
+
 @pytest.mark.parametrize("topk", ["1", "16"])
 @pytest.mark.parametrize("tp, batch", [(16, 64), (8, 32)])
 def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monkeypatch, topk, tp, batch):

@@ -6,7 +6,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   and the MoE tail, on the row-tile tensor-core projection (`kernels/gemm_tc_rows.py`: mma.sync over the tokens, a
   CTA's warps splitting the K of its 16 weight rows); above, the plain ones on cuBLAS as `auto`. The latent
   up-projection accumulates straight into the fp32 residual. A/B switches: `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS`
-  move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain projections on cuBLAS, `KIMI_DECODE_TC_FORM=split`
+  move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain projections on cuBLAS, `KIMI_DECODE_WGMMA=1` those
+  and the MoE tail from 17 to 64 rows on the warpgroup mma (`kernels/gemm_wgmma.py`), `KIMI_DECODE_TC_FORM=split`
   the tensor-core ones on the split-K kernel (`kernels/gemm_tc.py`, the last CTA of each row group adding the
   splits and running the epilogue), `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
 - the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
@@ -349,6 +350,9 @@ class LatencySpecializedBackend(AutoBackend):
                          cute_common.env_int("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS, 0, FAST_MAX_ROWS, "rows"))
         self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
         self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
+        # 1: the plain projections and the MoE tail above TC_MAX_ROWS on the warpgroup-mma projection instead of
+        # cuBLAS (`kernels/gemm_wgmma.py`; off until measured in the layer, benchmarks/NOTES.md item 108)
+        self._wgmma = cute_common.env_flag("KIMI_DECODE_WGMMA", "0")
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
         self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -493,10 +497,17 @@ class LatencySpecializedBackend(AutoBackend):
         routed norm + cuBLAS), and the plain ones with KIMI_DECODE_TC_PLAIN=1, the default (else cuBLAS)."""
         return rows <= self._tc_rows[1]
 
+    def _wgmma_rows(self, rows: int) -> bool:
+        """Whether a projection of `rows` tokens runs on the warpgroup-mma projection: above TC_MAX_ROWS up to its
+        64 with KIMI_DECODE_WGMMA=1."""
+        from ..kernels.gemm_wgmma import MAX_ROWS
+
+        return self._wgmma and self._tc_rows[1] < rows <= MAX_ROWS
+
     def _plain_on_cublas(self, rows: int) -> bool:
         """Whether a plain projection of `rows` tokens runs on cuBLAS: from TC_MIN_ROWS on, unless our tensor-core
-        projection takes it (KIMI_DECODE_TC_PLAIN=1, the default, up to TC_MAX_ROWS)."""
-        return rows >= self._tc_rows[0] and not (self._tc_plain and self._cute_rows(rows))
+        projections take it (KIMI_DECODE_TC_PLAIN=1, the default, up to TC_MAX_ROWS; above, KIMI_DECODE_WGMMA)."""
+        return rows >= self._tc_rows[0] and not (self._tc_plain and (self._cute_rows(rows) or self._wgmma_rows(rows)))
 
     def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, warps: int | None = None,
                  **epilogue) -> torch.Tensor:
@@ -507,6 +518,10 @@ class LatencySpecializedBackend(AutoBackend):
             from ..kernels.gemv import gemv
 
             return gemv(w, x, y, **epilogue)
+        if self._wgmma_rows(x.shape[0]):
+            from ..kernels.gemm_wgmma import project_wgmma
+
+            return project_wgmma(w, x, y, self._tc_counters(x.device), **epilogue)
         if self._tc_form == "rows" and x.shape[0] <= gemm_tc_rows.MAX_ROWS:
             plan = gemm_tc_rows.rows_plan_for(x.shape[0], w.shape[0], w.shape[1], warps) if warps else None
             return gemm_tc_rows.project_rows(w, x, y, plan=plan, **epilogue)
@@ -827,14 +842,15 @@ class LatencySpecializedBackend(AutoBackend):
     def _pairs_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         """The MoE tail on [B, k, L] parts of the routed output (the grouped experts' per-pair outputs, or a routed
         sum as k = 1), summed and normalised in one kernel (`rmsnorm.routed_norm`): up to TC_MAX_ROWS rows the
-        tensor-core projection then adds the result and the shared output into the residual; above, the norm's kernel
-        adds the shared output and one cuBLAS GEMM accumulates the up-projection into the residual."""
+        tensor-core projection then adds the result and the shared output into the residual (above, up to 64 rows, the
+        warpgroup-mma one with KIMI_DECODE_WGMMA=1); else the norm's kernel adds the shared output and one cuBLAS GEMM
+        accumulates the up-projection into the residual."""
         from ..kernels.rmsnorm import routed_norm
 
         B, _, L = pairs.shape
         normed = self._empty(B, L, device=pairs.device)
         split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
-        if self._cute_rows(B):
+        if self._cute_rows(B) or self._wgmma_rows(B):
             routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
             self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
             return
