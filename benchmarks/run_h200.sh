@@ -104,7 +104,7 @@ for name in "$@"; do
     sweep)  # the projections alone: cuBLAS, GEMV and tensor-core tilings by rows (benchmarks/projection_sweep.py)
       step sweep ${SWEEP_LIMIT:-240} python3 benchmarks/projection_sweep.py --tp ${SWEEP_TP:-16 8} --rows ${SWEEP_ROWS:-1 2 4 8 16 64} \
         --plans ${SWEEP_PLANS:-8 64} ${SWEEP_PROJ:+--projections $SWEEP_PROJ} \
-        ${SWEEP_VARIANTS:+--variants $SWEEP_VARIANTS} --json "$OUT/sweep${SWEEP_TAG:-}.json" ;;
+        ${SWEEP_VARIANTS:+--variants $SWEEP_VARIANTS} --blas ${SWEEP_BLAS:-cublas} --json "$OUT/sweep${SWEEP_TAG:-}.json" ;;
     captures-batch)  # both backends at each batch of CAPTURE_BATCHES (default 8 64), TP16, for per-stage tables
       for b in ${CAPTURE_BATCHES:-8 64}; do
         for be in auto latency_specialized; do
