@@ -1043,17 +1043,21 @@ TC_SHAPES = sorted(set(projection_shapes(shard("k3", tp=16))) | set(projection_s
 
 @needs_cute
 @pytest.mark.parametrize("n, k", TC_SHAPES)
-def test_tensor_core_projection_compiles_for_sm90a(sm90a, n, k):
-    from kimi_decode.kernels.gemm_tc import compile_projection, plan_for, workspace
-
-    for rows in (2, 9, 64):
-        plan = plan_for(rows, n, k)
-        w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(rows, k, dtype=torch.bfloat16)
+@pytest.mark.parametrize("kernel, rows", [("gemm_tc", (2, 9, 64)), ("gemm_wgmma", (17, 40, 64))])
+def test_split_k_projection_compiles_for_sm90a(sm90a, n, k, kernel, rows):
+    """The two split-K tensor-core projections (`mma.sync`, and the warpgroup mma above 16 rows) on every projection
+    shape, storing bf16 and accumulating into fp32 with an addend."""
+    mod = importlib.import_module(f"kimi_decode.kernels.{kernel}")
+    compile_fn, plan_fn = ((mod.compile_projection, mod.plan_for) if kernel == "gemm_tc"
+                           else (mod.compile_wgmma_projection, mod.wgmma_plan_for))
+    for m in rows:
+        plan = plan_fn(m, n, k)
+        w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(m, k, dtype=torch.bfloat16)
         counters = torch.zeros(plan.groups, dtype=torch.int32)
-        ws = workspace(plan, w.device)
-        assert compile_projection(w, x, torch.empty(rows, n, dtype=torch.bfloat16), ws, counters)[0] is not None
-        assert compile_projection(w, x, torch.empty(rows, n), ws, counters, accumulate=True,
-                                  addend=torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
+        ws = mod.workspace(plan, w.device)
+        assert compile_fn(w, x, torch.empty(m, n, dtype=torch.bfloat16), ws, counters)[0] is not None
+        assert compile_fn(w, x, torch.empty(m, n), ws, counters, accumulate=True,
+                          addend=torch.empty(m, n, dtype=torch.bfloat16))[0] is not None
 
 
 @needs_cute
@@ -1066,23 +1070,6 @@ def test_tensor_core_moe_tail_compiles_for_sm90a(sm90a):
                               workspace(plan, w.device), torch.zeros(plan.groups, dtype=torch.int32),
                               accumulate=True, addend=torch.empty(8, 7168, dtype=torch.bfloat16),
                               row_scale=(torch.empty(8, 224), 1e-5))[0] is not None
-
-
-@needs_cute
-@pytest.mark.parametrize("n, k", TC_SHAPES)
-def test_wgmma_projection_compiles_for_sm90a(sm90a, n, k):
-    """The warpgroup-mma projection at 17, 40 and 64 tokens on every projection shape, storing bf16 and accumulating
-    into fp32 with an addend; its PTX is the warpgroup mma with both operands from shared-memory descriptors."""
-    from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for, workspace
-
-    for rows in (17, 40, 64):
-        plan = wgmma_plan_for(rows, n, k)
-        w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(rows, k, dtype=torch.bfloat16)
-        counters = torch.zeros(plan.groups, dtype=torch.int32)
-        ws = workspace(plan, w.device)
-        assert compile_wgmma_projection(w, x, torch.empty(rows, n, dtype=torch.bfloat16), ws, counters)[0] is not None
-        assert compile_wgmma_projection(w, x, torch.empty(rows, n), ws, counters, accumulate=True,
-                                        addend=torch.empty(rows, n, dtype=torch.bfloat16))[0] is not None
 
 
 @pytest.mark.parametrize("rows", [2, 17, 33, 64])
@@ -2569,7 +2556,8 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     (8, True, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]), (16, False, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]),
     (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3"}, ["norm", "cublas"]),
     (3, True, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, ["gemv"]),
-    (17, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]), (64, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
+    (17, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
+    (64, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 16 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,

@@ -335,22 +335,41 @@ def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
         raise ValueError("counters must be a contiguous int32 vector")
 
 
-def compile_projection(w, x, y, ws, counters, accumulate: bool = False, addend=None, row_scale=None,
-                       plan: Plan | None = None):
-    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
+def compile_split_k(name: str, op_cls, plan, w, x, y, ws, counters, accumulate: bool, addend, row_scale):
+    """Compile split-K projection kernel `op_cls` (this module's, or `gemm_wgmma`'s) for `plan` and these tensors,
+    cached under `name`; returns (the compiled kernel, its tensor arguments)."""
     extra = addend if addend is not None else y
     ssq = row_scale[0] if row_scale is not None else y
     eps = float(row_scale[1]) if row_scale is not None else 0.0
     args = (w.view(torch.int32), x.view(torch.int32), y, extra, ssq, ws, counters)
-    key = ("gemm_tc", plan.key(), accumulate, addend is not None, row_scale is not None, eps, *signature(*args))
-    op = TensorCoreProjection(plan, accumulate, addend is not None, row_scale is not None,
-                              ssq.shape[1] if row_scale is not None else 0, eps)
+    key = (name, plan.key(), accumulate, addend is not None, row_scale is not None, eps, *signature(*args))
+    op = op_cls(plan, accumulate, addend is not None, row_scale is not None,
+                ssq.shape[1] if row_scale is not None else 0, eps)
     return compile_kernel(key, op, *(fake_like(t, align=4 if t is counters else 16) for t in args)), args
 
 
-def workspace(plan: Plan, device) -> torch.Tensor:
-    """The partial sums one launch of `plan` writes: fp32 [splits, N, 8 * tiles]."""
+def compile_projection(w, x, y, ws, counters, accumulate: bool = False, addend=None, row_scale=None,
+                       plan: Plan | None = None):
+    plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
+    return compile_split_k("gemm_tc", TensorCoreProjection, plan, w, x, y, ws, counters, accumulate, addend, row_scale)
+
+
+def workspace(plan, device) -> torch.Tensor:
+    """The partial sums one launch of `plan` (this module's or `gemm_wgmma`'s) writes: fp32 [splits, N, 8 * tiles]."""
     return torch.empty(plan.splits, plan.N, plan.cols, dtype=torch.float32, device=device)
+
+
+def run_split_k(compile_fn, plan, what: str, w, x, y, counters, accumulate: bool, addend, row_scale) -> torch.Tensor:
+    """Launch a split-K projection for `plan` (checked against the shapes and the counters), compiled by
+    `compile_fn` (`compile_projection`'s arguments), with a fresh workspace; returns y."""
+    if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
+        raise ValueError(f"plan {plan.key()} is not for this shape")
+    if counters.numel() < plan.groups:
+        raise ValueError(f"{what} needs {plan.groups} counters, got {counters.numel()}")
+    ws = workspace(plan, w.device)
+    fn, args = compile_fn(w, x, y, ws, counters, accumulate, addend, row_scale, plan)
+    launch(fn, *args, align=lambda t: 4 if t is counters else 16)
+    return y
 
 
 def project(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, accumulate: bool = False,
@@ -361,11 +380,5 @@ def project(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: torch.T
     kernel running at the same time. `plan`: another tiling than `plan_for`'s (benchmarks)."""
     _check(w, x, y, accumulate, addend, row_scale, counters)
     plan = plan or plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
-    if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
-        raise ValueError(f"plan {plan.key()} is not for this shape")
-    if counters.numel() < plan.groups:
-        raise ValueError(f"tensor-core projection needs {plan.groups} counters, got {counters.numel()}")
-    ws = workspace(plan, w.device)
-    fn, args = compile_projection(w, x, y, ws, counters, accumulate, addend, row_scale, plan)
-    launch(fn, *args, align=lambda t: 4 if t is counters else 16)
-    return y
+    return run_split_k(compile_projection, plan, "tensor-core projection", w, x, y, counters, accumulate, addend,
+                       row_scale)

@@ -28,10 +28,12 @@ import functools
 
 import torch
 
-from .cute_common import (DEFAULT_SMS, HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature,
-                          sm_count)
-from .gemm_tc import GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT, SM_REGS, SM_SMEM, SM_THREADS
-from .gemm_tc import check_projection
+from .cute_common import DEFAULT_SMS, HAVE_CUTE, cute, cutlass, sm_count
+from . import gemm_tc
+from .gemm_tc import (GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT, SM_REGS, SM_SMEM, SM_THREADS, check_projection,
+                      compile_split_k, run_split_k)
+
+workspace = gemm_tc.workspace  # the partial sums a launch writes: the split-K `mma.sync` kernel's layout
 
 MIN_ROWS, MAX_ROWS = 2, 64
 ROWS = 64  # weight rows per warpgroup: the wgmma's M
@@ -48,7 +50,7 @@ if HAVE_CUTE:
     from cutlass.cutlass_dsl import T
 
     from .cute_common import copy_async_16, last_cta, mma_lanes
-    from .gemm_tc import finish_group
+    from .gemm_tc import TensorCoreProjection, finish_group
 
     @functools.cache
     def _wgmma_asm(cols: int) -> str:
@@ -94,20 +96,9 @@ if HAVE_CUTE:
         address / 16 in bits 0-13, LBO / 16 in bits 16-29."""
         return ((Int32(buf.iterator.toint()) & 0x3FFFF) >> 4) | ((LBO >> 4) << 16)
 
-    class WgmmaProjection:
-        def __init__(self, plan: "WgmmaPlan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
-            self.p = plan
-            self.accumulate, self.addend, self.scaled, self.parts, self.eps = accumulate, addend, scaled, parts, eps
-
-        @cute.jit
-        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
-                     mWs: cute.Tensor, mCnt: cute.Tensor, stream):
-            p = self.p
-            gW = cute.zipped_divide(mW, (1, 4))  # 16-byte vectors of int32 pairs of bf16: ((1,4), (N, K/8))
-            gX = cute.zipped_divide(mX, (1, 4))
-            gWs = cute.zipped_divide(mWs, (1, 1, 4))
-            self.kernel(gW, gX, mY, mAdd, mSsq, mWs, gWs, mCnt).launch(
-                grid=[p.groups, p.splits, 1], block=[128 * p.wgs, 1, 1], stream=stream)
+    class WgmmaProjection(TensorCoreProjection):
+        """The split-K `mma.sync` projection's host side and launch (a grid of row groups x splits, 32 x
+        `plan.warps` threads per CTA), with the kernel below."""
 
         @cute.kernel
         def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
@@ -254,9 +245,9 @@ class WgmmaPlan:
 @functools.lru_cache(maxsize=None)
 def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
     """The tiling with the most weight bytes in flight (the stages but one of every resident CTA, up to
-    FLIGHT_ENOUGH per SM, over the SMs it uses) in one wave, its workspace within PARTIALS_LIMIT of the weights and its row groups' tails within GROUP_PARTIALS_LIMIT;
-    among those within 10% of the most, the least workspace, then two warpgroups per CTA (each staged token then
-    serves 128 rows instead of 64), then the fewer stages."""
+    FLIGHT_ENOUGH per SM, over the SMs it uses) in one wave, its workspace within PARTIALS_LIMIT of the weights and
+    its row groups' tails within GROUP_PARTIALS_LIMIT; among those within 10% of the most, the least workspace,
+    then two warpgroups per CTA (each staged token then serves 128 rows instead of 64), then the fewer stages."""
     fits = []
     for wgs in (1, 2):
         for stages in (3, 4, 6, 8):
@@ -289,19 +280,8 @@ def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
 def compile_wgmma_projection(w, x, y, ws, counters, accumulate: bool = False, addend=None, row_scale=None,
                              plan: WgmmaPlan | None = None):
     plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
-    extra = addend if addend is not None else y
-    ssq = row_scale[0] if row_scale is not None else y
-    eps = float(row_scale[1]) if row_scale is not None else 0.0
-    args = (w.view(torch.int32), x.view(torch.int32), y, extra, ssq, ws, counters)
-    key = ("gemm_wgmma", plan.key(), accumulate, addend is not None, row_scale is not None, eps, *signature(*args))
-    op = WgmmaProjection(plan, accumulate, addend is not None, row_scale is not None,
-                         ssq.shape[1] if row_scale is not None else 0, eps)
-    return compile_kernel(key, op, *(fake_like(t, align=4 if t is counters else 16) for t in args)), args
-
-
-def workspace(plan: WgmmaPlan, device) -> torch.Tensor:
-    """The partial sums one launch of `plan` writes: fp32 [splits, N, 8 * tiles]."""
-    return torch.empty(plan.splits, plan.N, plan.cols, dtype=torch.float32, device=device)
+    return compile_split_k("gemm_wgmma", WgmmaProjection, plan, w, x, y, ws, counters, accumulate, addend,
+                           row_scale)
 
 
 def project_wgmma(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: torch.Tensor,
@@ -312,11 +292,5 @@ def project_wgmma(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: t
     kernel running at the same time; `plan`: another tiling, for benchmarks)."""
     _check(w, x, y, accumulate, addend, row_scale, counters)
     plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
-    if plan.key()[:3] != (x.shape[0], w.shape[0], w.shape[1]):
-        raise ValueError(f"plan {plan.key()} is not for this shape")
-    if counters.numel() < plan.groups:
-        raise ValueError(f"wgmma projection needs {plan.groups} counters, got {counters.numel()}")
-    ws = workspace(plan, w.device)
-    fn, args = compile_wgmma_projection(w, x, y, ws, counters, accumulate, addend, row_scale, plan)
-    launch(fn, *args, align=lambda t: 4 if t is counters else 16)
-    return y
+    return run_split_k(compile_wgmma_projection, plan, "wgmma projection", w, x, y, counters, accumulate, addend,
+                       row_scale)
