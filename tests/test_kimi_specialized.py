@@ -3,6 +3,7 @@ sm_90a with the cutlass-dsl version installed here (no GPU needed)."""
 import contextlib
 import importlib
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -1070,6 +1071,19 @@ def test_tensor_core_moe_tail_compiles_for_sm90a(sm90a):
                               workspace(plan, w.device), torch.zeros(plan.groups, dtype=torch.int32),
                               accumulate=True, addend=torch.empty(8, 7168, dtype=torch.bfloat16),
                               row_scale=(torch.empty(8, 224), 1e-5))[0] is not None
+
+
+def test_kernel_modules_import_names_not_sibling_modules():
+    """cutlass-dsl 4.3.5 (the H200 machine's) re-runs a kernel module's imports when it preprocesses a kernel and
+    turns `from . import name` into an import of the module `<package>.None`, so every kernel of that module fails to
+    compile there: the kernel modules import names (`from .gemm_tc import x`) only."""
+    import ast
+
+    kernels = Path(__file__).resolve().parent.parent / "kimi_decode" / "kernels"
+    bad = [f"{path.name}:{node.lineno}" for path in sorted(kernels.glob("*.py"))
+           for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.ImportFrom) and node.module is None]
+    assert not bad, f"`from . import` in kernel modules: {bad}"
 
 
 @pytest.mark.parametrize("rows", [2, 17, 33, 64])
