@@ -84,12 +84,6 @@ if HAVE_CUTE:
         for i in range(na):
             acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
 
-    def fence_proxy_async_shared() -> None:
-        """This thread's shared-memory writes (stores and completed `cp.async`) made visible to the async proxy,
-        through which `wgmma` reads its operands."""
-        llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT)
-
     def desc_low(buf: cute.Tensor):
         """The low word of a shared-memory matrix descriptor (no swizzle) of shared tensor `buf`'s start: its
         address / 16 in bits 0-13, LBO / 16 in bits 16-29."""
@@ -127,8 +121,10 @@ if HAVE_CUTE:
             lo_w = desc_low(sW) + wg * (8 * SBO >> 4)  # this warpgroup's 64 rows: row blocks 8 wg..
             lo_x = desc_low(sX)
             for kb in cutlass.range(nkb):
-                cute.arch.cp_async_wait_group(p.stages - 2)  # this thread's copies of stage kb
-                fence_proxy_async_shared()
+                # This thread's copies of stage kb, then every thread's. No `fence.proxy.async` (as CUTLASS's
+                # cp.async wgmma mainloop has none): ptxas makes it a `MEMBAR.ALL.CTA`, which waits for the copies
+                # still in flight too, so that each stage waited for a whole memory round trip (NOTES item 109).
+                cute.arch.cp_async_wait_group(p.stages - 2)
                 cute.arch.barrier()  # every thread's, and every warpgroup done with the buffer refilled next
                 nxt = kb + p.stages - 1
                 if nxt < nkb:
