@@ -175,8 +175,8 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, compiled
     in a fresh process that keeps its PTX, then assembled: each stage's four `wgmma m64n64k16` on shared-memory
     descriptors, fenced, committed and waited for in one block; operands staged by 16-byte `cp.async` only, with
-    no proxy fence or memory barrier after their wait; 128
-    threads a warpgroup, no stack, and the CTAs per SM its plan counts on by registers."""
+    no proxy fence or memory barrier after their wait; 128 threads a warpgroup, no stack, and the CTAs per SM its
+    plan counts on by registers."""
     pytest.importorskip("cutlass")
     if kr.ptxas() is None:
         pytest.skip("no ptxas on this machine")
