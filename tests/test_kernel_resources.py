@@ -182,7 +182,8 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path):
         pytest.skip("no ptxas on this machine")
     script = textwrap.dedent("""
         import torch
-        from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for, workspace
+        from kimi_decode.kernels.gemm_tc import workspace
+        from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for
         plan = wgmma_plan_for(64, 7168, 3584)
         w = torch.empty(7168, 3584, dtype=torch.bfloat16)
         compile_wgmma_projection(w, torch.empty(64, 3584, dtype=torch.bfloat16), torch.empty(64, 7168),

@@ -1048,6 +1048,8 @@ TC_SHAPES = sorted(set(projection_shapes(shard("k3", tp=16))) | set(projection_s
 def test_split_k_projection_compiles_for_sm90a(sm90a, n, k, kernel, rows):
     """The two split-K tensor-core projections (`mma.sync`, and the warpgroup mma above 16 rows) on every projection
     shape, storing bf16 and accumulating into fp32 with an addend."""
+    from kimi_decode.kernels.gemm_tc import workspace  # both kernels' partial sums
+
     mod = importlib.import_module(f"kimi_decode.kernels.{kernel}")
     compile_fn, plan_fn = ((mod.compile_projection, mod.plan_for) if kernel == "gemm_tc"
                            else (mod.compile_wgmma_projection, mod.wgmma_plan_for))
@@ -1055,7 +1057,7 @@ def test_split_k_projection_compiles_for_sm90a(sm90a, n, k, kernel, rows):
         plan = plan_fn(m, n, k)
         w, x = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(m, k, dtype=torch.bfloat16)
         counters = torch.zeros(plan.groups, dtype=torch.int32)
-        ws = mod.workspace(plan, w.device)
+        ws = workspace(plan, w.device)
         assert compile_fn(w, x, torch.empty(m, n, dtype=torch.bfloat16), ws, counters)[0] is not None
         assert compile_fn(w, x, torch.empty(m, n), ws, counters, accumulate=True,
                           addend=torch.empty(m, n, dtype=torch.bfloat16))[0] is not None

@@ -32,7 +32,6 @@ from .cute_common import DEFAULT_SMS, HAVE_CUTE, cute, cutlass, sm_count
 # `from .gemm_tc import ...` only: cutlass-dsl 4.3.5's preprocessor cannot re-import `from . import gemm_tc`.
 from .gemm_tc import (GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT, SM_REGS, SM_SMEM, SM_THREADS, check_projection,
                       compile_split_k, run_split_k)
-from .gemm_tc import workspace  # noqa: F401 (the partial sums a launch writes: the split-K kernel's layout)
 
 MIN_ROWS, MAX_ROWS = 2, 64
 ROWS = 64  # weight rows per warpgroup: the wgmma's M
