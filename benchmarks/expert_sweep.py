@@ -110,8 +110,9 @@ for tp in a.tp:
             print(f"{tp:>3} {batch:>5} {distinct:>8.0f} {vmb:>7.1f}  {name:<22} {us:>8.2f} {vmb / us:>6.2f}")
             rows.append({"tp": tp, "batch": batch, "distinct": distinct, "mb": round(vmb, 2), "variant": name,
                          "us": round(us, 2)})
-        del h, act_bf, out_t, act, pair_out, ops, ops_out
-    del w
+        # freed before the next batch's buffers (rebound, not deleted: the variants' lambdas name them)
+        h = act_bf = out_t = act = pair_out = ops = ops_out = None
+    w = None
     torch.cuda.empty_cache()
 if a.json:
     sys.exit(write_json(a.json, {"gpu": torch.cuda.get_device_name(), "rows": rows}, "expert_sweep"))

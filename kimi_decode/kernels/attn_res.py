@@ -240,7 +240,7 @@ if HAVE_CUTE:
             loading the weights."""
             lane = tidx % 32
             warp = tidx // 32
-            K, T, NC, P = self.K, self.T, self.NC, self.P
+            K, T, P = self.K, self.T, self.P
 
             # weights first: they do not depend on the previous kernel
             qk = cute.make_rmem_tensor((VEC, K), Float32)
