@@ -114,8 +114,10 @@ def main() -> int:
                                                                                       1), kernels=ks))
                     print(f"{tp:>3} {name:>15} {N:>5} {K:>5} {M:>4} {wbytes / 1e6:6.1f}  {label:8s} {us:7.2f} "
                           f"{nbytes / us / 1e6:6.2f}  {desc}", flush=True)
-            ws.clear()  # the weights freed before the next shape (the lambdas are done with them)
+            # the weights freed before the next shape's: the lists, and the chunk views the last variants (and fn) hold
+            ws.clear()
             wts.clear()
+            variants = parts = fn = None
             torch.cuda.empty_cache()
     if a.json:
         return write_json(a.json, {"gpu": torch.cuda.get_device_name(), "blas": a.blas,

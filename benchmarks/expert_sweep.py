@@ -110,8 +110,9 @@ for tp in a.tp:
             print(f"{tp:>3} {batch:>5} {distinct:>8.0f} {vmb:>7.1f}  {name:<22} {us:>8.2f} {vmb / us:>6.2f}")
             rows.append({"tp": tp, "batch": batch, "distinct": distinct, "mb": round(vmb, 2), "variant": name,
                          "us": round(us, 2)})
-        # freed before the next batch's buffers (rebound, not deleted: the variants' lambdas name them)
-        h = act_bf = out_t = act = pair_out = ops = ops_out = None
+        # freed before the next batch's buffers, with the launch arguments that hold them too (rebound, not
+        # deleted: the variants' lambdas name them)
+        h = act_bf = out_t = act = pair_out = ops = ops_out = args = args_o = None
     w = None
     torch.cuda.empty_cache()
 if a.json:

@@ -108,7 +108,7 @@ for tp in a.tp:
                                      tbps=round(nbytes / us / 1e6, 3)))
                 print(f"{tp:>3} {name:>15} {N:>5} {K:>5} {M:>4} {wbytes / 1e6:6.1f}  {label:26s} {us:7.2f} "
                       f"{nbytes / us / 1e6:7.2f}")
-        ws.clear()  # the weights freed before the next projection (the lambdas are done with them)
+        ws.clear()  # the weights freed before the next projection's (the lambdas name the list, not its items)
         torch.cuda.empty_cache()
 if a.json:
     sys.exit(write_json(a.json, {"gpu": torch.cuda.get_device_name(), "rows": rows_out}, "projection_sweep"))
