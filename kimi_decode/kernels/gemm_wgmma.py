@@ -12,8 +12,8 @@ pipeline: `stages - 1` buffers in flight while the warpgroups multiply the oldes
 through registers and the loads in flight per SM are as deep as the buffers. Each buffer holds the rows and the
 tokens in the canonical K-major layout without swizzle: core matrices of 8 rows x 16 bytes (8 k), the 8 of a row
 block side by side (LBO = 128 bytes between k halves of a step), row blocks KS x 16 bytes apart (SBO). A warp's
-copies fill whole 512-byte runs of a buffer (lane: row lane % 8 of a block, 16-byte column lane // 8), so the
-shared-memory side is conflict-free and each row's 64 bytes per copy are two whole sectors. The stage's KS / 16
+copies fill a 512-byte run of a buffer (lane: row lane // 4 of a block, 16-byte column lane % 4), so each 8 lanes
+the hardware serves together read two rows' 64 bytes, whole sectors. The stage's KS / 16
 wgmma are issued, committed and waited for in one asm block, so the buffer is free for the copies that the next
 iteration issues after its CTA barrier. Tokens past M are not copied: their columns of D are not stored, and a
 column of D reads only its own column of B; rows past N read row N - 1 and are not stored.
@@ -152,19 +152,21 @@ if HAVE_CUTE:
                 n = bx * (ROWS * p.wgs) + tidx
                 if tidx >= ROWS * p.wgs:
                     n = Int32(p.N)
-                finish_group(self, mY, mAdd, mSsq, gWs, rs, n, warp, lane, 4 * p.wgs)
+                finish_group(self, mY, mAdd, mSsq, gWs, rs, n, warp, lane, 4 * p.wgs, sums_first=True)
 
         @cute.jit
         def load_stage(self, gW: cute.Tensor, gX: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, tidx: Int32,
                        bx: Int32, kb: Int32, slot: Int32):
             """`cp.async` of K stage `kb` (k = KS kb..) of the CTA's rows and of every token into buffer `slot`:
             16-byte unit (block b, column j, row r) of a buffer at b * KS / 8 * 8 + j * 8 + r, a warp's 32 copies
-            rows r = lane % 8 of one block at columns j = 4 (its quarter) + lane // 8."""
+            rows r = lane // 4 of one block at columns j = 4 (its quarter) + lane % 4: the hardware serves a warp's
+            16-byte accesses 8 lanes at a time, and 8 lanes then read two rows' 64 bytes, 4 whole sectors (with
+            rows lane % 8, 8 rows' 16 bytes: every sector fetched twice, once for each half; NOTES item 110)."""
             p = self.p
             quarters = KS // 32  # four 16-byte columns per warp copy
             lane = tidx % 32
-            r = lane % 8
-            j4 = lane // 8
+            r = lane // 4
+            j4 = lane % 4
             for u in cutlass.range_constexpr(p.w_units // (128 * p.wgs)):
                 v = u * 4 * p.wgs + tidx // 32  # this warp's copy: block v // quarters, quarter v % quarters
                 b = v // quarters
@@ -214,8 +216,9 @@ class WgmmaPlan:
 
     @property
     def regs(self) -> int:
-        """Registers per thread, about: the accumulators and ~40 for addresses (`ptxas -v`: 80 at 64 tokens)."""
-        return -(-(self.cols // 2 + 48) // 8) * 8
+        """Registers per thread, about: the accumulators and ~40 for addresses, or in the epilogue every token's sum
+        and ~30 (`ptxas -v` at 64 tokens: 72-89)."""
+        return -(-max(self.cols // 2 + 48, self.cols + 32) // 8) * 8
 
     @property
     def per_sm(self) -> int:
