@@ -1354,27 +1354,20 @@ def test_attn_res_loads_first_is_a_variant_of_its_own(sm90a_pdl, monkeypatch):
 
 
 @needs_cute
-@pytest.mark.parametrize("name, other, bad, message", [
-    ("KIMI_DECODE_ATTN_RES_EARLY", "0", "yes", "KIMI_DECODE_ATTN_RES_EARLY"),
-    ("KIMI_DECODE_ATTN_RES_TRIGGER", "late", "start",
-     "KIMI_DECODE_ATTN_RES_TRIGGER must be one of wait, late, not 'start'"),
-])
-def test_attn_res_pdl_switches_compile_as_variants_of_their_own(sm90a, monkeypatch, name, other, bad, message):
-    """Under PDL, the AttnRes kernel's default and `other` value of each switch compile apart
-    (KIMI_DECODE_ATTN_RES_EARLY: "1" reads the committed blocks before the wait, "0" after it;
-    KIMI_DECODE_ATTN_RES_TRIGGER: "wait" lets the next kernel launch right after the wait, "late" once the candidates
-    have arrived); other values are refused by name."""
+def test_attn_res_reads_blocks_before_the_wait_as_a_variant_of_its_own(sm90a, monkeypatch):
+    """KIMI_DECODE_ATTN_RES_EARLY: "1" (the default) reads the committed blocks before the wait under PDL, "0" after
+    it; the two compile apart, and other values are refused by name."""
     from kimi_decode.kernels.attn_res import compile_attn_res
 
     monkeypatch.setenv("KIMI_DECODE_PDL", "1")
     flags = dict(n_blocks=3, commit=False, delta_mode=1, use_partial=True, eps=1e-5)
-    monkeypatch.delenv(name, raising=False)
-    default, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-    monkeypatch.setenv(name, other)
-    variant, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
-    assert default is not None and variant is not None and default is not variant
-    monkeypatch.setenv(name, bad)
-    with pytest.raises(ValueError, match=message):
+    monkeypatch.delenv("KIMI_DECODE_ATTN_RES_EARLY", raising=False)
+    early, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_EARLY", "0")
+    late, _ = compile_attn_res(*_attn_res_args(1, delta=True), **flags)
+    assert early is not None and late is not None and early is not late
+    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_EARLY", "yes")
+    with pytest.raises(ValueError, match="KIMI_DECODE_ATTN_RES_EARLY"):
         compile_attn_res(*_attn_res_args(1, delta=True), **flags)
 
 

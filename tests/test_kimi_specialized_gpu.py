@@ -330,22 +330,6 @@ def test_pdl_steps_replay_in_a_graph_like_eager(monkeypatch, tp):
     _check_graph_replays_like_eager(tp)
 
 
-@pytest.mark.parametrize("tp", [16, 8])
-def test_specialized_layer_with_the_attn_res_late_trigger_matches_reference(monkeypatch, tp):
-    """Under PDL at one token, the AttnRes kernel lets the input projection launch only once its candidates have
-    arrived (KIMI_DECODE_ATTN_RES_TRIGGER=late): the layer against float64, outputs poisoned."""
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_ATTN_RES_TRIGGER", "late", tp, 1, 5500)
-
-
-@pytest.mark.parametrize("tp", [16, 8])
-def test_attn_res_late_trigger_replays_in_a_graph_like_eager(monkeypatch, tp):
-    """KIMI_DECODE_ATTN_RES_TRIGGER=late under PDL, two chained layers: graph replays give the eager steps' results."""
-    monkeypatch.setenv("KIMI_DECODE_PDL", "1")
-    monkeypatch.setenv("KIMI_DECODE_ATTN_RES_TRIGGER", "late")
-    _check_graph_replays_like_eager(tp)
-
-
 @pytest.mark.parametrize("tp, batch", [(16, 2), (8, 8), (16, 8), (8, 16), (16, 64)])
 def test_specialized_layer_with_the_shared_experts_after_the_latent_matches_reference(monkeypatch, tp, batch):
     """KIMI_DECODE_SHARED_AFTER=latent: the forked shared experts start once the latent down-projection is done."""

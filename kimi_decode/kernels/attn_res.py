@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_choice, env_flag, fake_like, launch, signature
+from .cute_common import HAVE_CUTE, compile_kernel, cute, cutlass, env_flag, fake_like, launch, signature
 
 if HAVE_CUTE:
     from .cute_common import pdl_launch_dependents, pdl_reads_ahead, pdl_wait
@@ -59,14 +59,6 @@ def loads_first() -> bool:
     after another. On the H200 "1" was 0.3-1.0 us faster per KDA layer at TP16 batches 1 and 8, and even elsewhere
     (benchmarks/NOTES.md, item 86)."""
     return env_flag("KIMI_DECODE_ATTN_RES_LOADS_FIRST", "1")
-
-
-def trigger_late() -> bool:
-    """Whether the AttnRes kernel under PDL (with the "wait" trigger) lets the next kernel (the input projection,
-    which copies its first weight slices before its own wait) launch only once every thread's candidate slices have
-    arrived and been summed (`KIMI_DECODE_ATTN_RES_TRIGGER`: "wait", the default, right after the wait; or "late"),
-    so that the projection's copies do not queue in front of AttnRes's loads."""
-    return env_choice("KIMI_DECODE_ATTN_RES_TRIGGER", "wait", ("wait", "late")) == "late"
 
 
 def _next_pow2(n: int) -> int:
@@ -117,7 +109,6 @@ if HAVE_CUTE:
             self.eps = float(eps)
             self.blocks_early = blocks_early()
             self.loads_first = loads_first()
-            self.trigger_late = trigger_late()  # KIMI_DECODE_ATTN_RES_TRIGGER=late (the kernel of its own only)
             self.T, self.K = plan(hidden)
             self.W = self.T // 32
             self.n4 = hidden // VEC
@@ -268,8 +259,7 @@ if HAVE_CUTE:
                     j = tidx + T * k
                     if self.exact or j < self.n4:
                         self.plain_blocks(gB, b, j, k, vals, acc, qk, tmp)
-            late = bool(pdl and self.trigger_late and pdl_reads_ahead())  # a trace-time constant
-            pdl_wait(pdl, trigger=not late)
+            pdl_wait(pdl)
 
             # residual update / commit, then the candidates' partial sums
             dl = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -297,8 +287,6 @@ if HAVE_CUTE:
                             acc[s] = acc[s] + vals[e, k, r] * qk[e, k]
                             acc[P // 2 + s] = acc[P // 2 + s] + vals[e, k, r] * vals[e, k, r]
 
-            if cutlass.const_expr(late):  # every candidate slice of this thread has arrived: its sums used them
-                cute.arch.griddepcontrol_launch_dependents()
             wts = self.softmax_weights(acc, tidx, lane, warp, red, sW, red2)
             self.mix_and_store(gB, gO, b, tidx, lane, warp, vals, wts, nrm, tmp, red2)
 
@@ -449,7 +437,7 @@ def _compile(blocks, partial, delta, query, key_norm, input_norm, out, n_blocks,
         delta = out  # not read; any bf16 [B, H] tensor of the right layout keeps the signature fixed
     args = (blocks, partial, delta, query, key_norm, input_norm, out)
     key = ("attn_res", int(n_blocks), bool(commit), int(delta_mode), bool(use_partial), float(eps), blocks_early(),
-           loads_first(), trigger_late(), *signature(*args))
+           loads_first(), *signature(*args))
     fn = compile_kernel(key, AttnRes(partial.shape[1], n_blocks, commit, delta_mode, use_partial, eps),
                         *(fake_like(t, align=_align(t)) for t in args))
     return fn, args
