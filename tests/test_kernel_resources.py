@@ -175,8 +175,8 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, compiled
     in a fresh process that keeps its PTX, then assembled: each stage's four `wgmma m64n64k16` on shared-memory
     descriptors, fenced, committed and waited for in one block; operands staged by 16-byte `cp.async` only, with
-    no proxy fence or memory barrier after their wait; 128 threads a warpgroup, no stack, and the CTAs per SM its
-    plan counts on by registers."""
+    no proxy fence or memory barrier after their wait; the epilogue's partial sums all loaded before its first
+    store; 128 threads a warpgroup, no stack, and the CTAs per SM its plan counts on by registers."""
     pytest.importorskip("cutlass")
     if kr.ptxas() is None:
         pytest.skip("no ptxas on this machine")
@@ -207,7 +207,11 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     assert not any("fence.proxy.async" in ln or "membar" in ln or "fence.sc" in ln for ln in lines)
     copies = [ln for ln in lines if "cp.async." in ln and "commit" not in ln and "wait" not in ln]
     assert copies and all("cp.async.cg.shared.global" in ln and ", 16" in ln for ln in copies), copies[:3]
-    r = kr.resources(str(path), kr.ptxas())
     plan = wgmma_plan_for(64, 7168, 3584)
+    # the epilogue loads every token's sum (each split's 16-byte partials) before its first store of y
+    sums = [i for i, ln in enumerate(lines) if "ld.global.v4" in ln]
+    assert len(sums) == plan.splits * 16, len(sums)
+    assert not any("st.global" in ln for ln in lines[sums[0]:sums[-1]])
+    r = kr.resources(str(path), kr.ptxas())
     assert r["threads"] == 128 * plan.wgs and r["stack"] == 0 and r["registers"] <= plan.regs
     assert kr.ctas_per_sm_by_registers(r["registers"], r["threads"]) >= plan.per_sm

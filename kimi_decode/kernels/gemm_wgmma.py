@@ -13,9 +13,9 @@ through registers and the loads in flight per SM are as deep as the buffers. Eac
 tokens in the canonical K-major layout without swizzle: core matrices of 8 rows x 16 bytes (8 k), the 8 of a row
 block side by side (LBO = 128 bytes between k halves of a step), row blocks KS x 16 bytes apart (SBO). A warp's
 copies fill a 512-byte run of a buffer (lane: row lane // 4 of a block, 16-byte column lane % 4), so each 8 lanes
-the hardware serves together read two rows' 64 bytes, whole sectors. The stage's KS / 16
-wgmma are issued, committed and waited for in one asm block, so the buffer is free for the copies that the next
-iteration issues after its CTA barrier. Tokens past M are not copied: their columns of D are not stored, and a
+the hardware serves together read two rows' 64 bytes, whole sectors. The stage's KS / 16 wgmma are issued,
+committed and waited for in one asm block, so the buffer is free for the copies that the next iteration issues
+after its CTA barrier. Tokens past M are not copied: their columns of D are not stored, and a
 column of D reads only its own column of B; rows past N read row N - 1 and are not stored.
 
 Partial sums per K split go to an fp32 workspace [splits, N, 8 * tiles], and the last CTA of each row group adds
