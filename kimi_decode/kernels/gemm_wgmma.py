@@ -10,10 +10,13 @@ Both operands from shared memory. A CTA's `wgs` warpgroups each own 64 weight ro
 its tokens' K slice through `stages` shared-memory buffers of KS = 64 k each with 16-byte `cp.async` (a multistage
 pipeline: `stages - 1` buffers in flight while the warpgroups multiply the oldest), so the weights never pass
 through registers and the loads in flight per SM are as deep as the buffers. Each buffer holds the rows and the
-tokens in the canonical K-major layout without swizzle: core matrices of 8 rows x 16 bytes (8 k), the 8 of a row
-block side by side (LBO = 128 bytes between k halves of a step), row blocks KS x 16 bytes apart (SBO). A warp's
-copies fill a 512-byte run of a buffer (lane: row lane // 4 of a block, 16-byte column lane % 4), so each 8 lanes
-the hardware serves together read two rows' 64 bytes, whole sectors. The stage's KS / 16 wgmma are issued,
+tokens K-major in the 128-byte swizzle: a row's KS k are one 128-byte line, its 16-byte column c at position
+c ^ (row % 8), blocks of 8 rows SBO = 1024 bytes apart; a k16 step's descriptor starts 32 bytes further into the
+line and the hardware applies the same swizzle. Eight lanes copy one row (lane: row lane // 8, column lane % 8),
+so they read 128 contiguous bytes and write one whole line of shared memory, all 32 banks. The layout without
+swizzle (core matrices of 8 rows x 16 bytes, so the two halves of every global sector land 128 bytes apart in
+shared memory) made each lane's 16-byte copy an L2 request and a shared-memory wavefront of its own, 32 per warp
+instead of 16 and 4, and the copies' issue stalled behind them (NOTES item 111). The stage's KS / 16 wgmma are issued,
 committed and waited for in one asm block, so the buffer is free for the copies that the next iteration issues
 after its CTA barrier. Tokens past M are not copied: their columns of D are not stored, and a
 column of D reads only its own column of B; rows past N read row N - 1 and are not stored.
@@ -37,8 +40,10 @@ MIN_ROWS, MAX_ROWS = 2, 64
 ROWS = 64  # weight rows per warpgroup: the wgmma's M
 KS = 64  # k per pipeline stage (4 wgmma k16 steps)
 STAGES = 4  # shared-memory buffers of the pipeline
-LBO = 128  # bytes between the two 8-k core matrices of a k16 step
-SBO = KS * 16  # bytes between 8-row (or 8-token) blocks
+LINE = KS * 2  # bytes of one row's stage: a 128-byte swizzle line
+SBO = 8 * LINE  # bytes between 8-row (or 8-token) blocks
+STEP = 32  # bytes of k of one k16 step within a line
+SWIZZLE_128B = 1 << 30  # the descriptor's layout type (bits 62-63 = 1: 128-byte swizzle) in its high word
 SMEM_LIMIT = 200 * 1024
 FLIGHT_ENOUGH = 64 * 1024  # weight bytes in flight per SM past which more do not stream faster (~1.5 us at 4.3 TB/s)
 
@@ -54,11 +59,12 @@ if HAVE_CUTE:
     def _wgmma_asm(cols: int) -> str:
         """One stage of a warpgroup's 64 rows against `cols` tokens: KS / 16 `wgmma m64n{cols}k16` accumulating into
         the cols / 2 outputs (tied to the first cols / 2 inputs), step s's A and B descriptors' low words the
-        inputs after those (A0, B0, A1, B1, ...; high words SBO / 16), then committed and waited for."""
+        inputs after those (A0, B0, A1, B1, ...; high words SBO / 16 and the 128-byte swizzle), then committed and
+        waited for."""
         na, steps = cols // 2, KS // 16
         acc = ", ".join(f"${i}" for i in range(na))  # the outputs; $na..$2na-1 are the same values as inputs
         op = f"wgmma.mma_async.sync.aligned.m64n{cols}k16.f32.bf16.bf16"
-        lines = ["{", " .reg .b64 da, db;", " .reg .b32 hi;", " .reg .pred p;", f" mov.b32 hi, {SBO >> 4};",
+        lines = ["{", " .reg .b64 da, db;", " .reg .b32 hi;", " .reg .pred p;", f" mov.b32 hi, {(SBO >> 4) | SWIZZLE_128B};",
                  f" setp.eq.b32 p, ${2 * na}, ${2 * na};", " wgmma.fence.sync.aligned;"]
         for s in range(steps):
             a, b = 2 * na + 2 * s, 2 * na + 2 * s + 1
@@ -69,12 +75,12 @@ if HAVE_CUTE:
 
     def wgmma_stage(acc, desc_a, desc_b, cols: int) -> None:
         """acc (cols / 2 fp32 registers, the D fragment) += one stage: the 64 x KS rows whose descriptor's low word
-        is `desc_a` against the cols x KS tokens at `desc_b` (each step's core matrices 2 x LBO further on). Every
+        is `desc_a` against the cols x KS tokens at `desc_b` (each step STEP bytes further into the lines). Every
         warp of the warpgroup calls it together."""
         na = cols // 2
         lows = []
         for s in range(KS // 16):
-            lows += [desc_a + s * (2 * LBO >> 4), desc_b + s * (2 * LBO >> 4)]
+            lows += [desc_a + s * (STEP >> 4), desc_b + s * (STEP >> 4)]
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32()] * na),
             [Float32(acc[i]).ir_value() for i in range(na)] + [Int32(v).ir_value() for v in lows],
@@ -84,9 +90,10 @@ if HAVE_CUTE:
             acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
 
     def desc_low(buf: cute.Tensor):
-        """The low word of a shared-memory matrix descriptor (no swizzle) of shared tensor `buf`'s start: its
-        address / 16 in bits 0-13, LBO / 16 in bits 16-29."""
-        return ((Int32(buf.iterator.toint()) & 0x3FFFF) >> 4) | ((LBO >> 4) << 16)
+        """The low word of a shared-memory matrix descriptor of shared tensor `buf`'s start (1024-byte aligned, as
+        the swizzle needs): its address / 16 in bits 0-13; the leading byte offset (bits 16-29) is unused by a
+        K-major swizzled operand whose k16 step lies within one line, and set to 1."""
+        return ((Int32(buf.iterator.toint()) & 0x3FFFF) >> 4) | (1 << 16)
 
     class WgmmaProjection(TensorCoreProjection):
         """The split-K `mma.sync` projection's host side and launch (a grid of row groups x splits, 32 x
@@ -158,31 +165,25 @@ if HAVE_CUTE:
         def load_stage(self, gW: cute.Tensor, gX: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, tidx: Int32,
                        bx: Int32, kb: Int32, slot: Int32):
             """`cp.async` of K stage `kb` (k = KS kb..) of the CTA's rows and of every token into buffer `slot`:
-            16-byte unit (block b, column j, row r) of a buffer at b * KS / 8 * 8 + j * 8 + r, a warp's 32 copies
-            rows r = lane // 4 of one block at columns j = 4 (its quarter) + lane % 4: the hardware serves a warp's
-            16-byte accesses 8 lanes at a time, and 8 lanes then read two rows' 64 bytes, 4 whole sectors (with
-            rows lane % 8, 8 rows' 16 bytes: every sector fetched twice, once for each half; NOTES item 110)."""
+            16-byte column c of row r at unit r * 8 + (c ^ (r % 8)) of the buffer (the 128-byte swizzle), a warp's
+            32 copies the 8 columns of 4 rows: row 4 (its copy) + lane // 8, column lane % 8."""
             p = self.p
-            quarters = KS // 32  # four 16-byte columns per warp copy
+            cols = KS // 8  # 16-byte columns of a row's line
             lane = tidx % 32
-            r = lane // 4
-            j4 = lane % 4
+            r4 = lane // cols
+            c = lane % cols
             for u in cutlass.range_constexpr(p.w_units // (128 * p.wgs)):
-                v = u * 4 * p.wgs + tidx // 32  # this warp's copy: block v // quarters, quarter v % quarters
-                b = v // quarters
-                j = v % quarters * 4 + j4
-                row = bx * (ROWS * p.wgs) + b * 8 + r
+                r = (u * 4 * p.wgs + tidx // 32) * 4 + r4  # this warp's copy u * 4 wgs + warp
+                row = bx * (ROWS * p.wgs) + r
                 if row >= p.N:
                     row = Int32(p.N - 1)
-                copy_async_16(gW[(None, (row, kb * (KS // 8) + j))],
-                              sW[(None, slot * p.w_units + b * (KS // 8) * 8 + j * 8 + r)])
+                copy_async_16(gW[(None, (row, kb * cols + c))],
+                              sW[(None, slot * p.w_units + r * cols + (c ^ (r % 8)))])
             for v in cutlass.range(tidx // 32, p.x_units // 32, 4 * p.wgs):
-                b = v // quarters
-                j = v % quarters * 4 + j4
-                m = b * 8 + r
+                m = v * 4 + r4
                 if m < p.M:
-                    copy_async_16(gX[(None, (m, kb * (KS // 8) + j))],
-                                  sX[(None, slot * p.x_units + b * (KS // 8) * 8 + j * 8 + r)])
+                    copy_async_16(gX[(None, (m, kb * cols + c))],
+                                  sX[(None, slot * p.x_units + m * cols + (c ^ (m % 8)))])
 
 
 class WgmmaPlan:
