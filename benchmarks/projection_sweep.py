@@ -89,7 +89,7 @@ for tp in a.tp:
                                  lambda i, pl=best: project_wgmma(ws[i], x, y, counters, plan=pl)))
                 if M in a.plans:
                     for wgs in (1, 2):
-                        for stages in sorted({3, STAGES, 6, 8, 12}):
+                        for stages in sorted({3, STAGES, 6, 8}):
                             for splits in sorted({max(1, best.splits // 2), best.splits, best.splits * 2}):
                                 pl = WgmmaPlan(M, N, K, wgs, splits, stages)
                                 if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:

@@ -351,7 +351,7 @@ class LatencySpecializedBackend(AutoBackend):
         self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
         self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
         # 1: the plain projections and the MoE tail above TC_MAX_ROWS on the warpgroup-mma projection instead of
-        # cuBLAS (`kernels/gemm_wgmma.py`; off until measured in the layer, benchmarks/NOTES.md item 108)
+        # cuBLAS (`kernels/gemm_wgmma.py`; off: slower than cuBLAS in the layer, benchmarks/NOTES.md item 111)
         self._wgmma = cute_common.env_flag("KIMI_DECODE_WGMMA", "0")
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
