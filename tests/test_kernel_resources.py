@@ -174,9 +174,10 @@ def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
 def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, compiled
     in a fresh process that keeps its PTX, then assembled: each stage's four `wgmma m64n64k16` on shared-memory
-    descriptors, fenced, committed and waited for in one block; operands staged by 16-byte `cp.async` only, with
-    no proxy fence or memory barrier after their wait; the epilogue's partial sums all loaded before its first
-    store; 128 threads a warpgroup, no stack, and the CTAs per SM its plan counts on by registers."""
+    descriptors of the 128-byte swizzle, fenced, committed and waited for in one block; operands staged by 16-byte
+    `cp.async` only, with no proxy fence or memory barrier after their wait; the epilogue's partial sums all
+    loaded before its first store; 128 threads a warpgroup, no stack, and the CTAs per SM its plan counts on by
+    registers."""
     pytest.importorskip("cutlass")
     if kr.ptxas() is None:
         pytest.skip("no ptxas on this machine")
@@ -194,7 +195,7 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), KIMI_DECODE_CUTE_ARCH="sm_90a",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
-    from kimi_decode.kernels.gemm_wgmma import wgmma_plan_for
+    from kimi_decode.kernels.gemm_wgmma import SBO, SWIZZLE_128B, wgmma_plan_for
 
     (path,) = tmp_path.glob("*.ptx")
     lines = path.read_text().splitlines()
@@ -202,6 +203,8 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     assert len(mma) == 4 and all("m64n64k16.f32.bf16.bf16" in ln and "da, db" in ln for ln in mma)
     assert sum("wgmma.wait_group.sync.aligned 0" in ln for ln in lines) == 1
     assert sum("wgmma.fence.sync.aligned" in ln for ln in lines) == 1
+    # both descriptors' high word: 8-row blocks SBO bytes apart in the 128-byte swizzle (the layout the copies fill)
+    assert sum(f"mov.b32 hi, {(SBO >> 4) | SWIZZLE_128B};" in ln for ln in lines) == 1
     # no proxy fence or memory barrier in the loop: ptxas makes `fence.proxy.async` a `MEMBAR.ALL.CTA`, which waits
     # for every copy in flight, so each stage waited a whole memory round trip (NOTES item 109)
     assert not any("fence.proxy.async" in ln or "membar" in ln or "fence.sc" in ln for ln in lines)
