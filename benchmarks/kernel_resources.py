@@ -111,8 +111,8 @@ def cubin_usage(cubin_path: str, tool: str) -> dict:
 
 
 def ptxas_usage(ptx_path: str, tool: str, arch: str, disasm: str | None = None) -> dict:
-    """`ptxas -v` of one PTX file: registers, stack bytes, spill stores / loads; with `disasm` (nvdisasm) also the
-    assembled kernel's `loads_after_stores`."""
+    """`ptxas -v` of one PTX file: registers, stack bytes, spill stores / loads, its warnings (as where it had to
+    serialize wgmma); with `disasm` (nvdisasm) also the assembled kernel's `loads_after_stores`."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         raw = Path(ptx_path).read_bytes()
@@ -130,7 +130,8 @@ def ptxas_usage(ptx_path: str, tool: str, arch: str, disasm: str | None = None) 
 
     return {"registers": number(r"Used (\d+) registers"), "stack": number(r"(\d+) bytes stack frame"),
             "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads"),
-            "loads_after_stores": orders}
+            "loads_after_stores": orders,
+            "warnings": [ln.strip() for ln in out.stderr.splitlines() if "warning" in ln.lower()]}
 
 
 def resources(ptx_path: str, tool: str | None, arch: str = "sm_90a", objdump: str | None = None,
