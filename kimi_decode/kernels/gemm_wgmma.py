@@ -18,8 +18,10 @@ swizzle (core matrices of 8 rows x 16 bytes, so the two halves of every global s
 shared memory) made each lane's 16-byte copy an L2 request and a shared-memory wavefront of its own, 32 per warp
 instead of 16 and 4, and the copies' issue stalled behind them (NOTES item 111). The stage's KS / 16 wgmma are issued,
 committed and waited for in one asm block, so the buffer is free for the copies that the next iteration issues
-after its CTA barrier. Tokens past M are not copied: their columns of D are not stored, and a
-column of D reads only its own column of B; rows past N read row N - 1 and are not stored.
+after its CTA barrier (a plan with `mma_pending=1` waits there for the stage before instead, so that the next
+stage's copies overlap this one's wgmma, and refills a buffer one stage later). Tokens past M are not copied: their
+columns of D are not stored, and a column of D reads only its own column of B; rows past N read row N - 1 and are
+not stored.
 
 Partial sums per K split go to an fp32 workspace [splits, N, 8 * tiles], and the last CTA of each row group adds
 them in split order and runs the epilogue of `gemv.py` (`gemm_tc.finish_group`), as the split-K `mma.sync` kernel
