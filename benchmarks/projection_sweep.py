@@ -17,7 +17,7 @@ from kimi_decode.bench import write_json
 from kimi_decode.config import shard
 from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
 from kimi_decode.kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX, RowsPlan, rows_plan_for, project_rows
-from kimi_decode.kernels.gemm_wgmma import STAGES, WgmmaPlan, project_wgmma, wgmma_plan_for
+from kimi_decode.kernels.gemm_wgmma import STAGE_CHOICES, WgmmaPlan, project_wgmma, wgmma_plan_for
 from kimi_decode.kernels.gemv import MAX_ROWS as GEMV_ROWS, gemv
 from kimi_decode.testing import projection_shapes
 
@@ -89,7 +89,7 @@ for tp in a.tp:
                                  lambda i, pl=best: project_wgmma(ws[i], x, y, counters, plan=pl)))
                 if M in a.plans:
                     for wgs in (1, 2):
-                        for stages in sorted({3, STAGES, 6, 8}):
+                        for stages in STAGE_CHOICES:
                             for splits in sorted({max(1, best.splits // 2), best.splits, best.splits * 2}):
                                 pl = WgmmaPlan(M, N, K, wgs, splits, stages)
                                 if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:
@@ -97,7 +97,7 @@ for tp in a.tp:
                                 variants.append((f"wgmma g{wgs} s{pl.splits} st{stages}",
                                                  lambda i, pl=pl: project_wgmma(ws[i], x, y, counters, plan=pl)))
                     # the plan's tiling with the wgmma of one stage left in flight while the next copies issue
-                    for stages in (3, STAGES, 6, 8):
+                    for stages in STAGE_CHOICES:
                         pl = WgmmaPlan(M, N, K, best.wgs, best.splits, stages, mma_pending=1)
                         if pl.smem_bytes <= 200 * 1024:
                             variants.append((f"wgmma g{best.wgs} s{pl.splits} st{stages} m1",

@@ -198,7 +198,10 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path, pending):
     env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), KIMI_DECODE_CUTE_ARCH="sm_90a",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
-    from kimi_decode.kernels.gemm_wgmma import SBO, SWIZZLE_128B, wgmma_plan_for
+    from kimi_decode.kernels.gemm_wgmma import SBO, SWIZZLE_128B, WgmmaPlan, wgmma_plan_for
+
+    p = wgmma_plan_for(64, 7168, 3584)
+    plan = WgmmaPlan(64, 7168, 3584, p.wgs, p.splits, p.stages, pending)  # the plan the script compiled
 
     (path,) = tmp_path.glob("*.ptx")
     lines = path.read_text().splitlines()
@@ -215,7 +218,6 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path, pending):
     assert not any("fence.proxy.async" in ln or "membar" in ln or "fence.sc" in ln for ln in lines)
     copies = [ln for ln in lines if "cp.async." in ln and "commit" not in ln and "wait" not in ln]
     assert copies and all("cp.async.cg.shared.global" in ln and ", 16" in ln for ln in copies), copies[:3]
-    plan = wgmma_plan_for(64, 7168, 3584)
     # the epilogue loads every token's sum (each split's 16-byte partials) before its first store of y
     sums = [i for i, ln in enumerate(lines) if "ld.global.v4" in ln]
     assert len(sums) == plan.splits * 16, len(sums)

@@ -42,6 +42,7 @@ MIN_ROWS, MAX_ROWS = 2, 64
 ROWS = 64  # weight rows per warpgroup: the wgmma's M
 KS = 64  # k per pipeline stage (4 wgmma k16 steps)
 STAGES = 4  # shared-memory buffers of the pipeline
+STAGE_CHOICES = (3, 4, 6, 8)  # the buffer counts the planner (and `benchmarks/projection_sweep.py`) tries
 LINE = KS * 2  # bytes of one row's stage: a 128-byte swizzle line
 SBO = 8 * LINE  # bytes between 8-row (or 8-token) blocks
 STEP = 32  # bytes of k of one k16 step within a line
@@ -101,6 +102,11 @@ if HAVE_CUTE:
         """Wait for every wgmma in flight that accumulates into acc (cols / 2 registers)."""
         _tied_asm(acc, cols // 2, [], "wgmma.wait_group.sync.aligned 0;")
 
+    def swizzled_unit(row, col):
+        """The 16-byte unit of a stage buffer that holds 16-byte column `col` of its row `row` in the 128-byte
+        swizzle the descriptors name: the row's line, the column's position in it XOR the row's place in its 8."""
+        return row * (KS // 8) + (col ^ (row % 8))
+
     def desc_low(buf: cute.Tensor):
         """The low word of a shared-memory matrix descriptor of shared tensor `buf`'s start (1024-byte aligned, as
         the swizzle needs): its address / 16 in bits 0-13; the leading byte offset (bits 16-29) is unused by a
@@ -119,7 +125,7 @@ if HAVE_CUTE:
             bx, bs, _ = cute.arch.block_idx()
             warp, lane, g, t = mma_lanes(tidx)
             smem = cutlass.utils.SmemAllocator()
-            # per stage: the CTA's rows, then its tokens, each in 16-byte units of the canonical layout
+            # per stage: the CTA's rows, then its tokens, 16-byte units in the 128-byte swizzle (`swizzled_unit`)
             sW = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), p.stages * p.w_units)), 1024)
             sX = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), p.stages * p.x_units)), 1024)
             rs = smem.allocate_tensor(Float32, cute.make_layout(p.cols), 16)
@@ -186,22 +192,20 @@ if HAVE_CUTE:
             16-byte column c of row r at unit r * 8 + (c ^ (r % 8)) of the buffer (the 128-byte swizzle), a warp's
             32 copies the 8 columns of 4 rows: row 4 (its copy) + lane // 8, column lane % 8."""
             p = self.p
-            cols = KS // 8  # 16-byte columns of a row's line
+            units = KS // 8  # 16-byte columns of a row's line
             lane = tidx % 32
-            r4 = lane // cols
-            c = lane % cols
+            r4 = lane // units
+            c = lane % units
             for u in cutlass.range_constexpr(p.w_units // (128 * p.wgs)):
                 r = (u * 4 * p.wgs + tidx // 32) * 4 + r4  # this warp's copy u * 4 wgs + warp
                 row = bx * (ROWS * p.wgs) + r
                 if row >= p.N:
                     row = Int32(p.N - 1)
-                copy_async_16(gW[(None, (row, kb * cols + c))],
-                              sW[(None, slot * p.w_units + r * cols + (c ^ (r % 8)))])
+                copy_async_16(gW[(None, (row, kb * units + c))], sW[(None, slot * p.w_units + swizzled_unit(r, c))])
             for v in cutlass.range(tidx // 32, p.x_units // 32, 4 * p.wgs):
                 m = v * 4 + r4
                 if m < p.M:
-                    copy_async_16(gX[(None, (m, kb * cols + c))],
-                                  sX[(None, slot * p.x_units + m * cols + (c ^ (m % 8)))])
+                    copy_async_16(gX[(None, (m, kb * units + c))], sX[(None, slot * p.x_units + swizzled_unit(m, c))])
 
 
 class WgmmaPlan:
@@ -271,7 +275,7 @@ def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
     then two warpgroups per CTA (each staged token then serves 128 rows instead of 64), then the fewer stages."""
     fits = []
     for wgs in (1, 2):
-        for stages in (3, 4, 6, 8):
+        for stages in STAGE_CHOICES:
             for splits in range(1, K // KS + 1):
                 p = WgmmaPlan(M, N, K, wgs, splits, stages)
                 if p.splits != splits or p.smem_bytes > SMEM_LIMIT or p.ctas > p.per_sm * sms:
