@@ -3,6 +3,7 @@ with K over a CTA's warps, `gemm_tc_rows`; the warpgroup mma's split-K pipeline,
 
     python benchmarks/projection_sweep.py --tp 16 8 --rows 1 2 4 8 16 64
     python benchmarks/projection_sweep.py --tp 16 8 --rows 32 64 --variants cublas wgmma --plans 64 --blas cublaslt
+    python benchmarks/projection_sweep.py --tp 16 --rows 64 --plans 64 --projections o_proj --only "wgmma g1 s2 st8"
 
 Each variant runs as a CUDA graph of back-to-back launches over rotated weight copies (more bytes than L2 holds), 20
 replays, the median per launch; bytes are the weights plus x and y; TB/s against the 4.3 TB/s HBM floor.
@@ -33,6 +34,7 @@ p.add_argument("--variants", nargs="*", choices=["cublas", "gemv", "tc", "rows",
                help="only these kernels (default: all)")
 p.add_argument("--blas", choices=["cublas", "cublaslt"], default="cublas",
                help="torch's BLAS library for the cuBLAS variant (the backend's projections above 16 rows: cublaslt)")
+p.add_argument("--only", nargs="*", help="only the variants whose label starts with one of these (e.g. 'wgmma g1 s2 st8')")
 p.add_argument("--json")
 a = p.parse_args()
 torch.backends.cuda.preferred_blas_library(a.blas)
@@ -104,6 +106,8 @@ for tp in a.tp:
                                              lambda i, pl=pl: project_wgmma(ws[i], x, y, counters, plan=pl)))
             if a.variants:
                 variants = [(label, fn) for label, fn in variants if label.split()[0] in a.variants]
+            if a.only:
+                variants = [(label, fn) for label, fn in variants if label.startswith(tuple(a.only))]
             for label, fn in variants:
                 try:
                     us = launch_us(fn, copies, a.replays)
