@@ -98,12 +98,6 @@ for tp in a.tp:
                                     continue
                                 variants.append((f"wgmma g{wgs} s{pl.splits} st{stages}",
                                                  lambda i, pl=pl: project_wgmma(ws[i], x, y, counters, plan=pl)))
-                    # the plan's tiling with the wgmma of one stage left in flight while the next copies issue
-                    for stages in STAGE_CHOICES:
-                        pl = WgmmaPlan(M, N, K, best.wgs, best.splits, stages, mma_pending=1)
-                        if pl.smem_bytes <= 200 * 1024:
-                            variants.append((f"wgmma g{best.wgs} s{pl.splits} st{stages} m1",
-                                             lambda i, pl=pl: project_wgmma(ws[i], x, y, counters, plan=pl)))
             if a.variants:
                 variants = [(label, fn) for label, fn in variants if label.split()[0] in a.variants]
             if a.only:

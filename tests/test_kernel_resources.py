@@ -171,45 +171,40 @@ def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
     assert all(counts["1"][n] == 0 for n in names), counts
 
 
-@pytest.mark.parametrize("pending", [0, 1])
-def test_wgmma_projection_compiled_for_sm90a(tmp_path, pending):
+def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, its
-    plan's tiling with `pending` stages' wgmma left in flight, compiled in a fresh process that keeps its PTX, then
-    assembled: each stage's four `wgmma m64n64k16` on shared-memory descriptors of the 128-byte swizzle, fenced,
-    committed and waited for down to `pending` groups in one block (and to none after the loop), with no ptxas
-    warning (ptxas warns where it must serialize wgmma); operands staged by 16-byte `cp.async` only, with no proxy
-    fence or memory barrier after their wait; the epilogue's partial sums all loaded before its first store; 128
-    threads a warpgroup, no stack, and the CTAs per SM its plan counts on by registers."""
+    plan's tiling, compiled in a fresh process that keeps its PTX, then assembled: each stage's four `wgmma
+    m64n64k16` on shared-memory descriptors of the 128-byte swizzle, fenced, committed and waited for in one block,
+    with no ptxas warning (ptxas warns where it must serialize wgmma); operands staged by 16-byte `cp.async` only,
+    with no proxy fence or memory barrier after their wait; the epilogue's partial sums all loaded before its first
+    store; 128 threads a warpgroup, no stack, and the CTAs per SM its plan counts on by registers."""
     pytest.importorskip("cutlass")
     if kr.ptxas() is None:
         pytest.skip("no ptxas on this machine")
     script = textwrap.dedent("""
         import torch
         from kimi_decode.kernels.gemm_tc import workspace
-        from kimi_decode.kernels.gemm_wgmma import WgmmaPlan, compile_wgmma_projection, wgmma_plan_for
-        p = wgmma_plan_for(64, 7168, 3584)
-        plan = WgmmaPlan(64, 7168, 3584, p.wgs, p.splits, p.stages, PENDING)
+        from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for
+        plan = wgmma_plan_for(64, 7168, 3584)
         w = torch.empty(7168, 3584, dtype=torch.bfloat16)
         compile_wgmma_projection(w, torch.empty(64, 3584, dtype=torch.bfloat16), torch.empty(64, 7168),
                                  workspace(plan, w.device), torch.zeros(plan.groups, dtype=torch.int32),
                                  accumulate=True, addend=torch.empty(64, 7168, dtype=torch.bfloat16),
                                  row_scale=(torch.empty(64, 224), 1e-5), plan=plan)
-    """).replace("PENDING", str(pending))
+    """)
     env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), KIMI_DECODE_CUTE_ARCH="sm_90a",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
-    from kimi_decode.kernels.gemm_wgmma import SBO, SWIZZLE_128B, WgmmaPlan, wgmma_plan_for
+    from kimi_decode.kernels.gemm_wgmma import SBO, SWIZZLE_128B, wgmma_plan_for
 
-    p = wgmma_plan_for(64, 7168, 3584)
-    plan = WgmmaPlan(64, 7168, 3584, p.wgs, p.splits, p.stages, pending)  # the plan the script compiled
+    plan = wgmma_plan_for(64, 7168, 3584)  # the plan the script compiled
 
     (path,) = tmp_path.glob("*.ptx")
     lines = path.read_text().splitlines()
     mma = [ln for ln in lines if "wgmma.mma_async" in ln]
     assert len(mma) == 4 and all("m64n64k16.f32.bf16.bf16" in ln and "da, db" in ln for ln in mma)
     waits = [ln.strip() for ln in lines if "wgmma.wait_group.sync.aligned" in ln]
-    assert waits == [f"wgmma.wait_group.sync.aligned {pending};"] + (["wgmma.wait_group.sync.aligned 0;"] if pending
-                                                                      else []), waits
+    assert waits == ["wgmma.wait_group.sync.aligned 0;"], waits
     assert sum("wgmma.fence.sync.aligned" in ln for ln in lines) == 1
     # both descriptors' high word: 8-row blocks SBO bytes apart in the 128-byte swizzle (the layout the copies fill)
     assert sum(f"mov.b32 hi, {(SBO >> 4) | SWIZZLE_128B};" in ln for ln in lines) == 1

@@ -32,27 +32,21 @@ def eager_then_graphed(run, reset, check, times: int = 2) -> None:
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("kernel, rows", [("gemv", 1), ("gemv", 3), ("gemv", 8), ("tc", 2), ("tc", 9), ("tc", 33),
                                           ("tc", 64), ("rows", 2), ("rows", 5), ("rows", 8), ("rows", 16),
-                                          ("wgmma", 9), ("wgmma", 17), ("wgmma", 40), ("wgmma", 64),
-                                          ("wgmma_pending", 17), ("wgmma_pending", 64)])
+                                          ("wgmma", 9), ("wgmma", 17), ("wgmma", 40), ("wgmma", 64)])
 def test_projection_matches_float64(tp, kernel, rows):
     """The CUDA-core GEMV and the tensor-core projections (split-K, the row tiles with K over a CTA's warps, and the
-    warpgroup mma's split-K pipeline, also with a stage's wgmma left in flight) on every projection shape, stored as
-    bf16 and fp32 and accumulated into fp32 with an addend, against float64 (outputs poisoned); the split-K
-    kernels' completion counters are back at 0 after each launch (their row groups reset them)."""
+    warpgroup mma's split-K pipeline) on every projection shape, stored as bf16 and fp32 and accumulated into fp32
+    with an addend, against float64 (outputs poisoned); the split-K kernels' completion counters are back at 0
+    after each launch (their row groups reset them)."""
     from kimi_decode.kernels.gemm_tc import project
     from kimi_decode.kernels.gemm_tc_rows import project_rows
-    from kimi_decode.kernels.gemm_wgmma import WgmmaPlan, project_wgmma, wgmma_plan_for
+    from kimi_decode.kernels.gemm_wgmma import project_wgmma
     from kimi_decode.kernels.gemv import gemv
-
-    def pending(w, x, y, **kw):
-        p = wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1])
-        plan = WgmmaPlan(p.M, p.N, p.K, p.wgs, p.splits, max(p.stages, 3), mma_pending=1)
-        return project_wgmma(w, x, y, counters, plan=plan, **kw)
 
     counters = torch.zeros(256, dtype=torch.int32, device="cuda")
     run = {"gemv": gemv, "rows": project_rows,
            "tc": lambda w, x, y, **kw: project(w, x, y, counters, **kw),
-           "wgmma": lambda w, x, y, **kw: project_wgmma(w, x, y, counters, **kw), "wgmma_pending": pending}[kernel]
+           "wgmma": lambda w, x, y, **kw: project_wgmma(w, x, y, counters, **kw)}[kernel]
     g = torch.Generator(device="cuda").manual_seed(900 + tp * 100 + rows)
     for n, k in projection_shapes(shard("k3", tp=tp)):
         w = torch.randn(n, k, device="cuda", generator=g).bfloat16()

@@ -18,10 +18,9 @@ swizzle (core matrices of 8 rows x 16 bytes, so the two halves of every global s
 shared memory) made each lane's 16-byte copy an L2 request and a shared-memory wavefront of its own, 32 per warp
 instead of 16 and 4, and the copies' issue stalled behind them (NOTES item 111). The stage's KS / 16 wgmma are issued,
 committed and waited for in one asm block, so the buffer is free for the copies that the next iteration issues
-after its CTA barrier (a plan with `mma_pending=1` waits there for the stage before instead, so that the next
-stage's copies overlap this one's wgmma, and refills a buffer one stage later). Tokens past M are not copied: their
-columns of D are not stored, and a column of D reads only its own column of B; rows past N read row N - 1 and are
-not stored.
+after its CTA barrier (leaving one stage's wgmma in flight while the next stage's copies issue was no faster: NOTES
+item 112). Tokens past M are not copied: their columns of D are not stored, and a column of D reads only its own
+column of B; rows past N read row N - 1 and are not stored.
 
 Partial sums per K split go to an fp32 workspace [splits, N, 8 * tiles], and the last CTA of each row group adds
 them in split order and runs the epilogue of `gemv.py` (`gemm_tc.finish_group`), as the split-K `mma.sync` kernel
@@ -59,11 +58,11 @@ if HAVE_CUTE:
     from .gemm_tc import TensorCoreProjection, finish_group
 
     @functools.cache
-    def _wgmma_asm(cols: int, pending: int) -> str:
+    def _wgmma_asm(cols: int) -> str:
         """One stage of a warpgroup's 64 rows against `cols` tokens: KS / 16 `wgmma m64n{cols}k16` accumulating into
         the cols / 2 outputs (tied to the first cols / 2 inputs), step s's A and B descriptors' low words the
         inputs after those (A0, B0, A1, B1, ...; high words SBO / 16 and the 128-byte swizzle), then committed and
-        waited for until at most `pending` stages' groups are in flight (0: this one done)."""
+        waited for."""
         na, steps = cols // 2, KS // 16
         acc = ", ".join(f"${i}" for i in range(na))  # the outputs; $na..$2na-1 are the same values as inputs
         op = f"wgmma.mma_async.sync.aligned.m64n{cols}k16.f32.bf16.bf16"
@@ -74,33 +73,24 @@ if HAVE_CUTE:
             a, b = 2 * na + 2 * s, 2 * na + 2 * s + 1
             lines += [f" mov.b64 da, {{${a}, hi}};", f" mov.b64 db, {{${b}, hi}};",
                       f" {op} {{{acc}}}, da, db, p, 1, 1, 0, 0;"]
-        lines += [" wgmma.commit_group.sync.aligned;", f" wgmma.wait_group.sync.aligned {pending};", "}"]
+        lines += [" wgmma.commit_group.sync.aligned;", " wgmma.wait_group.sync.aligned 0;", "}"]
         return "\n".join(lines)
 
-    def _tied_asm(acc, na: int, inputs: list, text: str) -> None:
-        """Inline PTX `text` that updates the na fp32 registers of acc in place (outputs $0.., tied to the first na
-        inputs), given the Int32 `inputs` after them."""
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32()] * na),
-            [Float32(acc[i]).ir_value() for i in range(na)] + [Int32(v).ir_value() for v in inputs],
-            text, ",".join(["=f"] * na + [str(i) for i in range(na)] + ["r"] * len(inputs)),
-            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-        for i in range(na):
-            acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
-
-    def wgmma_stage(acc, desc_a, desc_b, cols: int, pending: int = 0) -> None:
+    def wgmma_stage(acc, desc_a, desc_b, cols: int) -> None:
         """acc (cols / 2 fp32 registers, the D fragment) += one stage: the 64 x KS rows whose descriptor's low word
-        is `desc_a` against the cols x KS tokens at `desc_b` (each step STEP bytes further into the lines), leaving
-        at most `pending` stages' wgmma in flight (acc is read only after `wgmma_wait`). Every warp of the
-        warpgroup calls it together."""
+        is `desc_a` against the cols x KS tokens at `desc_b` (each step STEP bytes further into the lines), done
+        when it returns. Every warp of the warpgroup calls it together."""
+        na = cols // 2
         lows = []
         for s in range(KS // 16):
             lows += [desc_a + s * (STEP >> 4), desc_b + s * (STEP >> 4)]
-        _tied_asm(acc, cols // 2, lows, _wgmma_asm(cols, pending))
-
-    def wgmma_wait(acc, cols: int) -> None:
-        """Wait for every wgmma in flight that accumulates into acc (cols / 2 registers)."""
-        _tied_asm(acc, cols // 2, [], "wgmma.wait_group.sync.aligned 0;")
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32()] * na),
+            [Float32(acc[i]).ir_value() for i in range(na)] + [Int32(v).ir_value() for v in lows],
+            _wgmma_asm(cols), ",".join(["=f"] * na + [str(i) for i in range(na)] + ["r"] * len(lows)),
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        for i in range(na):
+            acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
 
     def swizzled_unit(row, col):
         """The 16-byte unit of a stage buffer that holds 16-byte column `col` of its row `row` in the 128-byte
@@ -135,7 +125,7 @@ if HAVE_CUTE:
             if p.blocks - kb0 < nkb:
                 nkb = p.blocks - kb0
 
-            ahead = p.stages - 1 - p.mma_pending  # stages whose copies are in flight beside the one multiplied
+            ahead = p.stages - 1  # stages whose copies are in flight beside the one multiplied
             for s in cutlass.range_constexpr(ahead):
                 if s < nkb:
                     self.load_stage(gW, gX, sW, sX, tidx, bx, kb0 + s, s)
@@ -150,18 +140,15 @@ if HAVE_CUTE:
                 # cp.async wgmma mainloop has none): ptxas makes it a `MEMBAR.ALL.CTA`, which waits for the copies
                 # still in flight too, so that each stage waited for a whole memory round trip (NOTES item 109).
                 cute.arch.cp_async_wait_group(ahead - 1)
-                # every thread's, and every warpgroup done with the buffer refilled next: stage kb - 1 - mma_pending's,
-                # whose wgmma each warp waited for at the end of its last iteration
+                # every thread's, and every warpgroup done with the buffer refilled next: stage kb - 1's, whose wgmma
+                # each warp waited for at the end of its last iteration
                 cute.arch.barrier()
                 nxt = kb + ahead
                 if nxt < nkb:
                     self.load_stage(gW, gX, sW, sX, tidx, bx, kb0 + nxt, nxt % p.stages)
                 cute.arch.cp_async_commit_group()  # (an empty group at the end: the counts stay even)
                 slot = kb % p.stages
-                wgmma_stage(acc, lo_w + slot * (p.w_units * 16 >> 4), lo_x + slot * (p.x_units * 16 >> 4), p.cols,
-                            p.mma_pending)
-            if cutlass.const_expr(p.mma_pending > 0):
-                wgmma_wait(acc, p.cols)
+                wgmma_stage(acc, lo_w + slot * (p.w_units * 16 >> 4), lo_x + slot * (p.x_units * 16 >> 4), p.cols)
 
             # partial sums -> workspace [split, row, token]: D rows 16q + g and + 8 of the warpgroup's 64, tokens
             # 8i + 2t and + 1
@@ -210,17 +197,12 @@ if HAVE_CUTE:
 
 class WgmmaPlan:
     """Tiling of one projection shape: `wgs` warpgroups of 64 rows per CTA, K in `splits` slices of `per_split`
-    stages of KS, `stages` buffers in the pipeline, `mma_pending` stages' wgmma left in flight while the next
-    stage's copies are issued (0: each stage's waited for at its end; 1: the one before, so a buffer is refilled
-    two stages after its wgmma, and `stages - 2` stages of copies are in flight instead of `stages - 1`)."""
+    stages of KS, `stages` buffers in the pipeline (`stages - 1` of them in flight)."""
 
-    def __init__(self, M: int, N: int, K: int, wgs: int, splits: int, stages: int = STAGES, mma_pending: int = 0):
-        if mma_pending not in (0, 1):
-            raise ValueError(f"mma_pending is 0 or 1, got {mma_pending}")
-        if stages < 2 + mma_pending:
-            raise ValueError(f"the pipeline needs at least {2 + mma_pending} stages, got {stages}")
+    def __init__(self, M: int, N: int, K: int, wgs: int, splits: int, stages: int = STAGES):
+        if stages < 2:
+            raise ValueError(f"the pipeline needs at least 2 stages, got {stages}")
         self.M, self.N, self.K, self.wgs, self.stages = M, N, K, wgs, stages
-        self.mma_pending = mma_pending
         self.tiles = -(-M // 8)  # 8-token blocks: the wgmma's N is 8 x tiles
         self.cols = 8 * self.tiles
         self.blocks = K // KS
@@ -264,7 +246,7 @@ class WgmmaPlan:
         return self.splits * ROWS * self.wgs * self.cols * 4 if self.splits > 1 else 0
 
     def key(self) -> tuple:
-        return (self.M, self.N, self.K, self.wgs, self.splits, self.stages, self.mma_pending)
+        return (self.M, self.N, self.K, self.wgs, self.splits, self.stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,7 +268,7 @@ def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
         return WgmmaPlan(M, N, K, 2, 1)
 
     def in_flight(p: WgmmaPlan) -> int:
-        per_sm = min(p.per_sm, -(-p.ctas // sms)) * (p.stages - 1 - p.mma_pending) * p.w_units * 16
+        per_sm = min(p.per_sm, -(-p.ctas // sms)) * (p.stages - 1) * p.w_units * 16
         return min(p.ctas, sms) * min(per_sm, FLIGHT_ENOUGH)
 
     most = max(in_flight(p) for p in fits)
