@@ -16,12 +16,10 @@ line and the hardware applies the same swizzle. Eight lanes copy one row (lane: 
 so they read 128 contiguous bytes and write one whole line of shared memory, all 32 banks. The layout without
 swizzle (core matrices of 8 rows x 16 bytes, so the two halves of every global sector land 128 bytes apart in
 shared memory) made each lane's 16-byte copy an L2 request and a shared-memory wavefront of its own, 32 per warp
-instead of 16 and 4, and the copies' issue stalled behind them (NOTES item 111). Each iteration waits for its
-stage's copies and the CTA barrier, issues the stage's KS / 16 wgmma, then the copies of the stage `stages - 1`
-ahead into the buffer the stage before used (its wgmma waited for at the end of the last iteration), and waits for
-its wgmma: the copies issue while the tensor cores work. Each thread's copy addresses are worked out once
-(`copy_places`), so a copy is an add to its source and to its place: the kernel runs one warp per scheduler, and
-the per-stage instruction chain is its time (NOTES item 112). Tokens past M are not copied: their columns of D are not stored, and a column of D reads only its own
+instead of 16 and 4, and the copies' issue stalled behind them (NOTES item 111). The stage's KS / 16 wgmma are issued,
+committed and waited for in one asm block, so the buffer is free for the copies that the next iteration issues
+after its CTA barrier (leaving one stage's wgmma in flight while the next stage's copies issue was no faster: NOTES
+item 112). Tokens past M are not copied: their columns of D are not stored, and a column of D reads only its own
 column of B; rows past N read row N - 1 and are not stored.
 
 Partial sums per K split go to an fp32 workspace [splits, N, 8 * tiles], and the last CTA of each row group adds
@@ -63,8 +61,8 @@ if HAVE_CUTE:
     def _wgmma_asm(cols: int) -> str:
         """One stage of a warpgroup's 64 rows against `cols` tokens: KS / 16 `wgmma m64n{cols}k16` accumulating into
         the cols / 2 outputs (tied to the first cols / 2 inputs), step s's A and B descriptors' low words the
-        inputs after those (A0, B0, A1, B1, ...; high words SBO / 16 and the 128-byte swizzle), then committed (not
-        waited for: `wgmma_wait`)."""
+        inputs after those (A0, B0, A1, B1, ...; high words SBO / 16 and the 128-byte swizzle), then committed and
+        waited for."""
         na, steps = cols // 2, KS // 16
         acc = ", ".join(f"${i}" for i in range(na))  # the outputs; $na..$2na-1 are the same values as inputs
         op = f"wgmma.mma_async.sync.aligned.m64n{cols}k16.f32.bf16.bf16"
@@ -75,43 +73,29 @@ if HAVE_CUTE:
             a, b = 2 * na + 2 * s, 2 * na + 2 * s + 1
             lines += [f" mov.b64 da, {{${a}, hi}};", f" mov.b64 db, {{${b}, hi}};",
                       f" {op} {{{acc}}}, da, db, p, 1, 1, 0, 0;"]
-        lines += [" wgmma.commit_group.sync.aligned;", "}"]
+        lines += [" wgmma.commit_group.sync.aligned;", " wgmma.wait_group.sync.aligned 0;", "}"]
         return "\n".join(lines)
-
-    def _tied_asm(acc, na: int, inputs: list, text: str) -> None:
-        """Inline PTX `text` that updates the na fp32 registers of acc in place (outputs $0.., tied to the first na
-        inputs), given the Int32 `inputs` after them."""
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32()] * na),
-            [Float32(acc[i]).ir_value() for i in range(na)] + [Int32(v).ir_value() for v in inputs],
-            text, ",".join(["=f"] * na + [str(i) for i in range(na)] + ["r"] * len(inputs)),
-            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-        for i in range(na):
-            acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
 
     def wgmma_stage(acc, desc_a, desc_b, cols: int) -> None:
         """acc (cols / 2 fp32 registers, the D fragment) += one stage: the 64 x KS rows whose descriptor's low word
-        is `desc_a` against the cols x KS tokens at `desc_b` (each step STEP bytes further into the lines), issued
-        and committed; acc is not to be touched before `wgmma_wait`. Every warp of the warpgroup calls it
-        together."""
+        is `desc_a` against the cols x KS tokens at `desc_b` (each step STEP bytes further into the lines), done
+        when it returns. Every warp of the warpgroup calls it together."""
+        na = cols // 2
         lows = []
         for s in range(KS // 16):
             lows += [desc_a + s * (STEP >> 4), desc_b + s * (STEP >> 4)]
-        _tied_asm(acc, cols // 2, lows, _wgmma_asm(cols))
-
-    def wgmma_wait(acc, cols: int) -> None:
-        """Wait for the wgmma in flight that accumulate into acc (cols / 2 registers)."""
-        _tied_asm(acc, cols // 2, [], "wgmma.wait_group.sync.aligned 0;")
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32()] * na),
+            [Float32(acc[i]).ir_value() for i in range(na)] + [Int32(v).ir_value() for v in lows],
+            _wgmma_asm(cols), ",".join(["=f"] * na + [str(i) for i in range(na)] + ["r"] * len(lows)),
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        for i in range(na):
+            acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
 
     def swizzled_unit(row, col):
         """The 16-byte unit of a stage buffer that holds 16-byte column `col` of its row `row` in the 128-byte
         swizzle the descriptors name: the row's line, the column's position in it XOR the row's place in its 8."""
         return row * (KS // 8) + (col ^ (row % 8))
-
-    def unit_at(t: cute.Tensor, offset):
-        """The 16-byte unit of int32 tensor `t` (16-byte aligned) that starts `offset` int32 (a multiple of 4) after
-        its start."""
-        return cute.make_tensor(t.iterator + cute.assume(offset, divby=4), cute.make_layout(4))
 
     def desc_low(buf: cute.Tensor):
         """The low word of a shared-memory matrix descriptor of shared tensor `buf`'s start (1024-byte aligned, as
@@ -142,10 +126,9 @@ if HAVE_CUTE:
                 nkb = p.blocks - kb0
 
             ahead = p.stages - 1  # stages whose copies are in flight beside the one multiplied
-            w_at, x_at = self.copy_places(tidx, bx)
             for s in cutlass.range_constexpr(ahead):
                 if s < nkb:
-                    self.load_stage(gW, gX, sW, sX, w_at, x_at, kb0 + s, s)
+                    self.load_stage(gW, gX, sW, sX, tidx, bx, kb0 + s, s)
                 cute.arch.cp_async_commit_group()
             acc = cute.make_rmem_tensor((p.cols // 2,), Float32)
             acc.fill(0.0)
@@ -160,14 +143,12 @@ if HAVE_CUTE:
                 # every thread's, and every warpgroup done with the buffer refilled next: stage kb - 1's, whose wgmma
                 # each warp waited for at the end of its last iteration
                 cute.arch.barrier()
-                slot = kb % p.stages
-                wgmma_stage(acc, lo_w + slot * (p.w_units * 16 >> 4), lo_x + slot * (p.x_units * 16 >> 4), p.cols)
-                # the copies of stage kb + ahead into stage kb - 1's buffer while the tensor cores multiply stage kb
                 nxt = kb + ahead
                 if nxt < nkb:
-                    self.load_stage(gW, gX, sW, sX, w_at, x_at, kb0 + nxt, nxt % p.stages)
+                    self.load_stage(gW, gX, sW, sX, tidx, bx, kb0 + nxt, nxt % p.stages)
                 cute.arch.cp_async_commit_group()  # (an empty group at the end: the counts stay even)
-                wgmma_wait(acc, p.cols)
+                slot = kb % p.stages
+                wgmma_stage(acc, lo_w + slot * (p.w_units * 16 >> 4), lo_x + slot * (p.x_units * 16 >> 4), p.cols)
 
             # partial sums -> workspace [split, row, token]: D rows 16q + g and + 8 of the warpgroup's 64, tokens
             # 8i + 2t and + 1
@@ -192,44 +173,27 @@ if HAVE_CUTE:
                 finish_group(self, mY, mAdd, mSsq, gWs, rs, n, warp, lane, 4 * p.wgs, sums_first=True)
 
         @cute.jit
-        def copy_places(self, tidx: Int32, bx: Int32):
-            """This thread's 16-byte copies of every stage, worked out once: for each of its weight copies and token
-            copies, (the int32 offset of its source at stage 0, the int32 offset of its place in a stage buffer), and
-            for a token copy whether its token exists. A warp's 32 copies are the 8 columns of 4 rows (row 4 x its
-            copy + lane // 8, column lane % 8); column c of row r goes to unit r * 8 + (c ^ (r % 8)) of the buffer
-            (the 128-byte swizzle)."""
+        def load_stage(self, gW: cute.Tensor, gX: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, tidx: Int32,
+                       bx: Int32, kb: Int32, slot: Int32):
+            """`cp.async` of K stage `kb` (k = KS kb..) of the CTA's rows and of every token into buffer `slot`:
+            16-byte column c of row r at unit r * 8 + (c ^ (r % 8)) of the buffer (the 128-byte swizzle), a warp's
+            32 copies the 8 columns of 4 rows: row 4 (its copy) + lane // 8, column lane % 8."""
             p = self.p
             units = KS // 8  # 16-byte columns of a row's line
             lane = tidx % 32
             r4 = lane // units
             c = lane % units
-            w_at = []
             for u in cutlass.range_constexpr(p.w_units // (128 * p.wgs)):
                 r = (u * 4 * p.wgs + tidx // 32) * 4 + r4  # this warp's copy u * 4 wgs + warp
                 row = bx * (ROWS * p.wgs) + r
                 if row >= p.N:
                     row = Int32(p.N - 1)
-                w_at.append(((row * (p.K // 8) + c) * 4, swizzled_unit(r, c) * 4))
-            x_at = []
-            for j in cutlass.range_constexpr(-(-p.x_units // (128 * p.wgs))):
-                m = (j * 4 * p.wgs + tidx // 32) * 4 + r4  # past the buffer's cols only where past M
-                x_at.append(((m * (p.K // 8) + c) * 4, swizzled_unit(m, c) * 4, m < p.M))
-            return w_at, x_at
+                copy_async_16(gW[(None, (row, kb * units + c))], sW[(None, slot * p.w_units + swizzled_unit(r, c))])
+            for v in cutlass.range(tidx // 32, p.x_units // 32, 4 * p.wgs):
+                m = v * 4 + r4
+                if m < p.M:
+                    copy_async_16(gX[(None, (m, kb * units + c))], sX[(None, slot * p.x_units + swizzled_unit(m, c))])
 
-        @cute.jit
-        def load_stage(self, gW: cute.Tensor, gX: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, w_at, x_at,
-                       kb: Int32, slot: Int32):
-            """`cp.async` of K stage `kb` (k = KS kb..) of the CTA's rows and of every token into buffer `slot`, at
-            the places `copy_places` worked out: each copy one add to its source and one to its place."""
-            p = self.p
-            step = kb * (KS // 2)  # int32 of a row's K before stage kb
-            w_slot = slot * (p.w_units * 4)
-            x_slot = slot * (p.x_units * 4)
-            for src, dst in w_at:
-                copy_async_16(unit_at(gW, src + step), unit_at(sW, dst + w_slot))
-            for src, dst, real in x_at:
-                if real:
-                    copy_async_16(unit_at(gX, src + step), unit_at(sX, dst + x_slot))
 
 class WgmmaPlan:
     """Tiling of one projection shape: `wgs` warpgroups of 64 rows per CTA, K in `splits` slices of `per_split`
