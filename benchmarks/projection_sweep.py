@@ -18,7 +18,7 @@ from kimi_decode.bench import write_json
 from kimi_decode.config import shard
 from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
 from kimi_decode.kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX, RowsPlan, rows_plan_for, project_rows
-from kimi_decode.kernels.gemm_wgmma import STAGE_CHOICES, WgmmaPlan, project_wgmma, wgmma_plan_for
+from kimi_decode.kernels.gemm_wgmma import MAX_SPLITS, STAGE_CHOICES, WgmmaPlan, project_wgmma, wgmma_plan_for
 from kimi_decode.kernels.gemv import MAX_ROWS as GEMV_ROWS, gemv
 from kimi_decode.testing import projection_shapes
 
@@ -34,7 +34,8 @@ p.add_argument("--variants", nargs="*", choices=["cublas", "gemv", "tc", "rows",
                help="only these kernels (default: all)")
 p.add_argument("--blas", choices=["cublas", "cublaslt"], default="cublas",
                help="torch's BLAS library for the cuBLAS variant (the backend's projections above 16 rows: cublaslt)")
-p.add_argument("--only", nargs="*", help="only the variants whose label starts with one of these (e.g. 'wgmma g1 s2 st8')")
+p.add_argument("--only", nargs="*",
+               help="only the variants whose label starts with one of these (e.g. 'wgmma g1 s2 st8')")
 p.add_argument("--json")
 a = p.parse_args()
 torch.backends.cuda.preferred_blas_library(a.blas)
@@ -92,7 +93,8 @@ for tp in a.tp:
                 if M in a.plans:
                     for wgs in (1, 2):
                         for stages in STAGE_CHOICES:
-                            for splits in sorted({max(1, best.splits // 2), best.splits, best.splits * 2}):
+                            for splits in sorted({1, 2, 3, max(1, best.splits // 2), best.splits,
+                                                  min(MAX_SPLITS, best.splits * 2)}):
                                 pl = WgmmaPlan(M, N, K, wgs, splits, stages)
                                 if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:
                                     continue

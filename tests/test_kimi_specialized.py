@@ -1090,8 +1090,7 @@ def test_kernel_modules_import_names_not_sibling_modules():
 
 @pytest.mark.parametrize("rows", [2, 17, 33, 64])
 def test_wgmma_plan_fills_one_wave_within_its_limits(rows):
-    from kimi_decode.kernels.gemm_tc import GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT
-    from kimi_decode.kernels.gemm_wgmma import KS, SMEM_LIMIT, wgmma_plan_for
+    from kimi_decode.kernels.gemm_wgmma import KS, MAX_SPLITS, SMEM_LIMIT, wgmma_plan_for
 
     for tp in (16, 8):
         for n, k in projection_shapes(shard("k3", tp=tp)):
@@ -1099,18 +1098,21 @@ def test_wgmma_plan_fills_one_wave_within_its_limits(rows):
             assert p.ctas <= p.per_sm * 132 and p.smem_bytes <= SMEM_LIMIT, (n, k, p.key())
             assert (p.splits - 1) * p.per_split < k // KS <= p.splits * p.per_split  # every split has work
             assert p.groups * 64 * p.wgs >= n > (p.groups - 1) * 64 * p.wgs
-            assert p.partial_bytes <= PARTIALS_LIMIT * n * k * 2
-            assert p.group_partial_bytes <= GROUP_PARTIALS_LIMIT
+            assert 1 <= p.splits <= MAX_SPLITS  # a row group's splits are one cluster
+            assert p.owned == -(-rows // p.splits) * 64 * p.wgs  # each CTA finishes every splits-th token
             assert p.cols == 8 * -(-rows // 8) and p.cols % 8 == 0 and p.cols <= 64
             if n * k >= 3584 * 7168:  # the big streams use every SM
                 assert p.ctas >= 132, (n, k, p.key())
 
 
-def test_wgmma_plan_refuses_a_pipeline_of_one_stage():
+def test_wgmma_plan_refuses_a_pipeline_of_one_stage_and_clusters_past_8():
     from kimi_decode.kernels.gemm_wgmma import WgmmaPlan
 
     with pytest.raises(ValueError, match="2 stages"):
         WgmmaPlan(64, 7168, 3584, 1, 2, stages=1)
+    with pytest.raises(ValueError, match="1 to 8 CTAs"):
+        WgmmaPlan(64, 7168, 3584, 1, 9)
+    assert WgmmaPlan(64, 896, 7168, 1, 8).splits == 8
 
 
 @needs_cute

@@ -336,6 +336,15 @@ if HAVE_CUTE:
             cute.arch.fence_acq_rel_gpu()
         return is_last
 
+    def store_cluster_f32(tensor, index, rank, value) -> None:
+        """tensor[index] = value (fp32) in the shared memory of CTA `rank` of this thread's cluster: `tensor` is this
+        CTA's own copy of a shared buffer that every CTA of the cluster allocates alike (`mapa` maps the address).
+        Ordered for the peer by a cluster barrier (`cute.arch.cluster_arrive`, release, then its `cluster_wait`)."""
+        addr = _element(tensor, index).toint()
+        _llvm.inline_asm(None, [addr.ir_value(), cutlass.Int32(rank).ir_value(), cutlass.Float32(value).ir_value()],
+                         "{\n .reg .u32 ra;\n mapa.shared::cluster.u32 ra, $0, $1;\n st.shared::cluster.f32 [ra], $2;\n}",
+                         "r,r,f", has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT)
+
     def load_acquire(counter: cute.Tensor, index=0):
         """counter[index] (an int32 in global memory) read with acquire ordering at gpu scope, without waiting: what
         the thread that released it stored before is then visible to this thread."""

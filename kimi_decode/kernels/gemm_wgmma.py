@@ -22,9 +22,14 @@ after its CTA barrier (leaving one stage's wgmma in flight while the next stage'
 item 112). Tokens past M are not copied: their columns of D are not stored, and a column of D reads only its own
 column of B; rows past N read row N - 1 and are not stored.
 
-Partial sums per K split go to an fp32 workspace [splits, N, 8 * tiles], and the last CTA of each row group adds
-them in split order and runs the epilogue of `gemv.py` (`gemm_tc.finish_group`), as the split-K `mma.sync` kernel
-does.
+The K splits of a row group run as one thread-block cluster (at most MAX_SPLITS CTAs), which adds its partial sums
+in shared memory: each CTA stores each of its accumulators into the shared buffer of the CTA that owns the token
+(token m belongs to the CTA of rank m % splits; `st.shared::cluster`), one cluster barrier, then each CTA adds its
+tokens' partial sums in split order and runs the epilogue of `gemv.py` (`store_output`, each token scaled by its
+1/rms first where the projection has a row scale). With one split the CTA's own buffer and a CTA barrier do it. The
+split-K `mma.sync` kernel's finish (partial sums to a global workspace, a counter, and the last CTA reading them
+back) held 41% of o_proj's stall samples at one split and ~60% at two (NOTES item 112); the workspace and counters
+the launch passes are not used here.
 """
 from __future__ import annotations
 
@@ -34,10 +39,10 @@ import torch
 
 from .cute_common import DEFAULT_SMS, HAVE_CUTE, cute, cutlass, sm_count
 # `from .gemm_tc import ...` only: cutlass-dsl 4.3.5's preprocessor cannot re-import `from . import gemm_tc`.
-from .gemm_tc import (GROUP_PARTIALS_LIMIT, PARTIALS_LIMIT, SM_REGS, SM_SMEM, SM_THREADS, check_projection,
-                      compile_split_k, run_split_k)
+from .gemm_tc import SM_REGS, SM_SMEM, SM_THREADS, check_projection, compile_split_k, run_split_k
 
 MIN_ROWS, MAX_ROWS = 2, 64
+MAX_SPLITS = 8  # CTAs of a row group's cluster: the portable cluster size
 ROWS = 64  # weight rows per warpgroup: the wgmma's M
 KS = 64  # k per pipeline stage (4 wgmma k16 steps)
 STAGES = 4  # shared-memory buffers of the pipeline
@@ -54,8 +59,9 @@ if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from .cute_common import copy_async_16, last_cta, mma_lanes
-    from .gemm_tc import TensorCoreProjection, finish_group
+    from .cute_common import copy_async_16, mma_lanes, store_cluster_f32
+    from .gemm_tc import TensorCoreProjection
+    from .gemv import store_output
 
     @functools.cache
     def _wgmma_asm(cols: int) -> str:
@@ -104,12 +110,20 @@ if HAVE_CUTE:
         return ((Int32(buf.iterator.toint()) & 0x3FFFF) >> 4) | (1 << 16)
 
     class WgmmaProjection(TensorCoreProjection):
-        """The split-K `mma.sync` projection's host side and launch (a grid of row groups x splits, 32 x
-        `plan.warps` threads per CTA), with the kernel below."""
+        """The split-K `mma.sync` projection's host side, with the kernel below, launched as a grid of row groups x
+        splits, 32 x `plan.warps` threads per CTA, each row group's splits one cluster."""
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                     mWs: cute.Tensor, mCnt: cute.Tensor, stream):
+            p = self.p
+            gW = cute.zipped_divide(mW, (1, 4))  # 16-byte vectors of int32 pairs of bf16: ((1,4), (N, K/8))
+            gX = cute.zipped_divide(mX, (1, 4))
+            self.kernel(gW, gX, mY, mAdd, mSsq).launch(grid=[p.groups, p.splits, 1], block=[32 * p.warps, 1, 1],
+                                                       cluster=[1, p.splits, 1], stream=stream)
 
         @cute.kernel
-        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
-                   mWs: cute.Tensor, gWs: cute.Tensor, mCnt: cute.Tensor):
+        def kernel(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor):
             p = self.p
             tidx, _, _ = cute.arch.thread_idx()
             bx, bs, _ = cute.arch.block_idx()
@@ -118,8 +132,11 @@ if HAVE_CUTE:
             # per stage: the CTA's rows, then its tokens, 16-byte units in the 128-byte swizzle (`swizzled_unit`)
             sW = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), p.stages * p.w_units)), 1024)
             sX = smem.allocate_tensor(Int32, cute.make_layout(((1, 4), p.stages * p.x_units)), 1024)
+            # the partial sums of this CTA's tokens, one slice per split: [split, token // splits, row]
+            red = smem.allocate_tensor(Float32, cute.make_layout(p.splits * p.owned), 16)
             rs = smem.allocate_tensor(Float32, cute.make_layout(p.cols), 16)
-            flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+            if cutlass.const_expr(p.splits > 1):
+                cute.arch.cluster_arrive_relaxed()  # waited for before the first store into another CTA's memory
             kb0 = bs * p.per_split  # this split's first stage of K
             nkb = Int32(p.per_split)
             if p.blocks - kb0 < nkb:
@@ -150,27 +167,46 @@ if HAVE_CUTE:
                 slot = kb % p.stages
                 wgmma_stage(acc, lo_w + slot * (p.w_units * 16 >> 4), lo_x + slot * (p.x_units * 16 >> 4), p.cols)
 
-            # partial sums -> workspace [split, row, token]: D rows 16q + g and + 8 of the warpgroup's 64, tokens
-            # 8i + 2t and + 1
-            row0 = bx * (ROWS * p.wgs) + warp * 16
-            if row0 < p.N:
-                for i in cutlass.range_constexpr(p.tiles):
-                    col = i * 8 + 2 * t
-                    mWs[bs, row0 + g, col] = acc[4 * i]
-                    mWs[bs, row0 + g, col + 1] = acc[4 * i + 1]
-                    mWs[bs, row0 + g + 8, col] = acc[4 * i + 2]
-                    mWs[bs, row0 + g + 8, col + 1] = acc[4 * i + 3]
-            is_last = Int32(1)
+            # accumulators -> `red` of the token's CTA (rank m % splits): D rows 16q + g and + 8 of the warpgroup's
+            # 64 (warp q of the CTA's 4 wgs), tokens 8i + 2t and + 1
+            rows = ROWS * p.wgs
             if cutlass.const_expr(p.splits > 1):
-                is_last = last_cta(mCnt, flag, tidx, p.splits, bx)
+                cute.arch.cluster_wait()
+            for i in cutlass.range_constexpr(p.tiles):
+                for h in cutlass.range_constexpr(2):
+                    for d in cutlass.range_constexpr(2):
+                        m = i * 8 + 2 * t + d
+                        if m < p.M:
+                            at = bs * p.owned + (m // p.splits) * rows + warp * 16 + g + 8 * h
+                            if cutlass.const_expr(p.splits > 1):
+                                store_cluster_f32(red, at, m % p.splits, acc[4 * i + 2 * h + d])
+                            else:
+                                red[at] = acc[4 * i + 2 * h + d]
+            if cutlass.const_expr(self.scaled):  # this CTA's tokens' 1/rms, from the partial sums of squares
+                for m in cutlass.range(bs + p.splits * warp, p.M, p.splits * p.warps):
+                    ssq = Float32(0.0)
+                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
+                        if lane + 32 * i < self.parts:
+                            ssq = ssq + mSsq[m, lane + 32 * i]
+                    ssq = cute.arch.warp_reduction(ssq, lambda a, b: a + b)
+                    if lane == 0:
+                        rs[m] = cute.math.rsqrt(ssq / Float32(p.K) + Float32(self.eps))
+            if cutlass.const_expr(p.splits > 1):  # every CTA's stores into this one's `red` done and visible
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
             else:
                 cute.arch.barrier()
-            if is_last != 0:
-                # one weight row per thread of the first 64 x wgs
-                n = bx * (ROWS * p.wgs) + tidx
-                if tidx >= ROWS * p.wgs:
-                    n = Int32(p.N)
-                finish_group(self, mY, mAdd, mSsq, gWs, rs, n, warp, lane, 4 * p.wgs, sums_first=True)
+            # this CTA's tokens m = rank + splits j: the splits' sums in split order, then the epilogue; a thread a row
+            for e in cutlass.range(tidx, p.owned, 32 * p.warps):
+                m = bs + p.splits * (e // rows)
+                n = bx * rows + e % rows
+                if m < p.M and n < p.N:
+                    tot = red[e]
+                    for s in cutlass.range_constexpr(1, p.splits):
+                        tot = tot + red[s * p.owned + e]
+                    if cutlass.const_expr(self.scaled):
+                        tot = tot * rs[m]
+                    store_output(mY, mAdd, m, n, tot, self.accumulate, self.addend)
 
         @cute.jit
         def load_stage(self, gW: cute.Tensor, gX: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, tidx: Int32,
@@ -202,6 +238,8 @@ class WgmmaPlan:
     def __init__(self, M: int, N: int, K: int, wgs: int, splits: int, stages: int = STAGES):
         if stages < 2:
             raise ValueError(f"the pipeline needs at least 2 stages, got {stages}")
+        if not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"a row group's splits are one cluster of 1 to {MAX_SPLITS} CTAs, got {splits}")
         self.M, self.N, self.K, self.wgs, self.stages = M, N, K, wgs, stages
         self.tiles = -(-M // 8)  # 8-token blocks: the wgmma's N is 8 x tiles
         self.cols = 8 * self.tiles
@@ -211,10 +249,11 @@ class WgmmaPlan:
         self.groups = -(-N // (ROWS * wgs))
         self.w_units = ROWS * wgs * KS // 8  # 16-byte units of one stage's rows
         self.x_units = self.cols * KS // 8
+        self.owned = -(-M // self.splits) * ROWS * wgs  # partial sums of one split for the tokens a CTA finishes
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.w_units + self.x_units) * 16 + 1024 + self.cols * 4 + 16
+        return self.stages * (self.w_units + self.x_units) * 16 + 1024 + self.splits * self.owned * 4 + self.cols * 4
 
     @property
     def ctas(self) -> int:
@@ -236,15 +275,6 @@ class WgmmaPlan:
         return max(1, min(SM_SMEM // (self.smem_bytes + 1024), SM_REGS // (self.regs * threads),
                           SM_THREADS // threads))
 
-    @property
-    def partial_bytes(self) -> int:
-        return self.splits * self.N * self.cols * 4 if self.splits > 1 else 0
-
-    @property
-    def group_partial_bytes(self) -> int:
-        """The partial sums the last CTA of a row group reads back (its serial tail)."""
-        return self.splits * ROWS * self.wgs * self.cols * 4 if self.splits > 1 else 0
-
     def key(self) -> tuple:
         return (self.M, self.N, self.K, self.wgs, self.splits, self.stages)
 
@@ -252,17 +282,15 @@ class WgmmaPlan:
 @functools.lru_cache(maxsize=None)
 def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
     """The tiling with the most weight bytes in flight (the stages but one of every resident CTA, up to
-    FLIGHT_ENOUGH per SM, over the SMs it uses) in one wave, its workspace within PARTIALS_LIMIT of the weights and
-    its row groups' tails within GROUP_PARTIALS_LIMIT; among those within 10% of the most, the least workspace,
-    then two warpgroups per CTA (each staged token then serves 128 rows instead of 64), then the fewer stages."""
+    FLIGHT_ENOUGH per SM, over the SMs it uses) in one wave, its splits one cluster (at most MAX_SPLITS); among those
+    within 10% of the most, the fewest splits (the finish's shared-memory traffic between CTAs), then two
+    warpgroups per CTA (each staged token then serves 128 rows instead of 64), then the fewer stages."""
     fits = []
     for wgs in (1, 2):
         for stages in STAGE_CHOICES:
-            for splits in range(1, K // KS + 1):
+            for splits in range(1, min(MAX_SPLITS, K // KS) + 1):
                 p = WgmmaPlan(M, N, K, wgs, splits, stages)
-                if p.splits != splits or p.smem_bytes > SMEM_LIMIT or p.ctas > p.per_sm * sms:
-                    continue
-                if p.partial_bytes <= PARTIALS_LIMIT * N * K * 2 and p.group_partial_bytes <= GROUP_PARTIALS_LIMIT:
+                if p.splits == splits and p.smem_bytes <= SMEM_LIMIT and p.ctas <= p.per_sm * sms:
                     fits.append(p)
     if not fits:  # more row groups than one wave holds
         return WgmmaPlan(M, N, K, 2, 1)
@@ -273,7 +301,7 @@ def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
 
     most = max(in_flight(p) for p in fits)
     return min((p for p in fits if in_flight(p) >= 0.9 * most),
-               key=lambda p: (p.partial_bytes, -p.wgs, p.stages, p.splits))
+               key=lambda p: (p.splits, -p.wgs, p.stages))
 
 
 def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
