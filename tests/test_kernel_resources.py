@@ -172,33 +172,36 @@ def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
     assert all(counts["1"][n] == 0 for n in names), counts
 
 
-def test_wgmma_projection_compiled_for_sm90a(tmp_path):
-    """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, its
-    plan's tiling, compiled in a fresh process that keeps its PTX, then assembled: each stage's four `wgmma
-    m64n64k16` on shared-memory descriptors of the 128-byte swizzle, fenced, committed and waited for in one block,
-    with no ptxas warning (ptxas warns where it must serialize wgmma); operands staged by 16-byte `cp.async` only,
-    with no proxy fence or memory barrier after their wait; the splits' partial sums added through the cluster's
-    shared memory; 128 threads a warpgroup, no stack, and the CTAs per SM its plan counts on by registers."""
+@pytest.mark.parametrize("splits", [1, 3])
+def test_wgmma_projection_compiled_for_sm90a(tmp_path, splits):
+    """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, K in
+    `splits` (the plan's 1, and 3), compiled in a fresh process that keeps its PTX, then assembled: each stage's
+    four `wgmma m64n64k16` on shared-memory descriptors of the 128-byte swizzle, fenced, committed and waited for
+    in one block, with no ptxas warning (ptxas warns where it must serialize wgmma); operands staged by 16-byte
+    `cp.async` only, with no proxy fence or memory barrier after their wait; the splits' partial sums added through
+    the cluster's shared memory (one split: its own, no cluster barrier); 128 threads a warpgroup, no stack, and the
+    CTAs per SM its plan counts on by registers."""
     pytest.importorskip("cutlass")
     if kr.ptxas() is None:
         pytest.skip("no ptxas on this machine")
     script = textwrap.dedent("""
         import torch
         from kimi_decode.kernels.gemm_tc import workspace
-        from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for
-        plan = wgmma_plan_for(64, 7168, 3584)
+        from kimi_decode.kernels.gemm_wgmma import WgmmaPlan, compile_wgmma_projection
+        plan = WgmmaPlan(64, 7168, 3584, 1, SPLITS, 6)
         w = torch.empty(7168, 3584, dtype=torch.bfloat16)
         compile_wgmma_projection(w, torch.empty(64, 3584, dtype=torch.bfloat16), torch.empty(64, 7168),
                                  workspace(plan, w.device), torch.zeros(plan.groups, dtype=torch.int32),
                                  accumulate=True, addend=torch.empty(64, 7168, dtype=torch.bfloat16),
                                  row_scale=(torch.empty(64, 224), 1e-5), plan=plan)
-    """)
+    """).replace("SPLITS", str(splits))
     env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), KIMI_DECODE_CUTE_ARCH="sm_90a",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
-    from kimi_decode.kernels.gemm_wgmma import SBO, SWIZZLE_128B, wgmma_plan_for
+    from kimi_decode.kernels.gemm_wgmma import SBO, SWIZZLE_128B, WgmmaPlan, wgmma_plan_for
 
-    plan = wgmma_plan_for(64, 7168, 3584)  # the plan the script compiled
+    assert wgmma_plan_for(64, 7168, 3584).splits == 1
+    plan = WgmmaPlan(64, 7168, 3584, 1, splits, 6)  # the plan the script compiled
 
     (path,) = tmp_path.glob("*.ptx")
     lines = path.read_text().splitlines()
@@ -216,10 +219,14 @@ def test_wgmma_projection_compiled_for_sm90a(tmp_path):
     assert copies and all("cp.async.cg.shared.global" in ln and ", 16" in ln for ln in copies), copies[:3]
     # the splits' partial sums meet in shared memory: each accumulator stored into its token's CTA of the cluster,
     # one cluster barrier (release / acquire) after an arrive at the start; no global workspace, counter or fence
-    assert plan.splits > 1
-    assert sum("st.shared::cluster.f32" in ln for ln in lines) == 4 * plan.tiles
-    assert [ln.strip() for ln in lines if "barrier.cluster" in ln] == [
-        "barrier.cluster.arrive.relaxed;", "barrier.cluster.wait;", "barrier.cluster.arrive;", "barrier.cluster.wait;"]
+    clustered = sum("st.shared::cluster.f32" in ln for ln in lines)
+    barriers = [ln.strip() for ln in lines if "barrier.cluster" in ln]
+    if splits > 1:
+        assert clustered == 4 * plan.tiles
+        assert barriers == ["barrier.cluster.arrive.relaxed;", "barrier.cluster.wait;", "barrier.cluster.arrive;",
+                            "barrier.cluster.wait;"]
+    else:
+        assert clustered == 0 and barriers == []
     assert not any(re.search(r"(^|\s)(atom|red)\.", ln) for ln in lines)
     r = kr.resources(str(path), kr.ptxas())
     assert r["threads"] == 128 * plan.wgs and r["stack"] == 0 and r["registers"] <= plan.regs

@@ -82,6 +82,20 @@ if HAVE_CUTE:
             cute.autovec_copy(gX[(None, (toks[nt], kv))], xb[nt])
 
     @cute.jit
+    def row_scales(op, mSsq: cute.Tensor, rs: cute.Tensor, first, step, lane: Int32):
+        """rs[m] = 1/rms of token m for m = first, first + step, .. < M, one warp a token (`first` the warp's first,
+        `step` the warps' stride), from the partial sums of squares in mSsq [M, op.parts] (`op`: a projection with a
+        row scale: plan `p`, `parts`, `eps`)."""
+        for m in cutlass.range(first, op.p.M, step):
+            ssq = Float32(0.0)
+            for i in cutlass.range_constexpr(-(-op.parts // 32)):
+                if lane + 32 * i < op.parts:
+                    ssq = ssq + mSsq[m, lane + 32 * i]
+            ssq = cute.arch.warp_reduction(ssq, lambda a, b: a + b)
+            if lane == 0:
+                rs[m] = cute.math.rsqrt(ssq / Float32(op.p.K) + Float32(op.eps))
+
+    @cute.jit
     def finish_group(op, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor, gWs: cute.Tensor, rs: cute.Tensor,
                      n: Int32, warp: Int32, lane: Int32, warps: int, sums_first: bool = False):
         """A row group's epilogue, in its last CTA, weight row `n` in this thread (none past N): the splits' partial
@@ -93,14 +107,7 @@ if HAVE_CUTE:
         a round trip per 4 tokens)."""
         p = op.p
         if cutlass.const_expr(op.scaled):
-            for m in cutlass.range(warp, p.M, warps):
-                ssq = Float32(0.0)
-                for i in cutlass.range_constexpr(-(-op.parts // 32)):
-                    if lane + 32 * i < op.parts:
-                        ssq = ssq + mSsq[m, lane + 32 * i]
-                ssq = cute.arch.warp_reduction(ssq, lambda a, b: a + b)
-                if lane == 0:
-                    rs[m] = cute.math.rsqrt(ssq / Float32(p.K) + Float32(op.eps))
+            row_scales(op, mSsq, rs, warp, warps, lane)
             cute.arch.barrier()
         if n < p.N:
             quads = -(-p.M // 4)

@@ -52,7 +52,6 @@ SBO = 8 * LINE  # bytes between 8-row (or 8-token) blocks
 STEP = 32  # bytes of k of one k16 step within a line
 SWIZZLE_128B = 1 << 30  # the descriptor's layout type (bits 62-63 = 1: 128-byte swizzle) in its high word
 SMEM_LIMIT = 200 * 1024
-FLIGHT_ENOUGH = 64 * 1024  # weight bytes in flight per SM past which more do not stream faster (~1.5 us at 4.3 TB/s)
 
 if HAVE_CUTE:
     from cutlass import Float32, Int32
@@ -60,7 +59,7 @@ if HAVE_CUTE:
     from cutlass.cutlass_dsl import T
 
     from .cute_common import copy_async_16, mma_lanes, store_cluster_f32
-    from .gemm_tc import TensorCoreProjection
+    from .gemm_tc import TensorCoreProjection, row_scales
     from .gemv import store_output
 
     @functools.cache
@@ -183,14 +182,7 @@ if HAVE_CUTE:
                             else:
                                 red[at] = acc[4 * i + 2 * h + d]
             if cutlass.const_expr(self.scaled):  # this CTA's tokens' 1/rms, from the partial sums of squares
-                for m in cutlass.range(bs + p.splits * warp, p.M, p.splits * p.warps):
-                    ssq = Float32(0.0)
-                    for i in cutlass.range_constexpr(-(-self.parts // 32)):
-                        if lane + 32 * i < self.parts:
-                            ssq = ssq + mSsq[m, lane + 32 * i]
-                    ssq = cute.arch.warp_reduction(ssq, lambda a, b: a + b)
-                    if lane == 0:
-                        rs[m] = cute.math.rsqrt(ssq / Float32(p.K) + Float32(self.eps))
+                row_scales(self, mSsq, rs, bs + p.splits * warp, p.splits * p.warps, lane)
             if cutlass.const_expr(p.splits > 1):  # every CTA's stores into this one's `red` done and visible
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -281,27 +273,14 @@ class WgmmaPlan:
 
 @functools.lru_cache(maxsize=None)
 def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
-    """The tiling with the most weight bytes in flight (the stages but one of every resident CTA, up to
-    FLIGHT_ENOUGH per SM, over the SMs it uses) in one wave, its splits one cluster (at most MAX_SPLITS); among those
-    within 10% of the most, the fewest splits (the finish's shared-memory traffic between CTAs), then two
-    warpgroups per CTA (each staged token then serves 128 rows instead of 64), then the fewer stages."""
-    fits = []
-    for wgs in (1, 2):
-        for stages in STAGE_CHOICES:
-            for splits in range(1, min(MAX_SPLITS, K // KS) + 1):
-                p = WgmmaPlan(M, N, K, wgs, splits, stages)
-                if p.splits == splits and p.smem_bytes <= SMEM_LIMIT and p.ctas <= p.per_sm * sms:
-                    fits.append(p)
-    if not fits:  # more row groups than one wave holds
-        return WgmmaPlan(M, N, K, 2, 1)
-
-    def in_flight(p: WgmmaPlan) -> int:
-        per_sm = min(p.per_sm, -(-p.ctas // sms)) * (p.stages - 1) * p.w_units * 16
-        return min(p.ctas, sms) * min(per_sm, FLIGHT_ENOUGH)
-
-    most = max(in_flight(p) for p in fits)
-    return min((p for p in fits if in_flight(p) >= 0.9 * most),
-               key=lambda p: (p.splits, -p.wgs, p.stages))
+    """One warpgroup per CTA, K in about as many splits as fill the SMs with one CTA each (the SMs / the row groups,
+    rounded, 1 to MAX_SPLITS), and 8 stages where those CTAs fit in one wave, else 6. Fitted to the sweep of NOTES
+    item 113 (H100, TP16, 64 rows: the best of the tilings timed at every shape; two warpgroups were slower at
+    each)."""
+    groups = -(-N // ROWS)
+    splits = max(1, min(MAX_SPLITS, K // KS, round(sms / groups)))
+    plan = WgmmaPlan(M, N, K, 1, splits, 8)
+    return plan if plan.ctas <= sms else WgmmaPlan(M, N, K, 1, splits, 6)
 
 
 def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
