@@ -280,6 +280,11 @@ class Plan:
         return max(1, min(SM_SMEM // (self.smem_bytes + 1024), SM_REGS // (regs * threads), SM_THREADS // threads))
 
     @property
+    def workspace_shape(self) -> tuple:
+        """fp32 [splits, N, 8 * tiles]: the partial sums one launch writes."""
+        return (self.splits, self.N, self.cols)
+
+    @property
     def partial_bytes(self) -> int:
         return self.splits * self.N * self.cols * 4 if self.splits > 1 else 0
 
@@ -368,8 +373,8 @@ def compile_projection(w, x, y, ws, counters, accumulate: bool = False, addend=N
 
 
 def workspace(plan, device) -> torch.Tensor:
-    """The partial sums one launch of `plan` (this module's or `gemm_wgmma`'s) writes: fp32 [splits, N, 8 * tiles]."""
-    return torch.empty(plan.splits, plan.N, plan.cols, dtype=torch.float32, device=device)
+    """The fp32 workspace one launch of `plan` (this module's or `gemm_wgmma`'s) takes: `plan.workspace_shape`."""
+    return torch.empty(plan.workspace_shape, dtype=torch.float32, device=device)
 
 
 def run_split_k(compile_fn, plan, what: str, w, x, y, counters, accumulate: bool, addend, row_scale) -> torch.Tensor:

@@ -28,8 +28,8 @@ in shared memory: each CTA stores each of its accumulators into the shared buffe
 tokens' partial sums in split order and runs the epilogue of `gemv.py` (`store_output`, each token scaled by its
 1/rms first where the projection has a row scale). With one split the CTA's own buffer and a CTA barrier do it. The
 split-K `mma.sync` kernel's finish (partial sums to a global workspace, a counter, and the last CTA reading them
-back) held 41% of o_proj's stall samples at one split and ~60% at two (NOTES item 112); the workspace and counters
-the launch passes are not used here.
+back) held 41% of o_proj's stall samples at one split and ~60% at two (NOTES item 112); the counters the launch
+passes are not used here, and its workspace is a placeholder (`WgmmaPlan.workspace_shape`).
 """
 from __future__ import annotations
 
@@ -266,6 +266,11 @@ class WgmmaPlan:
         threads = 128 * self.wgs
         return max(1, min(SM_SMEM // (self.smem_bytes + 1024), SM_REGS // (self.regs * threads),
                           SM_THREADS // threads))
+
+    @property
+    def workspace_shape(self) -> tuple:
+        """The kernel's splits meet in shared memory: the launch's workspace is a placeholder of one 16-byte vector."""
+        return (1, 1, 4)
 
     def key(self) -> tuple:
         return (self.M, self.N, self.K, self.wgs, self.splits, self.stages)
