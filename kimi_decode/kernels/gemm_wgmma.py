@@ -39,7 +39,7 @@ import torch
 
 from .cute_common import DEFAULT_SMS, HAVE_CUTE, cute, cutlass, sm_count
 # `from .gemm_tc import ...` only: cutlass-dsl 4.3.5's preprocessor cannot re-import `from . import gemm_tc`.
-from .gemm_tc import SM_REGS, SM_SMEM, SM_THREADS, check_projection, compile_split_k, run_split_k
+from .gemm_tc import check_projection, compile_split_k, run_split_k
 
 MIN_ROWS, MAX_ROWS = 2, 64
 MAX_SPLITS = 8  # CTAs of a row group's cluster: the portable cluster size
@@ -109,8 +109,9 @@ if HAVE_CUTE:
         return ((Int32(buf.iterator.toint()) & 0x3FFFF) >> 4) | (1 << 16)
 
     class WgmmaProjection(TensorCoreProjection):
-        """The split-K `mma.sync` projection's host side, with the kernel below, launched as a grid of row groups x
-        splits, 32 x `plan.warps` threads per CTA, each row group's splits one cluster."""
+        """The projection's epilogue settings as the split-K `mma.sync` projection's, with the kernel below,
+        launched as a grid of row groups x splits, 32 x `plan.warps` threads per CTA, each row group's splits one
+        cluster."""
 
         @cute.jit
         def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
@@ -166,8 +167,8 @@ if HAVE_CUTE:
                 slot = kb % p.stages
                 wgmma_stage(acc, lo_w + slot * (p.w_units * 16 >> 4), lo_x + slot * (p.x_units * 16 >> 4), p.cols)
 
-            # accumulators -> `red` of the token's CTA (rank m % splits): D rows 16q + g and + 8 of the warpgroup's
-            # 64 (warp q of the CTA's 4 wgs), tokens 8i + 2t and + 1
+            # accumulators -> `red` of the token's CTA (rank m % splits): D rows 16q + g and + 8 of the CTA's rows
+            # for its warp q, tokens 8i + 2t and + 1
             rows = ROWS * p.wgs
             if cutlass.const_expr(p.splits > 1):
                 cute.arch.cluster_wait()
@@ -254,18 +255,6 @@ class WgmmaPlan:
     @property
     def warps(self) -> int:
         return 4 * self.wgs
-
-    @property
-    def regs(self) -> int:
-        """Registers per thread, about: the accumulators and ~40 for addresses, or in the epilogue every token's sum
-        and ~30 (`ptxas -v` at 64 tokens: 72-89)."""
-        return -(-max(self.cols // 2 + 48, self.cols + 32) // 8) * 8
-
-    @property
-    def per_sm(self) -> int:
-        threads = 128 * self.wgs
-        return max(1, min(SM_SMEM // (self.smem_bytes + 1024), SM_REGS // (self.regs * threads),
-                          SM_THREADS // threads))
 
     @property
     def workspace_shape(self) -> tuple:
