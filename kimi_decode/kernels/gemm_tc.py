@@ -137,9 +137,15 @@ if HAVE_CUTE:
         @cute.jit
         def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
                      mWs: cute.Tensor, mCnt: cute.Tensor, stream):
-            p = self.p
             gW = cute.zipped_divide(mW, (1, 4))  # 16-byte vectors of int32 pairs of bf16: ((1,4), (N, K/8))
             gX = cute.zipped_divide(mX, (1, 4))
+            self.start(gW, gX, mY, mAdd, mSsq, mWs, mCnt, stream)
+
+        @cute.jit
+        def start(self, gW: cute.Tensor, gX: cute.Tensor, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor,
+                  mWs: cute.Tensor, mCnt: cute.Tensor, stream):
+            """The kernel's launch: a grid of row groups x splits, 32 x `plan.warps` threads per CTA."""
+            p = self.p
             gWs = cute.zipped_divide(mWs, (1, 1, 4))
             self.kernel(gW, gX, mY, mAdd, mSsq, mWs, gWs, mCnt).launch(
                 grid=[p.groups, p.splits, 1], block=[32 * p.warps, 1, 1], stream=stream)
