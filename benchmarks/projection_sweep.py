@@ -18,7 +18,8 @@ from kimi_decode.bench import write_json
 from kimi_decode.config import shard
 from kimi_decode.kernels.gemm_tc import Plan, plan_for, project
 from kimi_decode.kernels.gemm_tc_rows import MAX_ROWS as ROWS_MAX, RowsPlan, rows_plan_for, project_rows
-from kimi_decode.kernels.gemm_wgmma import MAX_SPLITS, STAGE_CHOICES, WgmmaPlan, project_wgmma, wgmma_plan_for
+from kimi_decode.kernels.gemm_wgmma import (MAX_SPLITS, SMEM_LIMIT, STAGE_CHOICES, WgmmaPlan, project_wgmma,
+                                            wgmma_plan_for)
 from kimi_decode.kernels.gemv import MAX_ROWS as GEMV_ROWS, gemv
 from kimi_decode.testing import projection_shapes
 
@@ -67,7 +68,7 @@ for tp in a.tp:
                     for warps in (4, 8):
                         for splits in sorted({max(1, best.splits // 2), best.splits * 2, best.splits + 1}):
                             pl = Plan(M, N, K, warps, splits)
-                            if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:
+                            if pl.key() == best.key() or pl.smem_bytes > SMEM_LIMIT or pl.splits != splits:
                                 continue
                             variants.append((f"tc w{warps} s{pl.splits}",
                                              lambda i, pl=pl: project(ws[i], x, y, counters, plan=pl)))
@@ -96,7 +97,7 @@ for tp in a.tp:
                             for splits in sorted({1, 2, 3, max(1, best.splits // 2), best.splits,
                                                   min(MAX_SPLITS, best.splits * 2)}):
                                 pl = WgmmaPlan(M, N, K, wgs, splits, stages)
-                                if pl.key() == best.key() or pl.smem_bytes > 200 * 1024 or pl.splits != splits:
+                                if pl.key() == best.key() or pl.smem_bytes > SMEM_LIMIT or pl.splits != splits:
                                     continue
                                 variants.append((f"wgmma g{wgs} s{pl.splits} st{stages}",
                                                  lambda i, pl=pl: project_wgmma(ws[i], x, y, counters, plan=pl)))

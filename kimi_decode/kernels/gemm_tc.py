@@ -97,37 +97,31 @@ if HAVE_CUTE:
 
     @cute.jit
     def finish_group(op, mY: cute.Tensor, mAdd: cute.Tensor, mSsq: cute.Tensor, gWs: cute.Tensor, rs: cute.Tensor,
-                     n: Int32, warp: Int32, lane: Int32, warps: int, sums_first: bool = False):
+                     n: Int32, warp: Int32, lane: Int32, warps: int):
         """A row group's epilogue, in its last CTA, weight row `n` in this thread (none past N): the splits' partial
         sums (`gWs`, fp32 [split, row, token] in 16-byte vectors) added in split order, then the store of
         `gemv.store_output`, each token's sum scaled by its 1/rms first where `op.scaled` (from the partial sums of
         squares in mSsq, computed by the CTA's `warps` warps into `rs`). `op`: the projection (plan `p`, its epilogue
-        flags, `parts`, `eps`). `sums_first`: every token's sum loaded before the first store (the stores may alias
-        the workspace for all the compiler knows, so otherwise each 4 tokens' loads wait for the stores before them:
-        a round trip per 4 tokens)."""
+        flags, `parts`, `eps`)."""
         p = op.p
         if cutlass.const_expr(op.scaled):
             row_scales(op, mSsq, rs, warp, warps, lane)
             cute.arch.barrier()
         if n < p.N:
-            quads = -(-p.M // 4)
-            chunk = quads if cutlass.const_expr(sums_first) else 1  # 4-token sums held before their stores
-            for j0 in cutlass.range_constexpr(0, quads, chunk):
-                tot = cute.make_rmem_tensor((4 * chunk,), Float32)
+            for j in cutlass.range_constexpr(-(-p.M // 4)):
+                tot = cute.make_rmem_tensor((4,), Float32)
                 tot.fill(0.0)
-                for jj in cutlass.range_constexpr(chunk):
-                    for s in cutlass.range_constexpr(p.splits):  # unrolled: all the loads in flight at once
-                        v = load4(gWs[(None, (s, n, j0 + jj))])
-                        for i in cutlass.range_constexpr(4):
-                            tot[4 * jj + i] = tot[4 * jj + i] + v[i]
-                for jj in cutlass.range_constexpr(chunk):
+                for s in cutlass.range_constexpr(p.splits):  # unrolled: all the loads in flight at once
+                    v = load4(gWs[(None, (s, n, j))])
                     for i in cutlass.range_constexpr(4):
-                        m = (j0 + jj) * 4 + i
-                        if cutlass.const_expr(m < p.M):
-                            val = tot[4 * jj + i]
-                            if cutlass.const_expr(op.scaled):
-                                val = val * rs[m]
-                            store_output(mY, mAdd, m, n, val, op.accumulate, op.addend)
+                        tot[i] = tot[i] + v[i]
+                for i in cutlass.range_constexpr(4):
+                    m = j * 4 + i
+                    if cutlass.const_expr(m < p.M):
+                        val = tot[i]
+                        if cutlass.const_expr(op.scaled):
+                            val = val * rs[m]
+                        store_output(mY, mAdd, m, n, val, op.accumulate, op.addend)
 
     class TensorCoreProjection:
         def __init__(self, plan: "Plan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
