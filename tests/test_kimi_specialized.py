@@ -1509,6 +1509,49 @@ def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env
     assert ("run on cuBLAS" in said) == (16 < batch <= 64)  # from 2 to 16 rows: the row-tile projection
 
 
+@pytest.mark.parametrize("env, want", [
+    ("0", ()), (None, ()),
+    ("1", ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")),
+    ("router,shared_gate_up", ("router", "shared_gate_up")), ("latent_up", ("latent_up",)),
+])
+def test_wgmma_projections_by_name(monkeypatch, caplog, env, want):
+    """KIMI_DECODE_WGMMA puts the projections it names (or all, "1") on the warpgroup-mma projection from 17 to 64
+    rows, the rest on cuBLAS, and the fallback message names those on cuBLAS; at 16 rows the row tiles take them all."""
+    from types import SimpleNamespace
+
+    from kimi_decode.backends import latency_specialized
+    from kimi_decode.config import KDA
+
+    monkeypatch.setattr(latency_specialized, "_said", set())
+    monkeypatch.setattr(latency_specialized.cute_common, "HAVE_CUTE", True)
+    if env is None:
+        monkeypatch.delenv("KIMI_DECODE_WGMMA", raising=False)
+    else:
+        monkeypatch.setenv("KIMI_DECODE_WGMMA", env)
+    backend = get_backend("latency_specialized")
+    lw = SimpleNamespace(attn_res=SimpleNamespace(query=SimpleNamespace(is_cuda=True)), attn_kind=KDA,
+                         mlp=_moe_on_meta(16))
+    with caplog.at_level(logging.WARNING):
+        backend.begin_layer(lw, 64)
+    names = latency_specialized.WGMMA_PROJECTIONS
+    assert tuple(n for n in names if backend._wgmma_rows(64, n)) == want
+    assert tuple(n for n in names if not backend._plain_on_cublas(64, n)) == want
+    assert not any(backend._wgmma_rows(r, n) for r in (1, 16, 65) for n in names)
+    assert not any(backend._plain_on_cublas(16, n) for n in names)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    listed = said.split("run on cuBLAS: ")[1].split(" (")[0].split(", ") if "run on cuBLAS" in said else []
+    assert listed == [n for n in names if n not in want]
+
+
+@pytest.mark.parametrize("value", ["2", "router,experts", "", "Router"])
+def test_wgmma_setting_refuses_unknown_names(monkeypatch, value):
+    from kimi_decode.backends.latency_specialized import wgmma_projections
+
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", value)
+    with pytest.raises(ValueError, match="KIMI_DECODE_WGMMA must be 0, 1 or some of in_proj"):
+        wgmma_projections()
+
+
 def test_expert_kernels_fall_back_for_a_latent_width_off_their_quads(monkeypatch, caplog):
     """The expert kernels split the latent into quads of 4 MX groups (128 values): another width runs auto's experts
     (and the MoE tail that goes with them), saying so once."""
@@ -2518,7 +2561,8 @@ def test_router_warps_sets_the_router_projections_plan(monkeypatch, env, rows, w
         return
     assert len(plans) == 1
     assert (plans[0] is None) if want is None else (plans[0].warps == want and plans[0].key()[:3] == (rows, 896, 7168))
-    backend._gemv(torch.zeros(rows, 7168, dtype=torch.bfloat16), torch.zeros(3584, 7168, dtype=torch.bfloat16))
+    backend._gemv(torch.zeros(rows, 7168, dtype=torch.bfloat16), torch.zeros(3584, 7168, dtype=torch.bfloat16),
+                  "latent_down")
     assert plans[1] is None  # the latent down-projection: its own plan
 
 
@@ -2557,14 +2601,15 @@ def _dispatch_spy(monkeypatch, env):
     (17, {"KIMI_DECODE_WGMMA": "1"}, "wgmma"), (64, {"KIMI_DECODE_WGMMA": "1"}, "wgmma"),
     (16, {"KIMI_DECODE_WGMMA": "1"}, "rows"), (9, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "8"}, "wgmma"),
     (32, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
+    (32, {"KIMI_DECODE_WGMMA": "router,in_proj"}, "wgmma"), (32, {"KIMI_DECODE_WGMMA": "router"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     """One row on the GEMV, 2 to 16 on the row-tile tensor-core projection, above on cuBLAS; the A/B switches put them
     on cuBLAS (KIMI_DECODE_TC_PLAIN=0), the split-K kernel (KIMI_DECODE_TC_FORM=split) or, above 16 rows, the
-    warpgroup mma (KIMI_DECODE_WGMMA=1) and move the row counts."""
+    warpgroup mma (KIMI_DECODE_WGMMA=1, or naming this projection) and move the row counts."""
     backend, calls = _dispatch_spy(monkeypatch, env)
     x, w = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
-    backend._gemv(x, w)
+    backend._gemv(x, w, "in_proj")
     assert calls == [want]
 
 
@@ -2619,7 +2664,7 @@ def test_cublas_lib_sets_the_library_of_the_cublas_projections_only(monkeypatch,
     monkeypatch.setattr(torch, "mm", lambda *a, **kw: seen.append(current[0]) or torch.zeros(1))
     backend, _ = _dispatch_spy(monkeypatch, env)
     backend._blas_lib = cublas_library()  # as `begin_layer` reads it
-    backend._gemv(torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16),
+    backend._gemv(torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16), "router",
                   torch.float32)
     assert seen == ([] if want is None else [want])
     assert calls == ([want, "default"] if want == "cublaslt" else [])

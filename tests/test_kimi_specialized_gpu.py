@@ -1599,10 +1599,12 @@ def test_cublaslt_projections_replay_in_a_graph_like_eager(monkeypatch):
     _check_graph_replays_like_eager(16, 64)
 
 
-@pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (16, 17), (8, 40)])
-def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_WGMMA=1: the plain projections and the MoE tail above 16 rows on the warpgroup-mma projection."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", "1", tp, batch, 4300)
+@pytest.mark.parametrize("tp, batch, names", [(16, 64, "1"), (8, 64, "1"), (16, 17, "1"), (8, 40, "1"),
+                                             (16, 64, "router,shared_gate_up,o_proj"), (8, 32, "latent_up,in_proj")])
+def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch, tp, batch, names):
+    """KIMI_DECODE_WGMMA=1: the plain projections and the MoE tail above 16 rows on the warpgroup-mma projection;
+    some of them by name: those, the rest on cuBLAS."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", names, tp, batch, 4300)
 
 
 def test_wgmma_projections_replay_in_a_graph_like_eager(monkeypatch):

@@ -7,9 +7,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   CTA's warps splitting the K of its 16 weight rows); above, the plain ones on cuBLAS as `auto`. The latent
   up-projection accumulates straight into the fp32 residual. A/B switches: `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS`
   move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain projections on cuBLAS, `KIMI_DECODE_WGMMA=1` those
-  and the MoE tail from 17 to 64 rows on the warpgroup mma (`kernels/gemm_wgmma.py`), `KIMI_DECODE_TC_FORM=split`
-  the tensor-core ones on the split-K kernel (`kernels/gemm_tc.py`, the last CTA of each row group adding the
-  splits and running the epilogue), `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
+  and the MoE tail from 17 to 64 rows on the warpgroup mma (`kernels/gemm_wgmma.py`; or only those it names),
+  `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel (`kernels/gemm_tc.py`, the last CTA of
+  each row group adding the splits and running the epilogue), `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps
+  per CTA;
 - the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
   kernel). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels,
   all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of
@@ -163,6 +164,23 @@ def tc_form() -> str:
     default, `kernels/gemm_tc_rows.py` up to its 16 rows: 3.2-10.9 us faster per KDA + MoE layer at 2 to 16 rows on
     the H200, benchmarks/NOTES.md item 47) or "split" (the split-K GEMM of `kernels/gemm_tc.py`, for A/B runs)."""
     return cute_common.env_choice("KIMI_DECODE_TC_FORM", "rows", TC_FORMS)
+
+
+# the projections KIMI_DECODE_WGMMA may put on the warpgroup-mma projection from TC_MAX_ROWS + 1 to 64 rows (the
+# latent up-projection: the MoE tail, the routed sum's 1/rms, residual accumulate and shared-expert add in its epilogue)
+WGMMA_PROJECTIONS = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")
+
+
+def wgmma_projections() -> frozenset:
+    """KIMI_DECODE_WGMMA: which projections above TC_MAX_ROWS rows run on the warpgroup-mma projection instead of
+    cuBLAS: "0" (the default) none, "1" all of WGMMA_PROJECTIONS, or some of them by name, comma-separated."""
+    raw = os.environ.get("KIMI_DECODE_WGMMA", "0")
+    if raw in ("0", "1"):
+        return frozenset(WGMMA_PROJECTIONS if raw == "1" else ())
+    names = frozenset(n.strip() for n in raw.split(","))
+    if not names <= set(WGMMA_PROJECTIONS):
+        raise ValueError(f"KIMI_DECODE_WGMMA must be 0, 1 or some of {','.join(WGMMA_PROJECTIONS)}, not {raw!r}")
+    return names
 
 
 def pairs_bf16() -> bool:
@@ -350,9 +368,9 @@ class LatencySpecializedBackend(AutoBackend):
                          cute_common.env_int("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS, 0, FAST_MAX_ROWS, "rows"))
         self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
         self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
-        # 1: the plain projections and the MoE tail above TC_MAX_ROWS on the warpgroup-mma projection instead of
-        # cuBLAS (`kernels/gemm_wgmma.py`; off: slower than cuBLAS in the layer, benchmarks/NOTES.md item 111)
-        self._wgmma = cute_common.env_flag("KIMI_DECODE_WGMMA", "0")
+        # the projections that run on the warpgroup-mma projection instead of cuBLAS above TC_MAX_ROWS
+        # (`kernels/gemm_wgmma.py`; `wgmma_projections`; none by default: benchmarks/NOTES.md item 114)
+        self._wgmma = wgmma_projections()
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
         self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -389,9 +407,11 @@ class LatencySpecializedBackend(AutoBackend):
             self._fallback(f"batch {batch} > {FAST_MAX_ROWS}: everything but AttnRes runs auto")
         if device_ok and lw.attn_kind != KDA:
             self._fallback("MLA attention is not specialized yet")
-        if device_ok and small and self._plain_on_cublas(batch):
-            self._fallback(f"plain projections of {batch} rows run on cuBLAS (ours take {self._tc_rows[0]}.."
-                           f"{self._tc_rows[1]} rows, KIMI_DECODE_TC_PLAIN=1)")
+        on_cublas = [n for n in WGMMA_PROJECTIONS if self._plain_on_cublas(batch, n)] if device_ok and small else []
+        if on_cublas:
+            self._fallback(f"projections of {batch} rows run on cuBLAS: {', '.join(on_cublas)} (ours take "
+                           f"{self._tc_rows[0]}..{self._tc_rows[1]} rows, KIMI_DECODE_TC_PLAIN=1; above, those "
+                           "KIMI_DECODE_WGMMA names)")
         self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA
@@ -497,19 +517,21 @@ class LatencySpecializedBackend(AutoBackend):
         routed norm + cuBLAS), and the plain ones with KIMI_DECODE_TC_PLAIN=1, the default (else cuBLAS)."""
         return rows <= self._tc_rows[1]
 
-    def _wgmma_rows(self, rows: int) -> bool:
-        """Whether a projection of `rows` tokens runs on the warpgroup-mma projection: above TC_MAX_ROWS up to its
-        64 with KIMI_DECODE_WGMMA=1."""
+    def _wgmma_rows(self, rows: int, name: str) -> bool:
+        """Whether projection `name` (one of WGMMA_PROJECTIONS) of `rows` tokens runs on the warpgroup-mma
+        projection: above TC_MAX_ROWS up to its 64 where KIMI_DECODE_WGMMA names it."""
         from ..kernels.gemm_wgmma import MAX_ROWS
 
-        return self._wgmma and self._tc_rows[1] < rows <= MAX_ROWS
+        return name in self._wgmma and self._tc_rows[1] < rows <= MAX_ROWS
 
-    def _plain_on_cublas(self, rows: int) -> bool:
-        """Whether a plain projection of `rows` tokens runs on cuBLAS: from TC_MIN_ROWS on, unless our tensor-core
-        projections take it (KIMI_DECODE_TC_PLAIN=1, the default, up to TC_MAX_ROWS; above, KIMI_DECODE_WGMMA)."""
-        return rows >= self._tc_rows[0] and not (self._tc_plain and (self._cute_rows(rows) or self._wgmma_rows(rows)))
+    def _plain_on_cublas(self, rows: int, name: str) -> bool:
+        """Whether plain projection `name` of `rows` tokens runs on cuBLAS: from TC_MIN_ROWS on, unless our
+        tensor-core projections take it (KIMI_DECODE_TC_PLAIN=1, the default, up to TC_MAX_ROWS; above, where
+        KIMI_DECODE_WGMMA names it)."""
+        return rows >= self._tc_rows[0] and not (self._tc_plain and (self._cute_rows(rows)
+                                                                     or self._wgmma_rows(rows, name)))
 
-    def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, warps: int | None = None,
+    def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, name: str, warps: int | None = None,
                  **epilogue) -> torch.Tensor:
         """y = x @ w.T (or `gemv`'s accumulating forms) for up to TC_MAX_ROWS rows: the CUDA-core GEMV below
         TC_MIN_ROWS rows, else tensor cores (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM; `warps`: the
@@ -518,7 +540,7 @@ class LatencySpecializedBackend(AutoBackend):
             from ..kernels.gemv import gemv
 
             return gemv(w, x, y, **epilogue)
-        if self._wgmma_rows(x.shape[0]):
+        if self._wgmma_rows(x.shape[0], name):
             from ..kernels.gemm_wgmma import project_wgmma
 
             return project_wgmma(w, x, y, self._tc_counters(x.device), **epilogue)
@@ -558,18 +580,19 @@ class LatencySpecializedBackend(AutoBackend):
         for t in outputs:  # allocated on the side stream, read on the main one
             t.record_stream(main)
 
-    def _gemv(self, x: torch.Tensor, w: torch.Tensor, dtype=BF16, out: torch.Tensor | None = None,
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor, name: str, dtype=BF16, out: torch.Tensor | None = None,
               warps: int | None = None) -> torch.Tensor:
-        """A plain projection (bf16 or fp32 out, into `out` where given): the GEMV below TC_MIN_ROWS rows, our
-        tensor-core projection up to TC_MAX_ROWS (`_project`, `warps`), else cuBLAS (see TC_MIN_ROWS)."""
-        if self._plain_on_cublas(x.shape[0]):
+        """Plain projection `name` (one of WGMMA_PROJECTIONS; bf16 or fp32 out, into `out` where given): the GEMV
+        below TC_MIN_ROWS rows, our tensor-core projections up to TC_MAX_ROWS and where KIMI_DECODE_WGMMA names it
+        (`_project`, `warps`), else cuBLAS (see TC_MIN_ROWS)."""
+        if self._plain_on_cublas(x.shape[0], name):
             # cuBLAS, fp32 accumulation (and output, for the router's logits)
             with blas_library(self._blas_lib):
                 if out is not None:
                     return torch.mm(x, w.T, out=out)
                 return torch.mm(x, w.T, out_dtype=dtype) if dtype != BF16 else self.linear(x, w)
         return self._project(w, x, out if out is not None else
-                             self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device), warps=warps)
+                             self._empty(x.shape[0], w.shape[0], dtype=dtype, device=x.device), name, warps=warps)
 
     def _prefetch(self, w: torch.Tensor) -> None:
         """Ask L2 for the first bytes of `w` (the weights of a streaming projection to come) on a stream beside the
@@ -609,12 +632,12 @@ class LatencySpecializedBackend(AutoBackend):
     def kda_in_proj(self, x: torch.Tensor, w: KDAWeights, shard: ShardConfig):
         if not self._attn_fast:
             return super().kda_in_proj(x, w, shard)
-        y = self._gemv(x, w.in_proj)
+        y = self._gemv(x, w.in_proj, "in_proj")
         if (self._fused_gate and x.shape[0] <= GEMV_MAX_ROWS and self._kda_fast
                 and self._f_b_columns(w.f_b) is not None):
             return y, None  # the decay gate's up-projection f_b runs inside the KDA kernel (kda_core gets f=None)
         a, b = shard.kda_in_proj_layout["f_a"]
-        return y, self._gemv(y[:, a:b], w.f_b)
+        return y, self._gemv(y[:, a:b], w.f_b, "f_b")
 
     def kda_core(self, y, f, w: KDAWeights, state: KDAState, shard: ShardConfig):
         if not self._kda_fast:
@@ -678,7 +701,7 @@ class LatencySpecializedBackend(AutoBackend):
             a = self._empty(o.shape[0], w.o_proj.shape[0], device=o.device)
             self._pending_o = (o, w.o_proj, a)
             return a
-        return self._gemv(o, w.o_proj) if self._attn_fast else super().attn_out_proj(o, w)
+        return self._gemv(o, w.o_proj, "o_proj") if self._attn_fast else super().attn_out_proj(o, w)
 
     # ---- MoE ---------------------------------------------------------------------------------------------------------
     def router(self, x: torch.Tensor, w: MoEWeights, shard: ShardConfig, layer: int):
@@ -706,7 +729,7 @@ class LatencySpecializedBackend(AutoBackend):
     def router_logits(self, x, w: MoEWeights):
         if not self._mlp_fast:
             return super().router_logits(x, w)
-        return self._gemv(x, w.router, torch.float32, warps=self._router_warps)
+        return self._gemv(x, w.router, "router", torch.float32, warps=self._router_warps)
 
     def shared_experts(self, x, w: MoEWeights):
         if not self._mlp_fast:
@@ -733,11 +756,12 @@ class LatencySpecializedBackend(AutoBackend):
                               self._empty(1, w.shared_down.shape[0], device=x.device),
                               self._counter("shared", x.device, SHARED_COUNTERS))
         gemv(w.shared_gate_up, x, act, glu=True)  # gate/up GEMV with SiTU-GLU in its epilogue
-        return self._gemv(act, w.shared_down)
+        return self._gemv(act, w.shared_down, "shared_down")
 
     def _plain_shared(self, x, w: MoEWeights, out=None):
         """The shared experts as three kernels: gate/up projection, SiTU-GLU, down-projection (into `out`)."""
-        return self._gemv(self.situ_glu(self._gemv(x, w.shared_gate_up)), w.shared_down, out=out)
+        act = self.situ_glu(self._gemv(x, w.shared_gate_up, "shared_gate_up"))
+        return self._gemv(act, w.shared_down, "shared_down", out=out)
 
     def _launch_deferred_shared(self) -> None:
         """The deferred shared experts on their branch's stream (still open: `join` launches them before it closes
@@ -755,7 +779,7 @@ class LatencySpecializedBackend(AutoBackend):
             self._plain_shared(x, w, out)
 
     def latent_down(self, x, w: MoEWeights):
-        latent = self._gemv(x, w.down) if self._mlp_fast else super().latent_down(x, w)
+        latent = self._gemv(x, w.down, "latent_down") if self._mlp_fast else super().latent_down(x, w)
         self._launch_deferred_shared()
         return latent
 
@@ -831,13 +855,13 @@ class LatencySpecializedBackend(AutoBackend):
         from ..kernels.rmsnorm import rmsnorm_rows
 
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
-            self._project(w.up, self._scaled, res.partial, accumulate=True, addend=shared,
+            self._project(w.up, self._scaled, res.partial, "latent_up", accumulate=True, addend=shared,
                           row_scale=(self._ssq, shard.model.rms_eps))
             self._scaled = self._ssq = None
             return
         normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
                               shard.model.rms_eps)
-        self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
+        self._project(w.up, normed, res.partial, "latent_up", accumulate=True, addend=shared)
 
     def _pairs_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         """The MoE tail on [B, k, L] parts of the routed output (the grouped experts' per-pair outputs, or a routed
@@ -850,9 +874,9 @@ class LatencySpecializedBackend(AutoBackend):
         B, _, L = pairs.shape
         normed = self._empty(B, L, device=pairs.device)
         split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
-        if self._cute_rows(B) or self._wgmma_rows(B):
+        if self._cute_rows(B) or self._wgmma_rows(B, "latent_up"):
             routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
-            self._project(w.up, normed, res.partial, accumulate=True, addend=shared)
+            self._project(w.up, normed, res.partial, "latent_up", accumulate=True, addend=shared)
             return
         routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, residual=(res.partial, shared), split=split)
         with blas_library(self._blas_lib):
