@@ -25,8 +25,9 @@ column of B; rows past N read row N - 1 and are not stored.
 The K splits of a row group run as one thread-block cluster (at most MAX_SPLITS CTAs), which adds its partial sums
 in shared memory: each CTA stores each of its accumulators into the shared buffer of the CTA that owns the token
 (token m belongs to the CTA of rank m % splits; `st.shared::cluster`), one cluster barrier, then each CTA adds its
-tokens' partial sums in split order and runs the epilogue of `gemv.py` (`store_output`, each token scaled by its
-1/rms first where the projection has a row scale). With one split the CTA's own buffer and a CTA barrier do it. The
+tokens' partial sums in split order and stores them (each token scaled by its 1/rms first where the projection has
+a row scale; added to y and the addend, which each thread loads for its outputs while the first stages' copies are
+in flight, where it accumulates). With one split the CTA's own buffer and a CTA barrier do it. The
 split-K `mma.sync` kernel's finish (partial sums to a global workspace, a counter, and the last CTA reading them
 back) held 41% of o_proj's stall samples at one split and ~60% at two (NOTES item 112); the counters the launch
 passes are not used here, and its workspace is a placeholder (`WgmmaPlan.workspace_shape`).
@@ -60,7 +61,6 @@ if HAVE_CUTE:
 
     from .cute_common import copy_async_16, mma_lanes, store_cluster_f32
     from .gemm_tc import TensorCoreProjection, row_scales
-    from .gemv import store_output
 
     @functools.cache
     def _wgmma_asm(cols: int) -> str:
@@ -146,6 +146,17 @@ if HAVE_CUTE:
                 if s < nkb:
                     self.load_stage(gW, gX, sW, sX, tidx, bx, kb0 + s, s)
                 cute.arch.cp_async_commit_group()
+            # with the first stages' copies in flight: y and the addend of this thread's outputs (`finish_outputs`), so
+            # that the epilogue's read-modify-writes wait for no load after the loop
+            outs = self.finish_outputs(tidx, bx, bs)
+            pre = cute.make_rmem_tensor((2 * len(outs),), Float32)
+            if cutlass.const_expr(self.accumulate):
+                for i in cutlass.range_constexpr(len(outs)):
+                    e, m, n = outs[i]
+                    if e < p.owned and m < p.M and n < p.N:
+                        pre[2 * i] = mY[m, n]
+                        if cutlass.const_expr(self.addend):
+                            pre[2 * i + 1] = mAdd[m, n].to(Float32)
             acc = cute.make_rmem_tensor((p.cols // 2,), Float32)
             acc.fill(0.0)
             wg = warp // 4
@@ -189,16 +200,33 @@ if HAVE_CUTE:
             else:
                 cute.arch.barrier()
             # this CTA's tokens m = rank + splits j: the splits' sums in split order, then the epilogue; a thread a row
-            for e in cutlass.range(tidx, p.owned, 32 * p.warps):
-                m = bs + p.splits * (e // rows)
-                n = bx * rows + e % rows
-                if m < p.M and n < p.N:
+            for i in cutlass.range_constexpr(len(outs)):
+                e, m, n = outs[i]
+                if e < p.owned and m < p.M and n < p.N:
                     tot = red[e]
                     for s in cutlass.range_constexpr(1, p.splits):
                         tot = tot + red[s * p.owned + e]
                     if cutlass.const_expr(self.scaled):
                         tot = tot * rs[m]
-                    store_output(mY, mAdd, m, n, tot, self.accumulate, self.addend)
+                    if cutlass.const_expr(self.accumulate):  # y += sum (+ addend), y fp32
+                        tot = pre[2 * i] + tot
+                        if cutlass.const_expr(self.addend):
+                            tot = tot + pre[2 * i + 1]
+                        mY[m, n] = tot
+                    else:
+                        mY[m, n] = tot.to(mY.element_type)
+
+        def finish_outputs(self, tidx, bx, bs):
+            """The outputs thread `tidx` of the CTA at row group `bx`, split `bs` finishes, one per CTA-wide step: (e,
+            token m, row n), e its place in `red`'s first slice (none where e >= owned); consecutive threads on
+            consecutive rows of one of the CTA's tokens m = bs + splits j."""
+            p = self.p
+            rows = ROWS * p.wgs
+            outs = []
+            for i in range(-(-p.owned // (32 * p.warps))):
+                e = tidx + i * 32 * p.warps
+                outs.append((e, bs + p.splits * (e // rows), bx * rows + e % rows))
+            return outs
 
         @cute.jit
         def load_stage(self, gW: cute.Tensor, gX: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, tidx: Int32,
