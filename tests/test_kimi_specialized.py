@@ -1509,14 +1509,18 @@ def test_kernel_selection_per_layer(monkeypatch, caplog, tp, batch, reduced, env
     assert ("run on cuBLAS" in said) == (16 < batch <= 64)  # from 2 to 16 rows: the row-tile projection
 
 
-@pytest.mark.parametrize("env, want", [
-    ("0", ()), (None, ()),
-    ("1", ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")),
-    ("router,shared_gate_up", ("router", "shared_gate_up")), ("latent_up", ("latent_up",)),
+ALL_WGMMA = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")
+
+
+@pytest.mark.parametrize("env, rows, want", [
+    ("0", 64, ()), ("0", 32, ()), (None, 64, ()), (None, 32, ALL_WGMMA), ("auto", 17, ALL_WGMMA), ("auto", 33, ()),
+    ("1", 64, ALL_WGMMA), ("router,shared_gate_up", 64, ("router", "shared_gate_up")),
+    ("latent_up", 40, ("latent_up",)),
 ])
-def test_wgmma_projections_by_name(monkeypatch, caplog, env, want):
-    """KIMI_DECODE_WGMMA puts the projections it names (or all, "1") on the warpgroup-mma projection from 17 to 64
-    rows, the rest on cuBLAS, and the fallback message names those on cuBLAS; at 16 rows the row tiles take them all."""
+def test_wgmma_projections_by_name(monkeypatch, caplog, env, rows, want):
+    """KIMI_DECODE_WGMMA puts the projections it names (or all: "1" up to 64 rows, "auto", the default, up to 32) on
+    the warpgroup-mma projection from 17 rows, the rest on cuBLAS, and the fallback message names those on cuBLAS; at
+    16 rows the row tiles take them all."""
     from types import SimpleNamespace
 
     from kimi_decode.backends import latency_specialized
@@ -1532,10 +1536,11 @@ def test_wgmma_projections_by_name(monkeypatch, caplog, env, want):
     lw = SimpleNamespace(attn_res=SimpleNamespace(query=SimpleNamespace(is_cuda=True)), attn_kind=KDA,
                          mlp=_moe_on_meta(16))
     with caplog.at_level(logging.WARNING):
-        backend.begin_layer(lw, 64)
+        backend.begin_layer(lw, rows)
     names = latency_specialized.WGMMA_PROJECTIONS
-    assert tuple(n for n in names if backend._wgmma_rows(64, n)) == want
-    assert tuple(n for n in names if not backend._plain_on_cublas(64, n)) == want
+    assert names == ALL_WGMMA
+    assert tuple(n for n in names if backend._wgmma_rows(rows, n)) == want
+    assert tuple(n for n in names if not backend._plain_on_cublas(rows, n)) == want
     assert not any(backend._wgmma_rows(r, n) for r in (1, 16, 65) for n in names)
     assert not any(backend._plain_on_cublas(16, n) for n in names)
     said = " ".join(r.getMessage() for r in caplog.records)
@@ -1545,11 +1550,11 @@ def test_wgmma_projections_by_name(monkeypatch, caplog, env, want):
 
 @pytest.mark.parametrize("value", ["2", "router,experts", "", "Router"])
 def test_wgmma_setting_refuses_unknown_names(monkeypatch, value):
-    from kimi_decode.backends.latency_specialized import wgmma_projections
+    from kimi_decode.backends.latency_specialized import wgmma_setting
 
     monkeypatch.setenv("KIMI_DECODE_WGMMA", value)
-    with pytest.raises(ValueError, match="KIMI_DECODE_WGMMA must be 0, 1 or some of in_proj"):
-        wgmma_projections()
+    with pytest.raises(ValueError, match="KIMI_DECODE_WGMMA must be auto, 0, 1 or some of in_proj"):
+        wgmma_setting()
 
 
 def test_expert_kernels_fall_back_for_a_latent_width_off_their_quads(monkeypatch, caplog):
@@ -2500,7 +2505,7 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     branch, so their output is always written."""
     backend, calls, spy = _shared_branch_spy(monkeypatch, setting, forked=True)
     monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append("cublas") or out)
-    kernel = "rows" if rows <= 16 else "cublas"
+    kernel = "rows" if rows <= 16 else "wgmma" if rows <= 32 else "cublas"
     shared = backend.shared_experts(torch.zeros(rows, 64, dtype=torch.bfloat16), spy.w)
     assert shared.shape == (rows, 64)
     assert calls == ([] if deferred else [kernel, "glu", kernel])
@@ -2593,10 +2598,12 @@ def _dispatch_spy(monkeypatch, env):
 
 
 @pytest.mark.parametrize("rows, env, want", [
-    (1, {}, "gemv"), (2, {}, "rows"), (8, {}, "rows"), (16, {}, "rows"), (17, {}, "cublas"), (64, {}, "cublas"),
+    (1, {}, "gemv"), (2, {}, "rows"), (8, {}, "rows"), (16, {}, "rows"), (17, {}, "wgmma"), (32, {}, "wgmma"),
+    (33, {}, "cublas"), (64, {}, "cublas"), (17, {"KIMI_DECODE_WGMMA": "0"}, "cublas"),
     (4, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"), (2, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
     (8, {"KIMI_DECODE_TC_FORM": "split"}, "tc"), (16, {"KIMI_DECODE_TC_FORM": "split"}, "tc"),
-    (9, {"KIMI_DECODE_TC_MAX_ROWS": "8"}, "cublas"), (3, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, "gemv"),
+    (9, {"KIMI_DECODE_TC_MAX_ROWS": "8", "KIMI_DECODE_WGMMA": "0"}, "cublas"),
+    (9, {"KIMI_DECODE_TC_MAX_ROWS": "8"}, "wgmma"), (3, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, "gemv"),
     (32, {"KIMI_DECODE_TC_MAX_ROWS": "64"}, "tc"),  # past the row tiles' 16 rows: the split-K kernel
     (17, {"KIMI_DECODE_WGMMA": "1"}, "wgmma"), (64, {"KIMI_DECODE_WGMMA": "1"}, "wgmma"),
     (16, {"KIMI_DECODE_WGMMA": "1"}, "rows"), (9, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "8"}, "wgmma"),
@@ -2604,9 +2611,10 @@ def _dispatch_spy(monkeypatch, env):
     (32, {"KIMI_DECODE_WGMMA": "router,in_proj"}, "wgmma"), (32, {"KIMI_DECODE_WGMMA": "router"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
-    """One row on the GEMV, 2 to 16 on the row-tile tensor-core projection, above on cuBLAS; the A/B switches put them
-    on cuBLAS (KIMI_DECODE_TC_PLAIN=0), the split-K kernel (KIMI_DECODE_TC_FORM=split) or, above 16 rows, the
-    warpgroup mma (KIMI_DECODE_WGMMA=1, or naming this projection) and move the row counts."""
+    """One row on the GEMV, 2 to 16 on the row-tile tensor-core projection, 17 to 32 on the warpgroup mma, above on
+    cuBLAS; the A/B switches put them on cuBLAS (KIMI_DECODE_TC_PLAIN=0, KIMI_DECODE_WGMMA=0), the split-K kernel
+    (KIMI_DECODE_TC_FORM=split) or, up to 64 rows, the warpgroup mma (KIMI_DECODE_WGMMA=1, or naming this
+    projection) and move the row counts."""
     backend, calls = _dispatch_spy(monkeypatch, env)
     x, w = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     backend._gemv(x, w, "in_proj")
@@ -2615,9 +2623,11 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 
 @pytest.mark.parametrize("rows, fused_norm, env, want", [
     (1, True, {}, ["gemv"]), (2, True, {}, ["rows"]), (8, True, {}, ["rows"]), (16, False, {}, ["rows"]),
-    (17, False, {}, ["norm", "cublas"]), (64, False, {}, ["norm", "cublas"]), (4, False, {}, ["rows"]),
+    (17, False, {}, ["norm", "wgmma"]), (32, False, {}, ["norm", "wgmma"]), (33, False, {}, ["norm", "cublas"]),
+    (64, False, {}, ["norm", "cublas"]), (4, False, {}, ["rows"]), (17, False, {"KIMI_DECODE_WGMMA": "0"},
+                                                                   ["norm", "cublas"]),
     (8, True, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]), (16, False, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]),
-    (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3"}, ["norm", "cublas"]),
+    (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3", "KIMI_DECODE_WGMMA": "0"}, ["norm", "cublas"]),
     (3, True, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, ["gemv"]),
     (17, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
     (64, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
@@ -2644,7 +2654,7 @@ def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
 
 @pytest.mark.parametrize("env, rows, want", [
     ({}, 64, "cublaslt"), ({"KIMI_DECODE_CUBLAS_LIB": "cublas"}, 64, "default"),
-    ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 64, "cublaslt"), ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 17, "cublaslt"),
+    ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 64, "cublaslt"), ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 33, "cublaslt"),
     ({"KIMI_DECODE_CUBLAS_LIB": "cublaslt"}, 16, None),  # the row-tile kernel: no cuBLAS call at all
 ])
 def test_cublas_lib_sets_the_library_of_the_cublas_projections_only(monkeypatch, env, rows, want):

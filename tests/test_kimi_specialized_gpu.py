@@ -1584,10 +1584,11 @@ def test_specialized_layer_with_tensor_core_projections_matches_reference(monkey
 
 @pytest.mark.parametrize("tp, batch", [(16, 64), (8, 64), (16, 32), (8, 17)])
 def test_specialized_layer_with_cublaslt_projections_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_CUBLAS_LIB=cublaslt: the projections above the tensor-core rows on torch's cuBLASLt path; torch's
-    own setting is what it was before the layer."""
+    """KIMI_DECODE_CUBLAS_LIB=cublaslt: the projections above the tensor-core rows on torch's cuBLASLt path (with
+    KIMI_DECODE_WGMMA=0, from 17 rows); torch's own setting is what it was before the layer."""
     import torch
 
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "0")
     before = torch.backends.cuda.preferred_blas_library()
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUBLAS_LIB", "cublaslt", tp, batch, 4100)
     assert torch.backends.cuda.preferred_blas_library() == before
@@ -1620,4 +1621,5 @@ def test_specialized_layer_with_route_topk_at_every_batch_matches_reference(monk
     """KIMI_DECODE_CUTE_TOPK=1 (the default, set here so that the test keeps it if the default moves): `route_topk`
     (one CTA per row) routes above 16 rows too, on cuBLASLt's logits; "16": the Triton top-k there."""
     monkeypatch.setenv("KIMI_DECODE_CUBLAS_LIB", "cublaslt")
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "0")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_CUTE_TOPK", topk, tp, batch, 4200)

@@ -4,13 +4,14 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 64, by rows (TC_MIN_ROWS, TC_MAX_ROWS):
   at 1 row the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 2 to 16 rows every projection, the plain ones
   and the MoE tail, on the row-tile tensor-core projection (`kernels/gemm_tc_rows.py`: mma.sync over the tokens, a
-  CTA's warps splitting the K of its 16 weight rows); above, the plain ones on cuBLAS as `auto`. The latent
-  up-projection accumulates straight into the fp32 residual. A/B switches: `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS`
-  move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain projections on cuBLAS, `KIMI_DECODE_WGMMA=1` those
-  and the MoE tail from 17 to 64 rows on the warpgroup mma (`kernels/gemm_wgmma.py`; or only those it names),
-  `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel (`kernels/gemm_tc.py`, the last CTA of
-  each row group adding the splits and running the epilogue), `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps
-  per CTA;
+  CTA's warps splitting the K of its 16 weight rows); from 17 to 32 rows on the warpgroup-mma projection
+  (`kernels/gemm_wgmma.py`: wgmma over a multistage `cp.async` pipeline, K split over a cluster); above, the plain
+  ones on cuBLAS as `auto`. The latent up-projection accumulates straight into the fp32 residual. A/B switches:
+  `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain projections
+  on cuBLAS, `KIMI_DECODE_WGMMA=0` every projection above 16 rows ("1": the warpgroup mma up to 64 rows, or names:
+  only those projections), `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel
+  (`kernels/gemm_tc.py`, the last CTA of each row group adding the splits and running the epilogue),
+  `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
 - the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
   kernel). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels,
   all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of
@@ -169,18 +170,25 @@ def tc_form() -> str:
 # the projections KIMI_DECODE_WGMMA may put on the warpgroup-mma projection from TC_MAX_ROWS + 1 to 64 rows (the
 # latent up-projection: the MoE tail, the routed sum's 1/rms, residual accumulate and shared-expert add in its epilogue)
 WGMMA_PROJECTIONS = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")
+# KIMI_DECODE_WGMMA=auto (the default): all of them up to here. On the H100 (TP16 KDA + MoE layer, cuBLASLt beside
+# it) 7.4 us faster per layer at 32 rows (227.2 against 234.6), 3.7 slower at 64 (285.3 against 281.6): NOTES item 114
+WGMMA_AUTO_ROWS = 32
 
 
-def wgmma_projections() -> frozenset:
+def wgmma_setting() -> tuple[frozenset, int]:
     """KIMI_DECODE_WGMMA: which projections above TC_MAX_ROWS rows run on the warpgroup-mma projection instead of
-    cuBLAS: "0" (the default) none, "1" all of WGMMA_PROJECTIONS, or some of them by name, comma-separated."""
-    raw = os.environ.get("KIMI_DECODE_WGMMA", "0")
-    if raw in ("0", "1"):
-        return frozenset(WGMMA_PROJECTIONS if raw == "1" else ())
+    cuBLAS, and up to how many rows: "auto" (the default) all of WGMMA_PROJECTIONS up to WGMMA_AUTO_ROWS, "0" none,
+    "1" all up to the kernel's 64, or some of them by name, comma-separated, up to 64."""
+    from ..kernels.gemm_wgmma import MAX_ROWS
+
+    raw = os.environ.get("KIMI_DECODE_WGMMA", "auto")
+    if raw in ("auto", "0", "1"):
+        return frozenset(() if raw == "0" else WGMMA_PROJECTIONS), WGMMA_AUTO_ROWS if raw == "auto" else MAX_ROWS
     names = frozenset(n.strip() for n in raw.split(","))
     if not names <= set(WGMMA_PROJECTIONS):
-        raise ValueError(f"KIMI_DECODE_WGMMA must be 0, 1 or some of {','.join(WGMMA_PROJECTIONS)}, not {raw!r}")
-    return names
+        raise ValueError(f"KIMI_DECODE_WGMMA must be auto, 0, 1 or some of {','.join(WGMMA_PROJECTIONS)}, "
+                         f"not {raw!r}")
+    return names, MAX_ROWS
 
 
 def pairs_bf16() -> bool:
@@ -219,8 +227,9 @@ FAST_MAX_ROWS = 64  # the decode path's largest batch: the CuTe projections and 
 # Projections by rows: below TC_MIN_ROWS the CUDA-core GEMV; from there up to TC_MAX_ROWS every projection (the plain
 # ones, and the MoE tail with its RMSNorm scale, residual accumulate and shared-expert add in the epilogue) on the
 # row-tile tensor-core projection (`kernels/gemm_tc_rows.py`): 3.2-10.9 us faster per KDA + MoE layer at 2 to 16
-# rows on the H200 than the split-K kernel for the tail and cuBLAS for the rest (NOTES item 47, "v29"); above,
-# cuBLAS, and the MoE tail as the routed norm + one cuBLAS GEMM. KIMI_DECODE_TC_PLAIN=0 puts the plain projections
+# rows on the H200 than the split-K kernel for the tail and cuBLAS for the rest (NOTES item 47, "v29"); above, up to
+# WGMMA_AUTO_ROWS the warpgroup-mma projection, then cuBLAS, and the MoE tail as the routed norm + one cuBLAS GEMM
+# (the routed norm before the warpgroup-mma one too). KIMI_DECODE_TC_PLAIN=0 puts the plain projections
 # back on cuBLAS from TC_MIN_ROWS, KIMI_DECODE_TC_FORM=split the tensor-core ones on `gemm_tc.py` (A/B).
 TC_MIN_ROWS = 2
 TC_MAX_ROWS = 16
@@ -368,9 +377,9 @@ class LatencySpecializedBackend(AutoBackend):
                          cute_common.env_int("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS, 0, FAST_MAX_ROWS, "rows"))
         self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
         self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
-        # the projections that run on the warpgroup-mma projection instead of cuBLAS above TC_MAX_ROWS
-        # (`kernels/gemm_wgmma.py`; `wgmma_projections`; none by default: benchmarks/NOTES.md item 114)
-        self._wgmma = wgmma_projections()
+        # the projections that run on the warpgroup-mma projection instead of cuBLAS above TC_MAX_ROWS, and up to
+        # how many rows (`kernels/gemm_wgmma.py`; `wgmma_setting`)
+        self._wgmma, self._wgmma_max = wgmma_setting()
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
         self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -519,10 +528,8 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _wgmma_rows(self, rows: int, name: str) -> bool:
         """Whether projection `name` (one of WGMMA_PROJECTIONS) of `rows` tokens runs on the warpgroup-mma
-        projection: above TC_MAX_ROWS up to its 64 where KIMI_DECODE_WGMMA names it."""
-        from ..kernels.gemm_wgmma import MAX_ROWS
-
-        return name in self._wgmma and self._tc_rows[1] < rows <= MAX_ROWS
+        projection: above TC_MAX_ROWS, where KIMI_DECODE_WGMMA takes it (`wgmma_setting`)."""
+        return name in self._wgmma and self._tc_rows[1] < rows <= self._wgmma_max
 
     def _plain_on_cublas(self, rows: int, name: str) -> bool:
         """Whether plain projection `name` of `rows` tokens runs on cuBLAS: from TC_MIN_ROWS on, unless our
