@@ -419,8 +419,8 @@ class LatencySpecializedBackend(AutoBackend):
         on_cublas = [n for n in WGMMA_PROJECTIONS if self._plain_on_cublas(batch, n)] if device_ok and small else []
         if on_cublas:
             self._fallback(f"projections of {batch} rows run on cuBLAS: {', '.join(on_cublas)} (ours take "
-                           f"{self._tc_rows[0]}..{self._tc_rows[1]} rows, KIMI_DECODE_TC_PLAIN=1; above, those "
-                           "KIMI_DECODE_WGMMA names)")
+                           f"{self._tc_rows[0]}..{self._tc_rows[1]} rows with KIMI_DECODE_TC_PLAIN=1, and up to "
+                           f"{self._wgmma_max} those KIMI_DECODE_WGMMA takes)")
         self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA
@@ -540,9 +540,10 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, name: str, warps: int | None = None,
                  **epilogue) -> torch.Tensor:
-        """y = x @ w.T (or `gemv`'s accumulating forms) for up to TC_MAX_ROWS rows: the CUDA-core GEMV below
-        TC_MIN_ROWS rows, else tensor cores (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM; `warps`: the
-        most warps per CTA of the row tiles' plan, for this projection)."""
+        """y = x @ w.T (or `gemv`'s accumulating forms) of projection `name` on our kernels: the CUDA-core GEMV below
+        TC_MIN_ROWS rows, the warpgroup-mma projection where `_wgmma_rows` takes it, else tensor cores up to
+        TC_MAX_ROWS (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM; `warps`: the most warps per CTA of the
+        row tiles' plan, for this projection)."""
         if x.shape[0] < self._tc_rows[0]:
             from ..kernels.gemv import gemv
 
@@ -873,9 +874,9 @@ class LatencySpecializedBackend(AutoBackend):
     def _pairs_tail(self, pairs, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         """The MoE tail on [B, k, L] parts of the routed output (the grouped experts' per-pair outputs, or a routed
         sum as k = 1), summed and normalised in one kernel (`rmsnorm.routed_norm`): up to TC_MAX_ROWS rows the
-        tensor-core projection then adds the result and the shared output into the residual (above, up to 64 rows, the
-        warpgroup-mma one with KIMI_DECODE_WGMMA=1); else the norm's kernel adds the shared output and one cuBLAS GEMM
-        accumulates the up-projection into the residual."""
+        tensor-core projection then adds the result and the shared output into the residual (above, the warpgroup-mma
+        one where KIMI_DECODE_WGMMA takes `latent_up`: up to 32 rows by default); else the norm's kernel adds the
+        shared output and one cuBLAS GEMM accumulates the up-projection into the residual."""
         from ..kernels.rmsnorm import routed_norm
 
         B, _, L = pairs.shape
