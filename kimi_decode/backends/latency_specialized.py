@@ -36,8 +36,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   (ROUTE_TOPK_MAX_ROWS: every batch the path takes) the router projection, then the same routing in a kernel of one
   CTA per row (`router_topk.route_topk`; on the H200 1-5 us faster per layer than the generic path's Triton top-k,
   whose end the expert kernels wait for, up to 32 rows, even at 64; `KIMI_DECODE_CUTE_TOPK=0` / `16`: the Triton
-  kernel above 1 / 16 rows, for A/B); the projections above 16 rows on cuBLAS through torch's cuBLASLt path
-  (`KIMI_DECODE_CUBLAS_LIB`, `blas_library`);
+  kernel above 1 / 16 rows, for A/B); the projections that go to cuBLAS (above 32 rows by default) through torch's
+  cuBLASLt path (`KIMI_DECODE_CUBLAS_LIB`, `blas_library`);
 - the routed experts, at any batch up to 64: two MXFP4 tensor-core kernels that read only the selected experts'
   unpadded rows; per (token, expert) pair below `grouped_from` (batch 9 at TP16, 8 at TP8 and wider slices), the
   second one doing the weighted sum over experts in registers and reading its weights in chunks of 2 or 4 MX
