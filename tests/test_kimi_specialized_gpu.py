@@ -1601,10 +1601,11 @@ def test_cublaslt_projections_replay_in_a_graph_like_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("tp, batch, names", [(16, 64, "1"), (8, 64, "1"), (16, 17, "1"), (8, 40, "1"),
-                                             (16, 64, "router,shared_gate_up,o_proj"), (8, 32, "latent_up,in_proj")])
+                                             (16, 64, "router,shared_gate_up,o_proj"), (8, 32, "latent_up,in_proj"),
+                                             (16, 32, "auto"), (8, 24, "auto")])
 def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch, tp, batch, names):
     """KIMI_DECODE_WGMMA=1: the plain projections and the MoE tail above 16 rows on the warpgroup-mma projection;
-    some of them by name: those, the rest on cuBLAS."""
+    some of them by name: those, the rest on cuBLAS; auto (the default): all of them up to 32 rows."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", names, tp, batch, 4300)
 
 
