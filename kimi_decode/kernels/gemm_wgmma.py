@@ -323,8 +323,9 @@ def project_wgmma(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: t
                   accumulate: bool = False, addend: torch.Tensor | None = None, row_scale: tuple | None = None,
                   plan: WgmmaPlan | None = None) -> torch.Tensor:
     """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, on the current stream; the arguments are those of
-    `gemm_tc.project` (`counters`: int32, at least `wgmma_plan_for(...).groups` long, all 0, left at 0, used by no
-    kernel running at the same time; `plan`: another tiling, for benchmarks)."""
+    `gemm_tc.project` (`counters`: a contiguous int32 vector, which the shared split-K launch passes and this
+    kernel, whose splits meet in the cluster's shared memory, never reads or writes; `plan`: another tiling, for
+    benchmarks)."""
     _check(w, x, y, accumulate, addend, row_scale, counters)
     plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
     return run_split_k(compile_wgmma_projection, plan, "wgmma projection", w, x, y, counters, accumulate, addend,
