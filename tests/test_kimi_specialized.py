@@ -2631,13 +2631,15 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     (3, True, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, ["gemv"]),
     (17, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
     (64, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
+    (8, True, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "4"}, ["wgmma"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 16 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,
     accumulate and add in its epilogue; the grouped experts' per-pair outputs go through the routed norm first),
     above it the routed norm, which adds the shared output into the residual, and one cuBLAS GEMM (with
     KIMI_DECODE_WGMMA=1 up to 64 rows the routed norm, then the warpgroup-mma projection adding it and the shared
-    output into the residual)."""
+    output into the residual; below TC_MAX_ROWS's rows, with the routed sum's partial sums of squares, the one
+    warpgroup-mma projection with the norm scale in its epilogue)."""
     from types import SimpleNamespace
 
     backend, calls = _dispatch_spy(monkeypatch, env)

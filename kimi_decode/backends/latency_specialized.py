@@ -441,7 +441,7 @@ class LatencySpecializedBackend(AutoBackend):
         # the latent RMSNorm folds into the up-projection when the routed sum is not all-reduced in between and the
         # per-pair expert kernels write its partial sums (below the grouped kernels' batches)
         self._grouped_from = grouped_from(lw.mlp.w13.shape[1] // 2 if isinstance(lw.mlp, MoEWeights) else 0)
-        self._fused_norm = self._mlp_fast and not reduced and batch < self._grouped_from and self._cute_rows(batch)
+        self._fused_norm = self._mlp_fast and not reduced and batch < self._grouped_from and self._tail_ours(batch)
         # above it the tail takes the grouped kernels' per-pair outputs and sums them in its norm kernel
         self._pairs_to_tail = (self._mlp_fast and self._experts_fast and not reduced and batch >= self._grouped_from
                                and routed_norm_on())
@@ -530,6 +530,12 @@ class LatencySpecializedBackend(AutoBackend):
         """Whether projection `name` (one of WGMMA_PROJECTIONS) of `rows` tokens runs on the warpgroup-mma
         projection: above TC_MAX_ROWS, where KIMI_DECODE_WGMMA takes it (`wgmma_setting`)."""
         return name in self._wgmma and self._tc_rows[1] < rows <= self._wgmma_max
+
+    def _tail_ours(self, rows: int) -> bool:
+        """Whether the MoE tail's up-projection of `rows` tokens runs on our kernels (the row tiles or, where
+        KIMI_DECODE_WGMMA takes `latent_up`, the warpgroup mma; both take the routed norm's 1/rms in their epilogue),
+        else the routed norm adds into the residual and cuBLAS accumulates."""
+        return self._cute_rows(rows) or self._wgmma_rows(rows, "latent_up")
 
     def _plain_on_cublas(self, rows: int, name: str) -> bool:
         """Whether plain projection `name` of `rows` tokens runs on cuBLAS: from TC_MIN_ROWS on, unless our
@@ -858,15 +864,15 @@ class LatencySpecializedBackend(AutoBackend):
             return self._pairs_tail(routed, shared, w, res, shard)
         if not self._mlp_fast or routed.dtype != torch.float32:
             return super().moe_tail(routed, shared, w, res, shard)
-        if not self._cute_rows(routed.shape[0]):  # more rows than the tensor-core tail takes: norm kernel + cuBLAS
-            return self._pairs_tail(routed.unsqueeze(1), shared, w, res, shard)
-        from ..kernels.rmsnorm import rmsnorm_rows
-
         if self._fused_norm:  # one kernel: the routed sum's 1/rms applied per row in the up-projection's epilogue
             self._project(w.up, self._scaled, res.partial, "latent_up", accumulate=True, addend=shared,
                           row_scale=(self._ssq, shard.model.rms_eps))
             self._scaled = self._ssq = None
             return
+        if not self._cute_rows(routed.shape[0]):  # more rows than the row-tile tail takes: the routed norm first
+            return self._pairs_tail(routed.unsqueeze(1), shared, w, res, shard)
+        from ..kernels.rmsnorm import rmsnorm_rows
+
         normed = rmsnorm_rows(routed, w.latent_norm, self._empty(*routed.shape, device=routed.device),
                               shard.model.rms_eps)
         self._project(w.up, normed, res.partial, "latent_up", accumulate=True, addend=shared)
@@ -882,7 +888,7 @@ class LatencySpecializedBackend(AutoBackend):
         B, _, L = pairs.shape
         normed = self._empty(B, L, device=pairs.device)
         split = self._routed_norm_scratch(L, pairs.device) if self._norm_split else None
-        if self._cute_rows(B) or self._wgmma_rows(B, "latent_up"):
+        if self._tail_ours(B):
             routed_norm(pairs, w.latent_norm, normed, shard.model.rms_eps, split=split)
             self._project(w.up, normed, res.partial, "latent_up", accumulate=True, addend=shared)
             return
