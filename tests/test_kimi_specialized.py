@@ -1557,6 +1557,13 @@ def test_wgmma_setting_refuses_unknown_names(monkeypatch, value):
         wgmma_setting()
 
 
+@pytest.mark.parametrize("value", ["1", "66", "x", ""])
+def test_wgmma_min_rows_refuses_values_off_its_range(monkeypatch, value):
+    monkeypatch.setenv("KIMI_DECODE_WGMMA_MIN_ROWS", value)
+    with pytest.raises(ValueError, match="KIMI_DECODE_WGMMA_MIN_ROWS must be rows in 2..65"):
+        get_backend("latency_specialized")
+
+
 def test_expert_kernels_fall_back_for_a_latent_width_off_their_quads(monkeypatch, caplog):
     """The expert kernels split the latent into quads of 4 MX groups (128 values): another width runs auto's experts
     (and the MoE tail that goes with them), saying so once."""
@@ -2609,12 +2616,17 @@ def _dispatch_spy(monkeypatch, env):
     (16, {"KIMI_DECODE_WGMMA": "1"}, "rows"), (9, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "8"}, "wgmma"),
     (32, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
     (32, {"KIMI_DECODE_WGMMA": "router,in_proj"}, "wgmma"), (32, {"KIMI_DECODE_WGMMA": "router"}, "cublas"),
+    (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, "wgmma"), (2, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, "wgmma"),
+    (1, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, "gemv"), (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "9"}, "rows"),
+    (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2", "KIMI_DECODE_WGMMA": "router"}, "rows"),
+    (17, {"KIMI_DECODE_WGMMA_MIN_ROWS": "20"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     """One row on the GEMV, 2 to 16 on the row-tile tensor-core projection, 17 to 32 on the warpgroup mma, above on
     cuBLAS; the A/B switches put them on cuBLAS (KIMI_DECODE_TC_PLAIN=0, KIMI_DECODE_WGMMA=0), the split-K kernel
     (KIMI_DECODE_TC_FORM=split) or, up to 64 rows, the warpgroup mma (KIMI_DECODE_WGMMA=1, or naming this
-    projection) and move the row counts."""
+    projection) and move the row counts (KIMI_DECODE_WGMMA_MIN_ROWS: the warpgroup mma from that many rows, before
+    the row tiles)."""
     backend, calls = _dispatch_spy(monkeypatch, env)
     x, w = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     backend._gemv(x, w, "in_proj")
@@ -2632,6 +2644,7 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     (17, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
     (64, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
     (8, True, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "4"}, ["wgmma"]),
+    (8, True, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]), (8, False, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 16 rows (KIMI_DECODE_TC_MAX_ROWS; one projection with the norm scale,

@@ -1609,6 +1609,14 @@ def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch,
     _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", names, tp, batch, 4300)
 
 
+@pytest.mark.parametrize("tp, batch, rows", [(16, 8, "2"), (8, 16, "2"), (16, 4, "3")])
+def test_specialized_layer_with_wgmma_below_the_row_tiles_matches_reference(monkeypatch, tp, batch, rows):
+    """KIMI_DECODE_WGMMA_MIN_ROWS: the warpgroup-mma projection from that many rows instead of the row tiles (TP16
+    batch 8: the per-pair experts' partial sums of squares scaled in its epilogue, the MoE tail's fused norm)."""
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "1")
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA_MIN_ROWS", rows, tp, batch, 4400)
+
+
 def test_wgmma_projections_replay_in_a_graph_like_eager(monkeypatch):
     """The warpgroup-mma projections captured in a CUDA graph (TP8 batch 64, their counters on the fork's streams):
     replays give the eager steps' results."""

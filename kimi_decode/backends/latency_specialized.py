@@ -380,6 +380,9 @@ class LatencySpecializedBackend(AutoBackend):
         # the projections that run on the warpgroup-mma projection instead of cuBLAS above TC_MAX_ROWS, and up to
         # how many rows (`kernels/gemm_wgmma.py`; `wgmma_setting`)
         self._wgmma, self._wgmma_max = wgmma_setting()
+        # from how many rows (KIMI_DECODE_WGMMA_MIN_ROWS, for A/B runs; default: above the row tiles' TC_MAX_ROWS)
+        self._wgmma_min = cute_common.env_int("KIMI_DECODE_WGMMA_MIN_ROWS", self._tc_rows[1] + 1, 2,
+                                              FAST_MAX_ROWS + 1, "rows")
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
         self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -528,8 +531,9 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _wgmma_rows(self, rows: int, name: str) -> bool:
         """Whether projection `name` (one of WGMMA_PROJECTIONS) of `rows` tokens runs on the warpgroup-mma
-        projection: above TC_MAX_ROWS, where KIMI_DECODE_WGMMA takes it (`wgmma_setting`)."""
-        return name in self._wgmma and self._tc_rows[1] < rows <= self._wgmma_max
+        projection: where KIMI_DECODE_WGMMA takes it (`wgmma_setting`), from KIMI_DECODE_WGMMA_MIN_ROWS rows (by
+        default above TC_MAX_ROWS; below, the row tiles)."""
+        return name in self._wgmma and self._wgmma_min <= rows <= self._wgmma_max
 
     def _tail_ours(self, rows: int) -> bool:
         """Whether the MoE tail's up-projection of `rows` tokens runs on our kernels (the row tiles or, where
