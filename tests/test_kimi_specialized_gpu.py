@@ -175,7 +175,8 @@ def test_specialized_layer_with_the_moe_tail_switch_moved_matches_reference(monk
     """KIMI_DECODE_TC_MAX_ROWS moved: below the batch, the MoE tail on the per-pair experts' routed sum (batches 4 and
     8: no fused norm in the expert kernel) as the routed norm (which also adds the shared output into the residual)
     and one cuBLAS GEMM, as the default runs it above 8 rows; at 16, the grouped experts' per-pair outputs normalised
-    and then the tensor-core projection."""
+    and then the tensor-core projection (KIMI_DECODE_WGMMA=0: none on the warpgroup mma)."""
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "0")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_TC_MAX_ROWS", most, tp, batch, 3450)
 
 
@@ -1557,10 +1558,10 @@ def test_specialized_layer_with_two_kernel_o_proj_and_attn_res_matches_reference
 @pytest.mark.parametrize("batch", [2, 8, 16])
 @pytest.mark.parametrize("plain", ["0", "1"])
 def test_specialized_layer_with_row_tile_projections_matches_reference(monkeypatch, tp, batch, plain):
-    """The layer with the row-tile tensor-core projection (`gemm_tc_rows`) from 2 to 16 rows: the MoE tail on it, and
-    with KIMI_DECODE_TC_PLAIN=1 every plain projection too."""
+    """The layer with the row-tile tensor-core projection (`gemm_tc_rows`) from 2 to 16 rows (KIMI_DECODE_WGMMA=0:
+    at 16 too): the MoE tail on it, and with KIMI_DECODE_TC_PLAIN=1 every plain projection too."""
     for k, v in {"KIMI_DECODE_TC_FORM": "rows", "KIMI_DECODE_TC_MIN_ROWS": "2", "KIMI_DECODE_TC_MAX_ROWS": "16",
-                 "KIMI_DECODE_TC_PLAIN": plain}.items():
+                 "KIMI_DECODE_TC_PLAIN": plain, "KIMI_DECODE_WGMMA": "0"}.items():
         monkeypatch.setenv(k, v)
     s = shard("k3", tp=tp)
     lw, res, state = layer_case(s, 1, batch, seed=7100 + tp + batch, device="cuda")
@@ -1573,8 +1574,9 @@ def test_specialized_layer_with_row_tile_projections_matches_reference(monkeypat
 def test_specialized_layer_with_tensor_core_projections_matches_reference(monkeypatch, tp, batch, env):
     """The layer on the split-K tensor-core kernel (KIMI_DECODE_TC_FORM=split): every plain projection and the tail
     on it, or (KIMI_DECODE_TC_PLAIN=0) the tail alone, and past the row tiles' range (staged activations at 32
-    rows)."""
+    rows); KIMI_DECODE_WGMMA=0, so the warpgroup mma takes none of them."""
     monkeypatch.setenv("KIMI_DECODE_TC_FORM", "split")
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "0")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     s = shard("k3", tp=tp)
@@ -1602,10 +1604,11 @@ def test_cublaslt_projections_replay_in_a_graph_like_eager(monkeypatch):
 
 @pytest.mark.parametrize("tp, batch, names", [(16, 64, "1"), (8, 64, "1"), (16, 17, "1"), (8, 40, "1"),
                                              (16, 64, "router,shared_gate_up,o_proj"), (8, 32, "latent_up,in_proj"),
-                                             (16, 32, "auto"), (8, 24, "auto")])
+                                             (16, 32, "auto"), (8, 24, "auto"), (16, 16, "auto"), (8, 16, "auto")])
 def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch, tp, batch, names):
     """KIMI_DECODE_WGMMA=1: the plain projections and the MoE tail above 16 rows on the warpgroup-mma projection;
-    some of them by name: those, the rest on cuBLAS; auto (the default): all of them up to 32 rows."""
+    some of them by name: those, the rest on cuBLAS; auto (the default): all of them up to 32 rows, at 16 all but
+    f_b."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", names, tp, batch, 4300)
 
 

@@ -108,6 +108,7 @@ import contextlib
 import logging
 import os
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -167,28 +168,54 @@ def tc_form() -> str:
     return cute_common.env_choice("KIMI_DECODE_TC_FORM", "rows", TC_FORMS)
 
 
-# the projections KIMI_DECODE_WGMMA may put on the warpgroup-mma projection from TC_MAX_ROWS + 1 to 64 rows (the
-# latent up-projection: the MoE tail, the routed sum's 1/rms, residual accumulate and shared-expert add in its epilogue)
+# the projections KIMI_DECODE_WGMMA may put on the warpgroup-mma projection, up to 64 rows (the latent up-projection:
+# the MoE tail, the routed sum's 1/rms, residual accumulate and shared-expert add in its epilogue)
 WGMMA_PROJECTIONS = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")
-# KIMI_DECODE_WGMMA=auto (the default): all of them up to here. On the H100 (TP16 KDA + MoE layer, cuBLASLt beside
-# it) 7.4 us faster per layer at 32 rows (227.2 against 234.6), 3.7 slower at 64 (285.3 against 281.6): NOTES item 114
+# KIMI_DECODE_WGMMA=auto (the default): all of them from WGMMA_AUTO_MIN_ROWS to WGMMA_AUTO_ROWS rows, f_b only above
+# the row tiles' TC_MAX_ROWS. On the H100 (KDA + MoE layers, NOTES items 114-115): against cuBLASLt 7.4 us faster per
+# TP16 layer at 32 rows (227.2 against 234.6), 3.7 slower at 64 (285.3 against 281.6); against the row tiles 4-6
+# faster at 16 rows (TP16 188.3 against 192.5-193.2, TP8 276.1 against 282.1-282.6) but 1-2 slower at 2, 4 and 8
+# (in-layer, though faster alone at 8 and 16); f_b (K 128) 0.4-0.5 us slower on it alone and 1-4 in the layer at 16
 WGMMA_AUTO_ROWS = 32
+WGMMA_AUTO_MIN_ROWS = 16
+WGMMA_AUTO_BELOW = tuple(n for n in WGMMA_PROJECTIONS if n != "f_b")
 
 
-def wgmma_setting() -> tuple[frozenset, int]:
-    """KIMI_DECODE_WGMMA: which projections above TC_MAX_ROWS rows run on the warpgroup-mma projection instead of
-    cuBLAS, and up to how many rows: "auto" (the default) all of WGMMA_PROJECTIONS up to WGMMA_AUTO_ROWS, "0" none,
-    "1" all up to the kernel's 64, or some of them by name, comma-separated, up to 64."""
+class WgmmaSetting(NamedTuple):
+    """Where the warpgroup-mma projection runs: `names` from `min_rows` to `max_rows` rows, those of `below` also
+    at or below the row tiles' last row (instead of the row tiles)."""
+    names: frozenset
+    below: frozenset
+    min_rows: int
+    max_rows: int
+
+
+def wgmma_setting(tc_max_rows: int | None = None) -> WgmmaSetting:
+    """KIMI_DECODE_WGMMA: which projections run on the warpgroup-mma projection instead of cuBLAS (above
+    `tc_max_rows`, the row tiles' last row: TC_MAX_ROWS) or the row tiles (at or below it, from
+    KIMI_DECODE_WGMMA_MIN_ROWS rows): "auto" (the default) all of WGMMA_PROJECTIONS from WGMMA_AUTO_MIN_ROWS (or
+    `tc_max_rows` + 1 if less) to WGMMA_AUTO_ROWS rows, f_b only above `tc_max_rows`; "0" none, "1" all up to the
+    kernel's 64, or some of them by name, comma-separated, up to 64 (those two from `tc_max_rows` + 1 unless
+    KIMI_DECODE_WGMMA_MIN_ROWS says from fewer rows)."""
     from ..kernels.gemm_wgmma import MAX_ROWS
 
+    tc_max_rows = TC_MAX_ROWS if tc_max_rows is None else tc_max_rows
     raw = os.environ.get("KIMI_DECODE_WGMMA", "auto")
-    if raw in ("auto", "0", "1"):
-        return frozenset(() if raw == "0" else WGMMA_PROJECTIONS), WGMMA_AUTO_ROWS if raw == "auto" else MAX_ROWS
-    names = frozenset(n.strip() for n in raw.split(","))
-    if not names <= set(WGMMA_PROJECTIONS):
-        raise ValueError(f"KIMI_DECODE_WGMMA must be auto, 0, 1 or some of {','.join(WGMMA_PROJECTIONS)}, "
-                         f"not {raw!r}")
-    return names, MAX_ROWS
+    if raw == "auto":
+        names, below, most = WGMMA_PROJECTIONS, WGMMA_AUTO_BELOW, WGMMA_AUTO_ROWS
+        least = min(WGMMA_AUTO_MIN_ROWS, tc_max_rows + 1)
+    elif raw in ("0", "1"):
+        names = below = WGMMA_PROJECTIONS if raw == "1" else ()
+        least, most = tc_max_rows + 1, MAX_ROWS
+    else:
+        names = below = tuple(n.strip() for n in raw.split(","))
+        if not set(names) <= set(WGMMA_PROJECTIONS):
+            raise ValueError(f"KIMI_DECODE_WGMMA must be auto, 0, 1 or some of {','.join(WGMMA_PROJECTIONS)}, "
+                             f"not {raw!r}")
+        least, most = tc_max_rows + 1, MAX_ROWS
+    if "KIMI_DECODE_WGMMA_MIN_ROWS" in os.environ:
+        least = cute_common.env_int("KIMI_DECODE_WGMMA_MIN_ROWS", 0, 2, MAX_ROWS + 1, "rows")
+    return WgmmaSetting(frozenset(names), frozenset(below), least, most)
 
 
 def pairs_bf16() -> bool:
@@ -377,12 +404,9 @@ class LatencySpecializedBackend(AutoBackend):
                          cute_common.env_int("KIMI_DECODE_TC_MAX_ROWS", TC_MAX_ROWS, 0, FAST_MAX_ROWS, "rows"))
         self._tc_plain = cute_common.env_flag("KIMI_DECODE_TC_PLAIN", "1")  # plain projections on tensor cores too
         self._tc_form = tc_form()  # which tensor-core projection: the split-K GEMM or the row tiles
-        # the projections that run on the warpgroup-mma projection instead of cuBLAS above TC_MAX_ROWS, and up to
-        # how many rows (`kernels/gemm_wgmma.py`; `wgmma_setting`)
-        self._wgmma, self._wgmma_max = wgmma_setting()
-        # from how many rows (KIMI_DECODE_WGMMA_MIN_ROWS, for A/B runs; default: above the row tiles' TC_MAX_ROWS)
-        self._wgmma_min = cute_common.env_int("KIMI_DECODE_WGMMA_MIN_ROWS", self._tc_rows[1] + 1, 2,
-                                              FAST_MAX_ROWS + 1, "rows")
+        # the projections that run on the warpgroup-mma projection instead of cuBLAS above TC_MAX_ROWS (or of the row
+        # tiles at and below it), from and up to how many rows (`kernels/gemm_wgmma.py`; `wgmma_setting`)
+        self._wgmma = wgmma_setting(self._tc_rows[1])
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
         self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -423,7 +447,7 @@ class LatencySpecializedBackend(AutoBackend):
         if on_cublas:
             self._fallback(f"projections of {batch} rows run on cuBLAS: {', '.join(on_cublas)} (ours take "
                            f"{self._tc_rows[0]}..{self._tc_rows[1]} rows with KIMI_DECODE_TC_PLAIN=1, and up to "
-                           f"{self._wgmma_max} those KIMI_DECODE_WGMMA takes)")
+                           f"{self._wgmma.max_rows} those KIMI_DECODE_WGMMA takes)")
         self._res_fast = device_ok and self._cute_attn_res
         self._attn_fast = device_ok and small and lw.attn_kind == KDA
         self._kda_fast = device_ok and batch <= KDA_MAX_ROWS and lw.attn_kind == KDA
@@ -531,9 +555,11 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _wgmma_rows(self, rows: int, name: str) -> bool:
         """Whether projection `name` (one of WGMMA_PROJECTIONS) of `rows` tokens runs on the warpgroup-mma
-        projection: where KIMI_DECODE_WGMMA takes it (`wgmma_setting`), from KIMI_DECODE_WGMMA_MIN_ROWS rows (by
-        default above TC_MAX_ROWS; below, the row tiles)."""
-        return name in self._wgmma and self._wgmma_min <= rows <= self._wgmma_max
+        projection instead of the row tiles (at most TC_MAX_ROWS rows) or cuBLAS (above): where KIMI_DECODE_WGMMA
+        and KIMI_DECODE_WGMMA_MIN_ROWS take it (`wgmma_setting`)."""
+        w = self._wgmma
+        return (name in w.names and w.min_rows <= rows <= w.max_rows
+                and (rows > self._tc_rows[1] or name in w.below))
 
     def _tail_ours(self, rows: int) -> bool:
         """Whether the MoE tail's up-projection of `rows` tokens runs on our kernels (the row tiles or, where
