@@ -1520,7 +1520,7 @@ ALL_WGMMA = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "
 def test_wgmma_projections_by_name(monkeypatch, caplog, env, rows, want):
     """KIMI_DECODE_WGMMA puts the projections it names (or all: "1" up to 64 rows, "auto", the default, up to 32) on
     the warpgroup-mma projection from 17 rows, the rest on cuBLAS, and the fallback message names those on cuBLAS; at
-    16 rows "auto" puts all but f_b on it, the others leave them all to the row tiles."""
+    12-16 rows "auto" puts all but f_b on it, the others leave them all to the row tiles."""
     from types import SimpleNamespace
 
     from kimi_decode.backends import latency_specialized
@@ -1541,9 +1541,10 @@ def test_wgmma_projections_by_name(monkeypatch, caplog, env, rows, want):
     assert names == ALL_WGMMA
     assert tuple(n for n in names if backend._wgmma_rows(rows, n)) == want
     assert tuple(n for n in names if not backend._plain_on_cublas(rows, n)) == want
-    assert not any(backend._wgmma_rows(r, n) for r in (1, 15, 65) for n in names)
-    at_16 = ALL_WGMMA[:1] + ALL_WGMMA[2:] if env in (None, "auto") else ()
-    assert tuple(n for n in names if backend._wgmma_rows(16, n)) == at_16
+    assert not any(backend._wgmma_rows(r, n) for r in (1, 11, 65) for n in names)
+    for r in (12, 16):
+        below = ALL_WGMMA[:1] + ALL_WGMMA[2:] if env in (None, "auto") else ()
+        assert tuple(n for n in names if backend._wgmma_rows(r, n)) == below
     assert not any(backend._plain_on_cublas(16, n) for n in names)
     said = " ".join(r.getMessage() for r in caplog.records)
     listed = said.split("run on cuBLAS: ")[1].split(" (")[0].split(", ") if "run on cuBLAS" in said else []
@@ -2607,7 +2608,8 @@ def _dispatch_spy(monkeypatch, env):
 
 
 @pytest.mark.parametrize("rows, env, want", [
-    (1, {}, "gemv"), (2, {}, "rows"), (8, {}, "rows"), (15, {}, "rows"), (16, {}, "wgmma"), (17, {}, "wgmma"),
+    (1, {}, "gemv"), (2, {}, "rows"), (8, {}, "rows"), (11, {}, "rows"), (12, {}, "wgmma"), (16, {}, "wgmma"),
+    (17, {}, "wgmma"),
     (32, {}, "wgmma"), (16, {"KIMI_DECODE_WGMMA": "0"}, "rows"),
     (33, {}, "cublas"), (64, {}, "cublas"), (17, {"KIMI_DECODE_WGMMA": "0"}, "cublas"),
     (4, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"), (2, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
@@ -2625,7 +2627,7 @@ def _dispatch_spy(monkeypatch, env):
     (17, {"KIMI_DECODE_WGMMA_MIN_ROWS": "20"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
-    """One row on the GEMV, 2 to 15 on the row-tile tensor-core projection, 16 to 32 on the warpgroup mma, above on
+    """One row on the GEMV, 2 to 11 on the row-tile tensor-core projection, 12 to 32 on the warpgroup mma, above on
     cuBLAS; the A/B switches put them on cuBLAS (KIMI_DECODE_TC_PLAIN=0, KIMI_DECODE_WGMMA=0), the split-K kernel
     (KIMI_DECODE_TC_FORM=split) or, up to 64 rows, the warpgroup mma (KIMI_DECODE_WGMMA=1, or naming this
     projection) and move the row counts (KIMI_DECODE_WGMMA_MIN_ROWS: the warpgroup mma from that many rows, before
@@ -2638,7 +2640,7 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 
 @pytest.mark.parametrize("rows, fused_norm, env, want", [
     (1, True, {}, ["gemv"]), (2, True, {}, ["rows"]), (8, True, {}, ["rows"]), (16, False, {}, ["wgmma"]),
-    (15, False, {}, ["rows"]),
+    (11, False, {}, ["rows"]), (12, True, {}, ["wgmma"]),
     (17, False, {}, ["norm", "wgmma"]), (32, False, {}, ["norm", "wgmma"]), (33, False, {}, ["norm", "cublas"]),
     (64, False, {}, ["norm", "cublas"]), (4, False, {}, ["rows"]), (17, False, {"KIMI_DECODE_WGMMA": "0"},
                                                                    ["norm", "cublas"]),
@@ -2653,7 +2655,7 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 32 rows: one projection with the norm scale, accumulate and add in its
-    epilogue (the row tiles to 15 rows, the warpgroup mma from 16; the grouped experts' per-pair outputs go through
+    epilogue (the row tiles to 11 rows, the warpgroup mma from 12; the grouped experts' per-pair outputs go through
     the routed norm first); above, the routed norm, which adds the shared output into the residual, and one cuBLAS
     GEMM. KIMI_DECODE_WGMMA=1: up to 64 rows the routed norm, then the warpgroup-mma projection adding it and the
     shared output into the residual; KIMI_DECODE_WGMMA_MIN_ROWS or KIMI_DECODE_TC_MAX_ROWS below 8: at 8 rows the

@@ -341,8 +341,10 @@ def test_specialized_layer_with_the_shared_experts_after_the_latent_matches_refe
 @pytest.mark.parametrize("tp, batch", [(16, 2), (8, 8), (16, 8), (8, 16)])
 def test_specialized_layer_with_the_router_on_more_warps_matches_reference(monkeypatch, shared_after, tp, batch):
     """KIMI_DECODE_ROUTER_WARPS=16 (the default, set here so that the test keeps it if the default moves): the router
-    projection on row-tile CTAs of 16 warps, with the shared experts at the fork or after the latent."""
+    projection on row-tile CTAs of 16 warps, with the shared experts at the fork or after the latent
+    (KIMI_DECODE_WGMMA=0: the row tiles at 16 rows too)."""
     monkeypatch.setenv("KIMI_DECODE_SHARED_AFTER", shared_after)
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "0")
     _layer_matches_with(monkeypatch, "KIMI_DECODE_ROUTER_WARPS", "16", tp, batch, 3900 + len(shared_after))
 
 
@@ -1604,11 +1606,12 @@ def test_cublaslt_projections_replay_in_a_graph_like_eager(monkeypatch):
 
 @pytest.mark.parametrize("tp, batch, names", [(16, 64, "1"), (8, 64, "1"), (16, 17, "1"), (8, 40, "1"),
                                              (16, 64, "router,shared_gate_up,o_proj"), (8, 32, "latent_up,in_proj"),
-                                             (16, 32, "auto"), (8, 24, "auto"), (16, 16, "auto"), (8, 16, "auto")])
+                                             (16, 32, "auto"), (8, 24, "auto"), (16, 16, "auto"), (8, 16, "auto"),
+                                             (16, 12, "auto")])
 def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch, tp, batch, names):
     """KIMI_DECODE_WGMMA=1: the plain projections and the MoE tail above 16 rows on the warpgroup-mma projection;
-    some of them by name: those, the rest on cuBLAS; auto (the default): all of them up to 32 rows, at 16 all but
-    f_b."""
+    some of them by name: those, the rest on cuBLAS; auto (the default): all of them up to 32 rows, from 12 to 16
+    all but f_b."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", names, tp, batch, 4300)
 
 
@@ -1620,11 +1623,13 @@ def test_specialized_layer_with_wgmma_below_the_row_tiles_matches_reference(monk
     _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA_MIN_ROWS", rows, tp, batch, 4400)
 
 
-def test_wgmma_projections_replay_in_a_graph_like_eager(monkeypatch):
-    """The warpgroup-mma projections captured in a CUDA graph (TP8 batch 64, their counters on the fork's streams):
-    replays give the eager steps' results."""
-    monkeypatch.setenv("KIMI_DECODE_WGMMA", "1")
-    _check_graph_replays_like_eager(8, 64)
+@pytest.mark.parametrize("setting, tp, batch", [("1", 8, 64), ("auto", 16, 12)])
+def test_wgmma_projections_replay_in_a_graph_like_eager(monkeypatch, setting, tp, batch):
+    """The warpgroup-mma projections captured in a CUDA graph (TP8 batch 64 with all of them; TP16 batch 12 at the
+    default, where they take the row tiles' place; their counters on the fork's streams): replays give the eager
+    steps' results."""
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", setting)
+    _check_graph_replays_like_eager(tp, batch)
 
 
 @pytest.mark.parametrize("topk", ["1", "16"])

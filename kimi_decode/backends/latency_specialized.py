@@ -2,14 +2,15 @@
 
 What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 64, by rows (TC_MIN_ROWS, TC_MAX_ROWS):
-  at 1 row the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 2 to 16 rows every projection, the plain ones
+  at 1 row the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 2 to 11 rows every projection, the plain ones
   and the MoE tail, on the row-tile tensor-core projection (`kernels/gemm_tc_rows.py`: mma.sync over the tokens, a
-  CTA's warps splitting the K of its 16 weight rows); from 17 to 32 rows on the warpgroup-mma projection
-  (`kernels/gemm_wgmma.py`: wgmma over a multistage `cp.async` pipeline, K split over a cluster); above, the plain
-  ones on cuBLAS as `auto`. The latent up-projection accumulates straight into the fp32 residual. A/B switches:
-  `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain projections
-  on cuBLAS, `KIMI_DECODE_WGMMA=0` every projection above 16 rows ("1": the warpgroup mma up to 64 rows, or names:
-  only those projections), `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel
+  CTA's warps splitting the K of its 16 weight rows), f_b up to 16; from 12 to 32 rows on the warpgroup-mma
+  projection (`kernels/gemm_wgmma.py`: wgmma over a multistage `cp.async` pipeline, K split over a cluster); above,
+  the plain ones on cuBLAS as `auto`. The latent up-projection accumulates straight into the fp32 residual. A/B
+  switches: `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain
+  projections on cuBLAS, `KIMI_DECODE_WGMMA=0` every projection on the row tiles up to 16 rows and on cuBLAS above
+  ("1": the warpgroup mma above 16 rows up to 64, or names: only those projections; `KIMI_DECODE_WGMMA_MIN_ROWS`:
+  from that many rows), `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel
   (`kernels/gemm_tc.py`, the last CTA of each row group adding the splits and running the epilogue),
   `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
 - the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
@@ -173,11 +174,11 @@ def tc_form() -> str:
 WGMMA_PROJECTIONS = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")
 # KIMI_DECODE_WGMMA=auto (the default): all of them from WGMMA_AUTO_MIN_ROWS to WGMMA_AUTO_ROWS rows, f_b only above
 # the row tiles' TC_MAX_ROWS. On the H100 (KDA + MoE layers, NOTES items 114-115): against cuBLASLt 7.4 us faster per
-# TP16 layer at 32 rows (227.2 against 234.6), 3.7 slower at 64 (285.3 against 281.6); against the row tiles 4-6
-# faster at 16 rows (TP16 188.3 against 192.5-193.2, TP8 276.1 against 282.1-282.6) but 1-2 slower at 2, 4 and 8
-# (in-layer, though faster alone at 8 and 16); f_b (K 128) 0.4-0.5 us slower on it alone and 1-4 in the layer at 16
+# TP16 layer at 32 rows (227.2 against 234.6), 3.7 slower at 64 (285.3 against 281.6); against the row tiles 3-5
+# faster at 16 rows (TP16 189.6-190.3 against 193.3, TP8 273.5-274.1 against 278.6) and 1.7-3.7 at 12, but 0.5-2
+# slower at 2, 4 and 8 (in the layer, though faster alone there too); f_b (K 128) 0.4-0.5 us slower on it alone
 WGMMA_AUTO_ROWS = 32
-WGMMA_AUTO_MIN_ROWS = 16
+WGMMA_AUTO_MIN_ROWS = 12
 WGMMA_AUTO_BELOW = tuple(n for n in WGMMA_PROJECTIONS if n != "f_b")
 
 
