@@ -2515,7 +2515,7 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     branch, so their output is always written."""
     backend, calls, spy = _shared_branch_spy(monkeypatch, setting, forked=True)
     monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append("cublas") or out)
-    kernel = "rows" if rows <= 16 else "wgmma" if rows <= 32 else "cublas"
+    kernel = "rows" if rows < 12 else "wgmma" if rows <= 32 else "cublas"  # auto: the warpgroup mma from 12 rows
     shared = backend.shared_experts(torch.zeros(rows, 64, dtype=torch.bfloat16), spy.w)
     assert shared.shape == (rows, 64)
     assert calls == ([] if deferred else [kernel, "glu", kernel])
