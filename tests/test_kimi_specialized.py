@@ -2609,8 +2609,7 @@ def _dispatch_spy(monkeypatch, env):
 
 @pytest.mark.parametrize("rows, env, want", [
     (1, {}, "gemv"), (2, {}, "rows"), (8, {}, "rows"), (11, {}, "rows"), (12, {}, "wgmma"), (16, {}, "wgmma"),
-    (17, {}, "wgmma"),
-    (32, {}, "wgmma"), (16, {"KIMI_DECODE_WGMMA": "0"}, "rows"),
+    (17, {}, "wgmma"), (32, {}, "wgmma"), (16, {"KIMI_DECODE_WGMMA": "0"}, "rows"),
     (33, {}, "cublas"), (64, {}, "cublas"), (17, {"KIMI_DECODE_WGMMA": "0"}, "cublas"),
     (4, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"), (2, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
     (8, {"KIMI_DECODE_TC_FORM": "split"}, "tc"), (16, {"KIMI_DECODE_TC_FORM": "split", "KIMI_DECODE_WGMMA": "0"}, "tc"),
@@ -2651,7 +2650,8 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     (17, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
     (64, False, {"KIMI_DECODE_WGMMA": "1"}, ["norm", "wgmma"]),
     (8, True, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "4"}, ["wgmma"]),
-    (8, True, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]), (8, False, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]),
+    (8, True, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]),
+    (8, False, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 32 rows: one projection with the norm scale, accumulate and add in its
