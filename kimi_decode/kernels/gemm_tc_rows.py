@@ -35,7 +35,7 @@ if HAVE_CUTE:
 
     from .cute_common import mma_lanes
     from .gemm_tc import fetch_chunk, mma_chunk
-    from .gemv import store_output
+    from .gemv import preload_output, store_preloaded
 
     class RowTileProjection:
         def __init__(self, plan: "RowsPlan", accumulate: bool, addend: bool, scaled: bool, parts: int, eps: float):
@@ -70,9 +70,7 @@ if HAVE_CUTE:
                 for i in cutlass.range_constexpr(len(outs)):
                     m, r = outs[i]
                     if m < p.M:
-                        pre[2 * i] = mY[m, n0 + r]
-                        if cutlass.const_expr(self.addend):
-                            pre[2 * i + 1] = mAdd[m, n0 + r].to(Float32)
+                        preload_output(mY, mAdd, m, n0 + r, pre, i, self.addend)
             per_warp_rows = -(-p.M // p.warps)  # the tokens whose sums of squares a warp adds: warp, warp + warps, ...
             squares = cute.make_rmem_tensor((per_warp_rows,), Float32)
             squares.fill(0.0)
@@ -124,13 +122,7 @@ if HAVE_CUTE:
                         val = val + red[r, m, w]
                     if cutlass.const_expr(self.scaled):
                         val = val * rs[m]
-                    if cutlass.const_expr(self.accumulate):
-                        total = pre[2 * i] + val
-                        if cutlass.const_expr(self.addend):
-                            total = total + pre[2 * i + 1]
-                        mY[m, n0 + r] = total
-                    else:
-                        store_output(mY, mAdd, m, n0 + r, val, False, False)
+                    store_preloaded(mY, mAdd, m, n0 + r, val, pre, i, self.accumulate, self.addend)
 
         def outputs(self, tidx):
             """The (token, row of the tile) outputs thread `tidx` stores: one per CTA-wide step, consecutive threads

@@ -61,6 +61,7 @@ if HAVE_CUTE:
 
     from .cute_common import copy_async_16, mma_lanes, store_cluster_f32
     from .gemm_tc import TensorCoreProjection, row_scales
+    from .gemv import preload_output, store_preloaded
 
     @functools.cache
     def _wgmma_asm(cols: int) -> str:
@@ -154,9 +155,7 @@ if HAVE_CUTE:
                 for i in cutlass.range_constexpr(len(outs)):
                     e, m, n = outs[i]
                     if e < p.owned and m < p.M and n < p.N:
-                        pre[2 * i] = mY[m, n]
-                        if cutlass.const_expr(self.addend):
-                            pre[2 * i + 1] = mAdd[m, n].to(Float32)
+                        preload_output(mY, mAdd, m, n, pre, i, self.addend)
             acc = cute.make_rmem_tensor((p.cols // 2,), Float32)
             acc.fill(0.0)
             wg = warp // 4
@@ -208,13 +207,7 @@ if HAVE_CUTE:
                         tot = tot + red[s * p.owned + e]
                     if cutlass.const_expr(self.scaled):
                         tot = tot * rs[m]
-                    if cutlass.const_expr(self.accumulate):  # y += sum (+ addend), y fp32
-                        tot = pre[2 * i] + tot
-                        if cutlass.const_expr(self.addend):
-                            tot = tot + pre[2 * i + 1]
-                        mY[m, n] = tot
-                    else:
-                        mY[m, n] = tot.to(mY.element_type)
+                    store_preloaded(mY, mAdd, m, n, tot, pre, i, self.accumulate, self.addend)
 
         def finish_outputs(self, tidx, bx, bs):
             """The outputs thread `tidx` of the CTA at row group `bx`, split `bs` finishes, one per CTA-wide step: (e,

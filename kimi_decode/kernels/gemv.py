@@ -58,6 +58,24 @@ if HAVE_CUTE:
         else:
             mY[m, n] = val.to(mY.element_type)
 
+    def preload_output(mY: cute.Tensor, mAdd: cute.Tensor, m, n, pre: cute.Tensor, i: int, addend: bool) -> None:
+        """y[m, n] (and addend[m, n]) into registers pre[2 i] (pre[2 i + 1]), loaded ahead of a kernel's main loop
+        for `store_preloaded`, so that the epilogue's read-modify-write waits for no load after it."""
+        pre[2 * i] = mY[m, n]
+        if addend:
+            pre[2 * i + 1] = mAdd[m, n].to(Float32)
+
+    def store_preloaded(mY: cute.Tensor, mAdd: cute.Tensor, m, n, val, pre: cute.Tensor, i: int, accumulate: bool,
+                        addend: bool) -> None:
+        """`store_output` with y and the addend taken from `preload_output`'s registers pre[2 i], pre[2 i + 1]."""
+        if accumulate:
+            total = pre[2 * i] + val
+            if addend:
+                total = total + pre[2 * i + 1]
+            mY[m, n] = total
+        else:
+            store_output(mY, mAdd, m, n, val, False, False)
+
     class SmallBatchGemv:
         """`scaled`: each output row m is multiplied by rsqrt(ssq[m].sum() / K + eps), the sum of squares of an
         RMSNorm's input coming as partial sums `ssq` [M, parts] from the kernel that produced x (which also applied
