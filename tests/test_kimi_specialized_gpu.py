@@ -1607,11 +1607,11 @@ def test_cublaslt_projections_replay_in_a_graph_like_eager(monkeypatch):
 @pytest.mark.parametrize("tp, batch, names", [(16, 64, "1"), (8, 64, "1"), (16, 17, "1"), (8, 40, "1"),
                                              (16, 64, "router,shared_gate_up,o_proj"), (8, 32, "latent_up,in_proj"),
                                              (16, 32, "auto"), (8, 24, "auto"), (16, 16, "auto"), (8, 16, "auto"),
-                                             (16, 12, "auto")])
+                                             (16, 12, "auto"), (16, 8, "auto"), (8, 4, "auto")])
 def test_specialized_layer_with_wgmma_projections_matches_reference(monkeypatch, tp, batch, names):
     """KIMI_DECODE_WGMMA=1: the plain projections and the MoE tail above 16 rows on the warpgroup-mma projection;
-    some of them by name: those, the rest on cuBLAS; auto (the default): all of them up to 32 rows, from 12 to 16
-    all but f_b."""
+    some of them by name: those, the rest on cuBLAS; auto (the default): all of them up to 32 rows, from 2 to 16
+    all but f_b (with the shared experts after the latent down-projection, the default from 2 rows)."""
     _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA", names, tp, batch, 4300)
 
 
@@ -1623,7 +1623,7 @@ def test_specialized_layer_with_wgmma_below_the_row_tiles_matches_reference(monk
     _layer_matches_with(monkeypatch, "KIMI_DECODE_WGMMA_MIN_ROWS", rows, tp, batch, 4400)
 
 
-@pytest.mark.parametrize("setting, tp, batch", [("1", 8, 64), ("auto", 16, 12)])
+@pytest.mark.parametrize("setting, tp, batch", [("1", 8, 64), ("auto", 16, 12), ("auto", 8, 8)])
 def test_wgmma_projections_replay_in_a_graph_like_eager(monkeypatch, setting, tp, batch):
     """The warpgroup-mma projections captured in a CUDA graph (TP8 batch 64 with all of them; TP16 batch 12 at the
     default, where they take the row tiles' place; their counters on the fork's streams): replays give the eager

@@ -178,7 +178,7 @@ WGMMA_PROJECTIONS = ("in_proj", "f_b", "o_proj", "router", "latent_down", "laten
 # faster at 16 rows (TP16 189.6-190.3 against 193.3, TP8 273.5-274.1 against 278.6) and 1.7-3.7 at 12, but 0.5-2
 # slower at 2, 4 and 8 (in the layer, though faster alone there too); f_b (K 128) 0.4-0.5 us slower on it alone
 WGMMA_AUTO_ROWS = 32
-WGMMA_AUTO_MIN_ROWS = 12
+WGMMA_AUTO_MIN_ROWS = 2
 WGMMA_AUTO_BELOW = tuple(n for n in WGMMA_PROJECTIONS if n != "f_b")
 
 
@@ -283,7 +283,7 @@ PDL_MAX_ROWS = 1
 # where the MoE block forks, the shared experts start once the latent down-projection is done from here on
 # (KIMI_DECODE_SHARED_AFTER=auto): at 64 rows 3.9 / 4.7 us faster per layer at TP16 / TP8 on the H200, beside the
 # grouped expert kernels (ALU-bound); at 16 rows 3-5 us slower at TP8, at 2 and 8 even (benchmarks/NOTES.md item 51)
-SHARED_AFTER_MIN_ROWS = 17
+SHARED_AFTER_MIN_ROWS = 2
 # the router projection's warps per row-tile CTA (KIMI_DECODE_ROUTER_WARPS; the other projections take at most
 # gemm_tc_rows.DEFAULT_WARPS): 2.0-2.8 us faster per layer at 2 and 8 rows at TP16 and 2.2 at TP8 batch 2, even at
 # 16 rows (benchmarks/NOTES.md item 51)
