@@ -1520,7 +1520,7 @@ ALL_WGMMA = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "
 def test_wgmma_projections_by_name(monkeypatch, caplog, env, rows, want):
     """KIMI_DECODE_WGMMA puts the projections it names (or all: "1" up to 64 rows, "auto", the default, up to 32) on
     the warpgroup-mma projection from 17 rows, the rest on cuBLAS, and the fallback message names those on cuBLAS; at
-    12-16 rows "auto" puts all but f_b on it, the others leave them all to the row tiles."""
+    2-16 rows "auto" puts all but f_b on it, the others leave them all to the row tiles."""
     from types import SimpleNamespace
 
     from kimi_decode.backends import latency_specialized
@@ -1541,8 +1541,8 @@ def test_wgmma_projections_by_name(monkeypatch, caplog, env, rows, want):
     assert names == ALL_WGMMA
     assert tuple(n for n in names if backend._wgmma_rows(rows, n)) == want
     assert tuple(n for n in names if not backend._plain_on_cublas(rows, n)) == want
-    assert not any(backend._wgmma_rows(r, n) for r in (1, 11, 65) for n in names)
-    for r in (12, 16):
+    assert not any(backend._wgmma_rows(r, n) for r in (1, 65) for n in names)
+    for r in (2, 8, 12, 16):
         below = ALL_WGMMA[:1] + ALL_WGMMA[2:] if env in (None, "auto") else ()
         assert tuple(n for n in names if backend._wgmma_rows(r, n)) == below
     assert not any(backend._plain_on_cublas(16, n) for n in names)
@@ -2484,9 +2484,11 @@ def test_shared_after_launches_the_shared_experts_after_the_latent_down_projecti
                                                                                   deferred):
     """KIMI_DECODE_SHARED_AFTER=latent: above batch 1 the forked shared experts are not launched where the model
     calls them; once the latent down-projection is launched, their stream waits for an event after it and their
-    three kernels run there, writing the output tensor handed back at the call. By default they launch at once."""
+    three kernels run there, writing the output tensor handed back at the call. With "0" they launch at once.
+    (KIMI_DECODE_WGMMA=0: the projections on the row tiles.)"""
     from kimi_decode.kernels import gemm_tc_rows
 
+    monkeypatch.setenv("KIMI_DECODE_WGMMA", "0")
     backend, calls, spy = _shared_branch_spy(monkeypatch, setting, forked)
     outs = []
     monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, **kw: calls.append("rows") or outs.append(y) or y)
@@ -2507,15 +2509,15 @@ def test_shared_after_launches_the_shared_experts_after_the_latent_down_projecti
 
 
 @pytest.mark.parametrize("setting, rows, deferred", [
-    ("latent", 4, True), ("auto", 16, False), ("auto", 17, True), ("auto", 64, True), ("0", 64, False),
+    ("latent", 4, True), ("auto", 2, True), ("auto", 16, True), ("auto", 64, True), ("0", 8, False), ("0", 64, False),
 ])
 def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch, setting, rows, deferred):
-    """By default (auto) the forked shared experts are deferred from SHARED_AFTER_MIN_ROWS (17) rows on. Deferred
+    """By default (auto) the forked shared experts are deferred from SHARED_AFTER_MIN_ROWS (2) rows on. Deferred
     shared experts whose layer ran no latent down-projection (another path took it) launch at the join of their
     branch, so their output is always written."""
     backend, calls, spy = _shared_branch_spy(monkeypatch, setting, forked=True)
     monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append("cublas") or out)
-    kernel = "rows" if rows < 12 else "wgmma" if rows <= 32 else "cublas"  # auto: the warpgroup mma from 12 rows
+    kernel = "wgmma" if rows <= 32 else "cublas"  # auto: the warpgroup mma from 2 rows
     shared = backend.shared_experts(torch.zeros(rows, 64, dtype=torch.bfloat16), spy.w)
     assert shared.shape == (rows, 64)
     assert calls == ([] if deferred else [kernel, "glu", kernel])
@@ -2560,12 +2562,13 @@ def _shared_branch_spy(monkeypatch, setting, forked):
 ])
 def test_router_warps_sets_the_router_projections_plan(monkeypatch, env, rows, want):
     """The router projection on the row tiles takes a plan of ROUTER_WARPS (16) warps per CTA, or as many as
-    KIMI_DECODE_ROUTER_WARPS says (the other projections keep theirs); with 0 the plan is the row tiles' own."""
+    KIMI_DECODE_ROUTER_WARPS says (the other projections keep theirs); with 0 the plan is the row tiles' own
+    (KIMI_DECODE_WGMMA=0: by default the warpgroup mma takes the router from 2 rows)."""
     from types import SimpleNamespace
 
     from kimi_decode.kernels import gemm_tc_rows
 
-    backend, calls = _dispatch_spy(monkeypatch, env)
+    backend, calls = _dispatch_spy(monkeypatch, {"KIMI_DECODE_WGMMA": "0", **env})
     plans = []
     monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, plan=None, **kw: plans.append(plan) or y)
     backend._mlp_fast = True
@@ -2608,11 +2611,14 @@ def _dispatch_spy(monkeypatch, env):
 
 
 @pytest.mark.parametrize("rows, env, want", [
-    (1, {}, "gemv"), (2, {}, "rows"), (8, {}, "rows"), (11, {}, "rows"), (12, {}, "wgmma"), (16, {}, "wgmma"),
+    (1, {}, "gemv"), (2, {}, "wgmma"), (8, {}, "wgmma"), (11, {}, "wgmma"), (16, {}, "wgmma"),
     (17, {}, "wgmma"), (32, {}, "wgmma"), (16, {"KIMI_DECODE_WGMMA": "0"}, "rows"),
+    (2, {"KIMI_DECODE_WGMMA": "0"}, "rows"),
+    (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "12"}, "rows"), (12, {"KIMI_DECODE_WGMMA_MIN_ROWS": "12"}, "wgmma"),
     (33, {}, "cublas"), (64, {}, "cublas"), (17, {"KIMI_DECODE_WGMMA": "0"}, "cublas"),
     (4, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"), (2, {"KIMI_DECODE_TC_PLAIN": "0"}, "cublas"),
-    (8, {"KIMI_DECODE_TC_FORM": "split"}, "tc"), (16, {"KIMI_DECODE_TC_FORM": "split", "KIMI_DECODE_WGMMA": "0"}, "tc"),
+    (8, {"KIMI_DECODE_TC_FORM": "split", "KIMI_DECODE_WGMMA": "0"}, "tc"),
+    (16, {"KIMI_DECODE_TC_FORM": "split", "KIMI_DECODE_WGMMA": "0"}, "tc"),
     (9, {"KIMI_DECODE_TC_MAX_ROWS": "8", "KIMI_DECODE_WGMMA": "0"}, "cublas"),
     (9, {"KIMI_DECODE_TC_MAX_ROWS": "8"}, "wgmma"), (3, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, "gemv"),
     (32, {"KIMI_DECODE_TC_MAX_ROWS": "64", "KIMI_DECODE_WGMMA": "0"}, "tc"),  # past the row tiles' 16: split-K
@@ -2626,8 +2632,8 @@ def _dispatch_spy(monkeypatch, env):
     (17, {"KIMI_DECODE_WGMMA_MIN_ROWS": "20"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
-    """One row on the GEMV, 2 to 11 on the row-tile tensor-core projection, 12 to 32 on the warpgroup mma, above on
-    cuBLAS; the A/B switches put them on cuBLAS (KIMI_DECODE_TC_PLAIN=0, KIMI_DECODE_WGMMA=0), the split-K kernel
+    """One row on the GEMV, 2 to 32 on the warpgroup mma, above on cuBLAS; the A/B switches put them on the row
+    tiles or cuBLAS (KIMI_DECODE_WGMMA=0, KIMI_DECODE_TC_PLAIN=0), the split-K kernel
     (KIMI_DECODE_TC_FORM=split) or, up to 64 rows, the warpgroup mma (KIMI_DECODE_WGMMA=1, or naming this
     projection) and move the row counts (KIMI_DECODE_WGMMA_MIN_ROWS: the warpgroup mma from that many rows, before
     the row tiles)."""
@@ -2638,12 +2644,13 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 
 
 @pytest.mark.parametrize("rows, fused_norm, env, want", [
-    (1, True, {}, ["gemv"]), (2, True, {}, ["rows"]), (8, True, {}, ["rows"]), (16, False, {}, ["wgmma"]),
-    (11, False, {}, ["rows"]), (12, True, {}, ["wgmma"]),
+    (1, True, {}, ["gemv"]), (2, True, {}, ["wgmma"]), (8, True, {}, ["wgmma"]), (16, False, {}, ["wgmma"]),
+    (11, False, {}, ["wgmma"]), (12, True, {}, ["wgmma"]), (8, True, {"KIMI_DECODE_WGMMA": "0"}, ["rows"]),
+    (11, False, {"KIMI_DECODE_WGMMA_MIN_ROWS": "12"}, ["rows"]),
     (17, False, {}, ["norm", "wgmma"]), (32, False, {}, ["norm", "wgmma"]), (33, False, {}, ["norm", "cublas"]),
-    (64, False, {}, ["norm", "cublas"]), (4, False, {}, ["rows"]), (17, False, {"KIMI_DECODE_WGMMA": "0"},
+    (64, False, {}, ["norm", "cublas"]), (4, False, {}, ["wgmma"]), (17, False, {"KIMI_DECODE_WGMMA": "0"},
                                                                    ["norm", "cublas"]),
-    (8, True, {"KIMI_DECODE_TC_FORM": "split"}, ["tc"]),
+    (8, True, {"KIMI_DECODE_TC_FORM": "split", "KIMI_DECODE_WGMMA": "0"}, ["tc"]),
     (16, False, {"KIMI_DECODE_TC_FORM": "split", "KIMI_DECODE_WGMMA": "0"}, ["tc"]),
     (8, False, {"KIMI_DECODE_TC_MAX_ROWS": "3", "KIMI_DECODE_WGMMA": "0"}, ["norm", "cublas"]),
     (3, True, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, ["gemv"]),
@@ -2655,7 +2662,8 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 32 rows: one projection with the norm scale, accumulate and add in its
-    epilogue (the row tiles to 11 rows, the warpgroup mma from 12; the grouped experts' per-pair outputs go through
+    epilogue (the warpgroup mma from 2 rows; the row tiles with KIMI_DECODE_WGMMA=0 or below its MIN_ROWS; the
+    grouped experts' per-pair outputs go through
     the routed norm first); above, the routed norm, which adds the shared output into the residual, and one cuBLAS
     GEMM. KIMI_DECODE_WGMMA=1: up to 64 rows the routed norm, then the warpgroup-mma projection adding it and the
     shared output into the residual; KIMI_DECODE_WGMMA_MIN_ROWS or KIMI_DECODE_TC_MAX_ROWS below 8: at 8 rows the
