@@ -2,11 +2,11 @@
 
 What it runs today, per stage (everything else is `auto` by construction, since this class only overrides):
 - every bf16 projection of a KDA layer and of the MoE block at batch <= 64, by rows (TC_MIN_ROWS, TC_MAX_ROWS):
-  at 1 row the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 2 to 11 rows every projection, the plain ones
-  and the MoE tail, on the row-tile tensor-core projection (`kernels/gemm_tc_rows.py`: mma.sync over the tokens, a
-  CTA's warps splitting the K of its 16 weight rows), f_b up to 16; from 12 to 32 rows on the warpgroup-mma
-  projection (`kernels/gemm_wgmma.py`: wgmma over a multistage `cp.async` pipeline, K split over a cluster); above,
-  the plain ones on cuBLAS as `auto`. The latent up-projection accumulates straight into the fp32 residual. A/B
+  at 1 row the small-batch CUDA-core GEMV (`kernels/gemv.py`); from 2 to 32 rows every projection, the plain ones
+  and the MoE tail, on the warpgroup-mma projection (`kernels/gemm_wgmma.py`: wgmma over a multistage `cp.async`
+  pipeline, K split over a cluster), but f_b, which up to 16 rows runs on the row-tile tensor-core projection
+  (`kernels/gemm_tc_rows.py`: mma.sync over the tokens, a CTA's warps splitting the K of its 16 weight rows);
+  above, the plain ones on cuBLAS as `auto`. The latent up-projection accumulates straight into the fp32 residual. A/B
   switches: `KIMI_DECODE_TC_MIN_ROWS` / `_MAX_ROWS` move the switch-overs, `KIMI_DECODE_TC_PLAIN=0` puts the plain
   projections on cuBLAS, `KIMI_DECODE_WGMMA=0` every projection on the row tiles up to 16 rows and on cuBLAS above
   ("1": the warpgroup mma above 16 rows up to 64, or names: only those projections; `KIMI_DECODE_WGMMA_MIN_ROWS`:
@@ -75,10 +75,11 @@ What it runs today, per stage (everything else is `auto` by construction, since 
 - the MoE block's fork: the router and the shared experts read only the AttnRes output, so where they are not
   inside other kernels (above) they run on streams of their own beside the latent down-projection (a fork and join
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
-  runs them in order on one stream (for A/B timing). From SHARED_AFTER_MIN_ROWS rows the shared branch's kernels
-  start only once the latent down-projection is done, beside the expert kernels (`KIMI_DECODE_SHARED_AFTER=0` /
-  `latent`: never / from 2 rows); the router projection on the row tiles takes CTAs of ROUTER_WARPS warps
-  (`KIMI_DECODE_ROUTER_WARPS`, 0: the row tiles' own plan);
+  runs them in order on one stream (for A/B timing). From SHARED_AFTER_MIN_ROWS rows (2: wherever it forks) the
+  shared branch's kernels start only once the latent down-projection is done, beside the expert kernels
+  (`KIMI_DECODE_SHARED_AFTER=0`: at the fork; `latent`: from 2 rows, whatever the constant); the router
+  projection on the row tiles (`KIMI_DECODE_WGMMA=0`) takes CTAs of ROUTER_WARPS warps (`KIMI_DECODE_ROUTER_WARPS`,
+  0: the row tiles' own plan);
 - L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
   `kernels/prefetch.py`, the `prefetch` stage): beside the KDA core, the first N MB of the latent down-projection's
   weights, and beside the expert kernels, the first N MB of the up-projection's, on a stream of their own (it needs
@@ -173,10 +174,11 @@ def tc_form() -> str:
 # the MoE tail, the routed sum's 1/rms, residual accumulate and shared-expert add in its epilogue)
 WGMMA_PROJECTIONS = ("in_proj", "f_b", "o_proj", "router", "latent_down", "latent_up", "shared_gate_up", "shared_down")
 # KIMI_DECODE_WGMMA=auto (the default): all of them from WGMMA_AUTO_MIN_ROWS to WGMMA_AUTO_ROWS rows, f_b only above
-# the row tiles' TC_MAX_ROWS. On the H100 (KDA + MoE layers, NOTES items 114-115): against cuBLASLt 7.4 us faster per
+# the row tiles' TC_MAX_ROWS. On the H100 (KDA + MoE layers, NOTES items 114-116): against cuBLASLt 7.4 us faster per
 # TP16 layer at 32 rows (227.2 against 234.6), 3.7 slower at 64 (285.3 against 281.6); against the row tiles 3-5
-# faster at 16 rows (TP16 189.6-190.3 against 193.3, TP8 273.5-274.1 against 278.6) and 1.7-3.7 at 12, but 0.5-2
-# slower at 2, 4 and 8 (in the layer, though faster alone there too); f_b (K 128) 0.4-0.5 us slower on it alone
+# faster at 16 rows and 1.7-3.7 at 12; at 2, 4 and 8 0.5-2 slower with the shared experts at the fork (their
+# clusters beside the latent down-projection's CTAs), but with them after the latent (SHARED_AFTER_MIN_ROWS) 1.6-2.5
+# us faster at TP16 and 0.5-10.0 at TP8 than the row tiles there (item 116); f_b (K 128) 0.4-0.5 us slower on it
 WGMMA_AUTO_ROWS = 32
 WGMMA_AUTO_MIN_ROWS = 2
 WGMMA_AUTO_BELOW = tuple(n for n in WGMMA_PROJECTIONS if n != "f_b")
@@ -282,7 +284,9 @@ ROUTE_TOPK_ROWS = {"1": ROUTE_TOPK_MAX_ROWS, "16": 16, "0": 0}  # KIMI_DECODE_CU
 PDL_MAX_ROWS = 1
 # where the MoE block forks, the shared experts start once the latent down-projection is done from here on
 # (KIMI_DECODE_SHARED_AFTER=auto): at 64 rows 3.9 / 4.7 us faster per layer at TP16 / TP8 on the H200, beside the
-# grouped expert kernels (ALU-bound); at 16 rows 3-5 us slower at TP8, at 2 and 8 even (benchmarks/NOTES.md item 51)
+# grouped expert kernels (ALU-bound; benchmarks/NOTES.md item 51); with the projections on the warpgroup mma, at 12
+# and 16 rows 1.7-5.1 us faster per KDA layer on the H100, and from 2 rows it lets the kernel take the MoE entry's
+# projections too (item 116; on the row tiles it measured 3-5 us slower at TP8 batch 16, item 51)
 SHARED_AFTER_MIN_ROWS = 2
 # the router projection's warps per row-tile CTA (KIMI_DECODE_ROUTER_WARPS; the other projections take at most
 # gemm_tc_rows.DEFAULT_WARPS): 2.0-2.8 us faster per layer at 2 and 8 rows at TP16 and 2.2 at TP8 batch 2, even at
