@@ -2663,11 +2663,10 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 32 rows: one projection with the norm scale, accumulate and add in its
     epilogue (the warpgroup mma from 2 rows; the row tiles with KIMI_DECODE_WGMMA=0 or below its MIN_ROWS; the
-    grouped experts' per-pair outputs go through
-    the routed norm first); above, the routed norm, which adds the shared output into the residual, and one cuBLAS
-    GEMM. KIMI_DECODE_WGMMA=1: up to 64 rows the routed norm, then the warpgroup-mma projection adding it and the
-    shared output into the residual; KIMI_DECODE_WGMMA_MIN_ROWS or KIMI_DECODE_TC_MAX_ROWS below 8: at 8 rows the
-    warpgroup mma with the norm scale in its epilogue too."""
+    grouped experts' per-pair outputs go through the routed norm first); above, the routed norm, which adds the
+    shared output into the residual, and one cuBLAS GEMM. KIMI_DECODE_WGMMA=1: up to 64 rows the routed norm, then
+    the warpgroup-mma projection adding it and the shared output into the residual; KIMI_DECODE_WGMMA_MIN_ROWS or
+    KIMI_DECODE_TC_MAX_ROWS below 8: at 8 rows the warpgroup mma with the norm scale in its epilogue too."""
     from types import SimpleNamespace
 
     backend, calls = _dispatch_spy(monkeypatch, env)

@@ -1625,9 +1625,9 @@ def test_specialized_layer_with_wgmma_below_the_row_tiles_matches_reference(monk
 
 @pytest.mark.parametrize("setting, tp, batch", [("1", 8, 64), ("auto", 16, 12), ("auto", 8, 8)])
 def test_wgmma_projections_replay_in_a_graph_like_eager(monkeypatch, setting, tp, batch):
-    """The warpgroup-mma projections captured in a CUDA graph (TP8 batch 64 with all of them; TP16 batch 12 at the
-    default, where they take the row tiles' place; their counters on the fork's streams): replays give the eager
-    steps' results."""
+    """The warpgroup-mma projections captured in a CUDA graph (TP8 batch 64 with all of them; TP16 batch 12 and TP8
+    batch 8 at the default, where they take the row tiles' place and the shared experts start after the latent;
+    their counters on the fork's streams): replays give the eager steps' results."""
     monkeypatch.setenv("KIMI_DECODE_WGMMA", setting)
     _check_graph_replays_like_eager(tp, batch)
 

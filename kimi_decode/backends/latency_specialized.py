@@ -177,7 +177,7 @@ WGMMA_PROJECTIONS = ("in_proj", "f_b", "o_proj", "router", "latent_down", "laten
 # the row tiles' TC_MAX_ROWS. On the H100 (KDA + MoE layers, NOTES items 114-116): against cuBLASLt 7.4 us faster per
 # TP16 layer at 32 rows (227.2 against 234.6), 3.7 slower at 64 (285.3 against 281.6); against the row tiles 3-5
 # faster at 16 rows and 1.7-3.7 at 12; at 2, 4 and 8 0.5-2 slower with the shared experts at the fork (their
-# clusters beside the latent down-projection's CTAs), but with them after the latent (SHARED_AFTER_MIN_ROWS) 1.6-2.5
+# clusters beside the latent down-projection's CTAs), but with them after the latent (SHARED_AFTER_MIN_ROWS) 1.7-2.5
 # us faster at TP16 and 0.5-10.0 at TP8 than the row tiles there (item 116); f_b (K 128) 0.4-0.5 us slower on it
 WGMMA_AUTO_ROWS = 32
 WGMMA_AUTO_MIN_ROWS = 2
