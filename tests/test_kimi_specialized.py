@@ -2629,6 +2629,8 @@ def _dispatch_spy(monkeypatch, env):
     (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, "wgmma"), (2, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, "wgmma"),
     (1, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, "gemv"), (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "9"}, "rows"),
     (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2", "KIMI_DECODE_WGMMA": "router"}, "rows"),
+    (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2", "KIMI_DECODE_WGMMA": "1"}, "wgmma"),
+    (8, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2", "KIMI_DECODE_WGMMA": "in_proj"}, "wgmma"),
     (17, {"KIMI_DECODE_WGMMA_MIN_ROWS": "20"}, "cublas"),
 ])
 def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
@@ -2659,6 +2661,8 @@ def test_plain_projection_kernel_by_rows(monkeypatch, rows, env, want):
     (8, True, {"KIMI_DECODE_WGMMA": "1", "KIMI_DECODE_TC_MAX_ROWS": "4"}, ["wgmma"]),
     (8, True, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]),
     (8, False, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2"}, ["wgmma"]),
+    (8, True, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2", "KIMI_DECODE_WGMMA": "1"}, ["wgmma"]),
+    (8, True, {"KIMI_DECODE_WGMMA_MIN_ROWS": "2", "KIMI_DECODE_WGMMA": "latent_up"}, ["wgmma"]),
 ])
 def test_moe_tail_kernel_by_rows(monkeypatch, rows, fused_norm, env, want):
     """The MoE tail on our kernels up to 32 rows: one projection with the norm scale, accumulate and add in its
