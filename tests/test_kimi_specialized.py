@@ -1064,6 +1064,26 @@ def test_split_k_projection_compiles_for_sm90a(sm90a, n, k, kernel, rows):
 
 
 @needs_cute
+@pytest.mark.parametrize("tp", [16, 8])
+def test_wgmma_glu_projection_compiles_for_sm90a(sm90a, tp):
+    """The warpgroup-mma projection with the SiTU-GLU epilogue on the shared experts' gate/up shape, at the rows it
+    takes by default (2 to 32) and at 64."""
+    from kimi_decode.kernels.gemm_tc import workspace
+    from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for
+
+    s = shard("k3", tp=tp)
+    n, k = 2 * s.shared_inter, s.model.hidden
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    for m in (2, 8, 17, 64):
+        plan = wgmma_plan_for(m, n, k, glu=True)
+        assert plan.glu and plan.n_out == n // 2
+        fn, args = compile_wgmma_projection(w, torch.empty(m, k, dtype=torch.bfloat16),
+                                            torch.empty(m, n // 2, dtype=torch.bfloat16), workspace(plan, w.device),
+                                            torch.zeros(plan.groups, dtype=torch.int32), glu=True)
+        assert fn is not None and args[2].shape == (m, n // 2)
+
+
+@needs_cute
 def test_tensor_core_moe_tail_compiles_for_sm90a(sm90a):
     from kimi_decode.kernels.gemm_tc import compile_projection, plan_for, workspace
 
@@ -1109,7 +1129,7 @@ def test_wgmma_plan_fills_the_sms_within_its_limits(rows):
             assert p.cols == 8 * -(-rows // 8) and p.cols % 8 == 0 and p.cols <= 64
     fastest = {(3216, 7168): (3, 6), (7168, 768): (1, 8), (896, 7168): (8, 8), (768, 7168): (8, 8)}  # TP16
     for (n, k), (splits, stages) in fastest.items():
-        assert wgmma_plan_for(64, n, k, 132).key()[4:] == (splits, stages)
+        assert wgmma_plan_for(64, n, k, 132).key()[4:6] == (splits, stages)
 
 
 def test_wgmma_plan_refuses_a_pipeline_of_one_stage_and_clusters_past_8():
@@ -2527,6 +2547,30 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     assert spy.waited == spy.events and spy.entered == ([spy.side] if deferred else [])
 
 
+@pytest.mark.parametrize("rows, env, gate_rows, want", [
+    (2, {}, 128, ["wgmma+glu", "wgmma"]), (8, {}, 128, ["wgmma+glu", "wgmma"]), (32, {}, 128, ["wgmma+glu", "wgmma"]),
+    (64, {"KIMI_DECODE_WGMMA": "1"}, 128, ["wgmma+glu", "wgmma"]),
+    (8, {"KIMI_DECODE_SHARED_GLU": "0"}, 128, ["wgmma", "glu", "wgmma"]),
+    (8, {}, 96, ["wgmma", "glu", "wgmma"]),  # 48 gate rows: no whole row group of 32 gate and 32 up rows
+    (8, {"KIMI_DECODE_WGMMA": "0"}, 128, ["rows", "glu", "rows"]),
+    (8, {"KIMI_DECODE_WGMMA": "in_proj"}, 128, ["rows", "glu", "rows"]),
+    (24, {"KIMI_DECODE_WGMMA": "shared_gate_up"}, 128, ["wgmma+glu", "cublas"]),
+    (8, {"KIMI_DECODE_TC_PLAIN": "0"}, 128, ["cublas", "glu", "cublas"]),
+    (33, {}, 128, ["cublas", "glu", "cublas"]),
+])
+def test_shared_experts_take_the_situ_glu_into_the_wgmma_epilogue(monkeypatch, rows, env, gate_rows, want):
+    """Where the shared experts' gate/up runs on the warpgroup mma and its rows split into whole row groups, the
+    SiTU-GLU is that projection's epilogue (two kernels: gate/up with SiTU-GLU, down); KIMI_DECODE_SHARED_GLU=0,
+    the other kernels and rows that do not split keep it a kernel of its own."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    backend, calls, spy = _shared_branch_spy(monkeypatch, "0", forked=False)
+    spy.w.shared_gate_up = torch.zeros(gate_rows, 64, dtype=torch.bfloat16)
+    spy.w.shared_down = torch.zeros(64, gate_rows // 2, dtype=torch.bfloat16)
+    out = backend.shared_experts(torch.zeros(rows, 64, dtype=torch.bfloat16), spy.w)
+    assert calls == want and out.shape == (rows, 64)
+
+
 def _shared_branch_spy(monkeypatch, setting, forked):
     """A `_dispatch_spy` backend at KIMI_DECODE_SHARED_AFTER=`setting`, with the shared branch open (`forked`) on a
     stand-in stream, SiTU-GLU recorded as "glu", and CUDA events and streams replaced by recorders: `spy.events` (each
@@ -2599,7 +2643,8 @@ def _dispatch_spy(monkeypatch, env):
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda w, x, y, **kw: calls.append("gemv") or y)
     monkeypatch.setattr(gemm_tc, "project", lambda w, x, y, counters, **kw: calls.append("tc") or y)
-    monkeypatch.setattr(gemm_wgmma, "project_wgmma", lambda w, x, y, counters, **kw: calls.append("wgmma") or y)
+    monkeypatch.setattr(gemm_wgmma, "project_wgmma",
+                        lambda w, x, y, counters, **kw: calls.append("wgmma+glu" if kw.get("glu") else "wgmma") or y)
     monkeypatch.setattr(gemm_tc_rows, "project_rows", lambda w, x, y, **kw: calls.append("rows") or y)
     monkeypatch.setattr(rmsnorm, "rmsnorm_rows", lambda x, w, out, eps: out)
     monkeypatch.setattr(rmsnorm, "routed_norm", lambda pairs, w, out, eps, **kw: calls.append("norm") or out)

@@ -1078,6 +1078,32 @@ def test_gemv_glu_epilogue_matches_float64(tp, rows):
     assert rel_err(y, R.situ_glu(h[:, :n], h[:, n:])) < BF16_TOL
 
 
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("rows, splits", [(2, None), (8, None), (8, 1), (17, None), (64, None), (64, 3)])
+def test_wgmma_glu_epilogue_matches_float64(tp, rows, splits):
+    """The shared experts' gate/up on the warpgroup mma with SiTU-GLU in the epilogue (each row group's gate rows and
+    the same up rows), at the plan's splits (8 / 6 CTAs per cluster at TP16 / TP8) or those given, against float64
+    (output poisoned), eagerly and replayed in a CUDA graph."""
+    from kimi_decode.kernels.gemm_wgmma import WgmmaPlan, project_wgmma
+
+    s = shard("k3", tp=tp)
+    g = torch.Generator(device="cuda").manual_seed(1700 + tp + rows)
+    n, k = s.shared_inter, s.model.hidden
+    w = (torch.randn(2 * n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    h = x.double() @ w.double().T
+    want = R.situ_glu(h[:, :n], h[:, n:])
+    plan = WgmmaPlan(rows, 2 * n, k, 1, splits, 4, glu=True) if splits else None
+    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
+
+    def check():
+        assert rel_err(y, want) < BF16_TOL
+
+    eager_then_graphed(lambda: project_wgmma(w, x, y, counters, plan=plan, glu=True), lambda: y.fill_(float("nan")),
+                       check)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_gemv_with_row_scale_epilogue_matches_float64(rows):
     """The MoE tail on the expert kernel's bf16(x * norm_w): y += rsqrt(mean(x**2) + eps) * (x * norm_w) @ W.T +

@@ -13,8 +13,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   from that many rows), `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel
   (`kernels/gemm_tc.py`, the last CTA of each row group adding the splits and running the epilogue),
   `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
-- the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
-  kernel). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels,
+- the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue, and from 2 rows in the warpgroup-mma
+  projection's where that takes their gate/up (`KIMI_DECODE_SHARED_GLU=0`: its own kernel at every batch). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels,
   all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of
   the entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
   (`MoEW2SumShared`); `KIMI_DECODE_SHARED_GLU_IN=w13` puts the gate/up in CTAs of the w13 expert kernel instead
@@ -352,7 +352,8 @@ class LatencySpecializedBackend(AutoBackend):
         self._overlap_on = cute_common.env_flag("KIMI_DECODE_OVERLAP", "1")
         self._prefetch_bytes = int(prefetch_mb() * 2**20)
         self._lw = None
-        self._shared_glu = cute_common.env_flag("KIMI_DECODE_SHARED_GLU", "1")  # 0: GLU as its own kernel (A/B)
+        # 0: SiTU-GLU as its own kernel (A/B), not in the gate/up GEMV's or warpgroup-mma projection's epilogue
+        self._shared_glu = cute_common.env_flag("KIMI_DECODE_SHARED_GLU", "1")
         # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
         self._fused_gate = cute_common.env_flag("KIMI_DECODE_FUSED_GATE", "1")
         # (layout, id(weight)) -> (weak reference to the weight, its copy in that layout): `_copy_of`
@@ -808,9 +809,25 @@ class LatencySpecializedBackend(AutoBackend):
         return self._gemv(act, w.shared_down, "shared_down")
 
     def _plain_shared(self, x, w: MoEWeights, out=None):
-        """The shared experts as three kernels: gate/up projection, SiTU-GLU, down-projection (into `out`)."""
-        act = self.situ_glu(self._gemv(x, w.shared_gate_up, "shared_gate_up"))
+        """The shared experts: gate/up projection, SiTU-GLU, down-projection (into `out`), the SiTU-GLU in the gate/up
+        projection's epilogue where it runs on the warpgroup mma (`_wgmma_glu`), else a kernel of its own."""
+        if self._wgmma_glu(x.shape[0], w.shared_gate_up):
+            from ..kernels.gemm_wgmma import project_wgmma
+
+            act = self._empty(x.shape[0], w.shared_gate_up.shape[0] // 2, device=x.device)
+            project_wgmma(w.shared_gate_up, x, act, self._tc_counters(x.device), glu=True)
+        else:
+            act = self.situ_glu(self._gemv(x, w.shared_gate_up, "shared_gate_up"))
         return self._gemv(act, w.shared_down, "shared_down", out=out)
+
+    def _wgmma_glu(self, rows: int, gate_up: torch.Tensor) -> bool:
+        """Whether the shared experts' gate/up projection of `rows` tokens runs on the warpgroup mma with the SiTU-GLU
+        in its epilogue: where that kernel takes it (`_plain_on_cublas`, `_wgmma_rows`) and its rows split into
+        whole row groups of gate and up rows (`gemm_wgmma.glu_fits`), unless KIMI_DECODE_SHARED_GLU=0."""
+        from ..kernels.gemm_wgmma import glu_fits
+
+        return (self._shared_glu and not self._plain_on_cublas(rows, "shared_gate_up")
+                and self._wgmma_rows(rows, "shared_gate_up") and glu_fits(gate_up.shape[0]))
 
     def _launch_deferred_shared(self) -> None:
         """The deferred shared experts on their branch's stream (still open: `join` launches them before it closes

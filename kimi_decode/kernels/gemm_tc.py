@@ -33,7 +33,7 @@ import torch
 
 from .cute_common import (DEFAULT_SMS, HAVE_CUTE, compile_kernel, cute, cutlass, fake_like, launch, signature,
                           sm_count)
-from .gemv import check_epilogue
+from .gemv import check_epilogue, check_glu
 
 MIN_ROWS, MAX_ROWS = 2, 64
 CHUNK = 32  # K per mma step pair (16 int32 words: 4 lanes x 16 bytes per row)
@@ -324,15 +324,17 @@ def plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> Plan:
 
 
 def check_projection(w, x, y, accumulate: bool, addend, row_scale, what: str, rows: tuple[int, int],
-                     n_multiple: int) -> None:
+                     n_multiple: int, glu: bool = False) -> None:
     """The checks both tensor-core projections make (`what` names the kernel in the messages): `rows` (least, most)
     tokens, K a multiple of CHUNK and N of `n_multiple`, bf16 W and x with 16-byte aligned contiguous rows, a bf16 or
-    fp32 y, and the GEMV's epilogue arguments."""
+    fp32 y, and the GEMV's epilogue arguments (`glu`: its SiTU-GLU epilogue's, y [M, N / 2])."""
     M, K = x.shape
     N = w.shape[0]
     if not rows[0] <= M <= rows[1]:
         raise ValueError(f"{what} takes {rows[0]}..{rows[1]} rows, got {M}")
-    if w.shape[1] != K or y.shape != (M, N):
+    if glu:
+        check_glu(w, y, accumulate, addend, row_scale)
+    if w.shape[1] != K or y.shape != (M, N // 2 if glu else N):
         raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
     if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         raise ValueError("W and x must be bf16")

@@ -31,6 +31,11 @@ in flight, where it accumulates). With one split the CTA's own buffer and a CTA 
 split-K `mma.sync` kernel's finish (partial sums to a global workspace, a counter, and the last CTA reading them
 back) held 41% of o_proj's stall samples at one split and ~60% at two (NOTES item 112); the counters the launch
 passes are not used here, and its workspace is a placeholder (`WgmmaPlan.workspace_shape`).
+
+With `glu` (the shared experts' gate/up, W = [gate; up] with 2I rows, y [M, I]) a CTA's 64 rows are 32 gate rows and
+the same 32 up rows (I further on), so that the thread finishing gate output (m, j) adds up row j's partial sums from
+its own CTA too and stores SiTU-GLU(gate, up): the activation comes out of the projection, one kernel and one round
+trip of [M, 2I] fp32 fewer than a SiTU-GLU kernel after it.
 """
 from __future__ import annotations
 
@@ -59,7 +64,7 @@ if HAVE_CUTE:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from .cute_common import copy_async_16, mma_lanes, store_cluster_f32
+    from .cute_common import copy_async_16, mma_lanes, situ_glu, store_cluster_f32
     from .gemm_tc import TensorCoreProjection, row_scales
     from .gemv import preload_output, store_preloaded
 
@@ -152,9 +157,10 @@ if HAVE_CUTE:
             outs = self.finish_outputs(tidx, bx, bs)
             pre = cute.make_rmem_tensor((2 * len(outs),), Float32)
             if cutlass.const_expr(self.accumulate):
+                count = self.outputs_owned()[0]
                 for i in cutlass.range_constexpr(len(outs)):
-                    e, m, n = outs[i]
-                    if e < p.owned and m < p.M and n < p.N:
+                    o, _, m, n = outs[i]
+                    if o < count and m < p.M and n < p.n_out:
                         preload_output(mY, mAdd, m, n, pre, i, self.addend)
             acc = cute.make_rmem_tensor((p.cols // 2,), Float32)
             acc.fill(0.0)
@@ -199,26 +205,45 @@ if HAVE_CUTE:
             else:
                 cute.arch.barrier()
             # this CTA's tokens m = rank + splits j: the splits' sums in split order, then the epilogue; a thread a row
+            # (with `glu` a gate row, and the up row `half` further in `red`)
+            count, half = self.outputs_owned()
             for i in cutlass.range_constexpr(len(outs)):
-                e, m, n = outs[i]
-                if e < p.owned and m < p.M and n < p.N:
+                o, e, m, n = outs[i]
+                if o < count and m < p.M and n < p.n_out:
                     tot = red[e]
                     for s in cutlass.range_constexpr(1, p.splits):
                         tot = tot + red[s * p.owned + e]
-                    if cutlass.const_expr(self.scaled):
-                        tot = tot * rs[m]
-                    store_preloaded(mY, mAdd, m, n, tot, pre, i, self.accumulate, self.addend)
+                    if cutlass.const_expr(p.glu):
+                        up = red[e + half]
+                        for s in cutlass.range_constexpr(1, p.splits):
+                            up = up + red[s * p.owned + e + half]
+                        mY[m, n] = situ_glu(tot, up).to(mY.element_type)
+                    else:
+                        if cutlass.const_expr(self.scaled):
+                            tot = tot * rs[m]
+                        store_preloaded(mY, mAdd, m, n, tot, pre, i, self.accumulate, self.addend)
 
-        def finish_outputs(self, tidx, bx, bs):
-            """The outputs thread `tidx` of the CTA at row group `bx`, split `bs` finishes, one per CTA-wide step: (e,
-            token m, row n), e its place in `red`'s first slice (none where e >= owned); consecutive threads on
-            consecutive rows of one of the CTA's tokens m = bs + splits j."""
+        def outputs_owned(self):
+            """(the outputs a CTA finishes, the outputs per token of its row group): its tokens x its rows, or x half
+            its rows (the gate rows) with `glu`."""
             p = self.p
             rows = ROWS * p.wgs
+            width = rows // 2 if p.glu else rows
+            return p.owned // rows * width, width
+
+        def finish_outputs(self, tidx, bx, bs):
+            """The outputs thread `tidx` of the CTA at row group `bx`, split `bs` finishes, one per CTA-wide step: (o,
+            e, token m, column n), o its index among the CTA's outputs (none where o >= `outputs_owned()[0]`), e its
+            (gate) row's place in `red`'s first slice; consecutive threads on consecutive columns of one of the CTA's
+            tokens m = bs + splits j."""
+            p = self.p
+            rows = ROWS * p.wgs
+            count, width = self.outputs_owned()
             outs = []
-            for i in range(-(-p.owned // (32 * p.warps))):
-                e = tidx + i * 32 * p.warps
-                outs.append((e, bs + p.splits * (e // rows), bx * rows + e % rows))
+            for i in range(-(-count // (32 * p.warps))):
+                o = tidx + i * 32 * p.warps
+                e = o if width == rows else (o // width) * rows + o % width
+                outs.append((o, e, bs + p.splits * (o // width), bx * width + o % width))
             return outs
 
         @cute.jit
@@ -232,9 +257,12 @@ if HAVE_CUTE:
             lane = tidx % 32
             r4 = lane // units
             c = lane % units
+            half = ROWS * p.wgs // 2
             for u in cutlass.range_constexpr(p.w_units // (128 * p.wgs)):
                 r = (u * 4 * p.wgs + tidx // 32) * 4 + r4  # this warp's copy u * 4 wgs + warp
                 row = bx * (ROWS * p.wgs) + r
+                if cutlass.const_expr(p.glu):  # the group's gate rows, then the same up rows (N / 2 further on)
+                    row = bx * half + r % half + (r // half) * (p.N // 2)
                 if row >= p.N:
                     row = Int32(p.N - 1)
                 copy_async_16(gW[(None, (row, kb * units + c))], sW[(None, slot * p.w_units + swizzled_unit(r, c))])
@@ -246,14 +274,18 @@ if HAVE_CUTE:
 
 class WgmmaPlan:
     """Tiling of one projection shape: `wgs` warpgroups of 64 rows per CTA, K in `splits` slices of `per_split`
-    stages of KS, `stages` buffers in the pipeline (`stages - 1` of them in flight)."""
+    stages of KS, `stages` buffers in the pipeline (`stages - 1` of them in flight); `glu`: the SiTU-GLU epilogue,
+    each row group half gate rows and half the same up rows (N a multiple of the CTA's rows, `glu_fits`)."""
 
-    def __init__(self, M: int, N: int, K: int, wgs: int, splits: int, stages: int = STAGES):
+    def __init__(self, M: int, N: int, K: int, wgs: int, splits: int, stages: int = STAGES, glu: bool = False):
         if stages < 2:
             raise ValueError(f"the pipeline needs at least 2 stages, got {stages}")
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"a row group's splits are one cluster of 1 to {MAX_SPLITS} CTAs, got {splits}")
-        self.M, self.N, self.K, self.wgs, self.stages = M, N, K, wgs, stages
+        if glu and not glu_fits(N, wgs):
+            raise ValueError(f"the SiTU-GLU epilogue needs N a multiple of {ROWS * wgs}, got {N}")
+        self.M, self.N, self.K, self.wgs, self.stages, self.glu = M, N, K, wgs, stages, glu
+        self.n_out = N // 2 if glu else N  # y's columns
         self.tiles = -(-M // 8)  # 8-token blocks: the wgmma's N is 8 x tiles
         self.cols = 8 * self.tiles
         self.blocks = K // KS
@@ -282,23 +314,31 @@ class WgmmaPlan:
         return (1, 1, 4)
 
     def key(self) -> tuple:
-        return (self.M, self.N, self.K, self.wgs, self.splits, self.stages)
+        return (self.M, self.N, self.K, self.wgs, self.splits, self.stages, self.glu)
+
+
+def glu_fits(N: int, wgs: int = 1) -> bool:
+    """Whether [gate; up] weights of N rows take the SiTU-GLU epilogue: whole row groups of `wgs` warpgroups, each
+    half gate rows, half up rows."""
+    return N % (ROWS * wgs) == 0
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS) -> WgmmaPlan:
+def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS, glu: bool = False) -> WgmmaPlan:
     """One warpgroup per CTA, K in about as many splits as fill the SMs with one CTA each (the SMs / the row groups,
     rounded, 1 to MAX_SPLITS), and 8 stages where those CTAs fit in one wave, else 6. Fitted to the sweep of NOTES
     item 113 (H100, TP16, 64 rows: the best of the tilings timed at every shape; two warpgroups were slower at
     each)."""
     groups = -(-N // ROWS)
     splits = max(1, min(MAX_SPLITS, K // KS, round(sms / groups)))
-    plan = WgmmaPlan(M, N, K, 1, splits, 8)
-    return plan if plan.ctas <= sms else WgmmaPlan(M, N, K, 1, splits, 6)
+    plan = WgmmaPlan(M, N, K, 1, splits, 8, glu)
+    return plan if plan.ctas <= sms else WgmmaPlan(M, N, K, 1, splits, 6, glu)
 
 
-def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
-    check_projection(w, x, y, accumulate, addend, row_scale, "wgmma projection", (MIN_ROWS, MAX_ROWS), 16)
+def _check(w, x, y, accumulate: bool, addend, row_scale, counters, glu: bool = False) -> None:
+    check_projection(w, x, y, accumulate, addend, row_scale, "wgmma projection", (MIN_ROWS, MAX_ROWS), 16, glu)
+    if glu and not glu_fits(w.shape[0]):
+        raise ValueError(f"the wgmma projection's SiTU-GLU epilogue needs N a multiple of {ROWS}, got N={w.shape[0]}")
     if w.shape[1] % KS:
         raise ValueError(f"wgmma projection needs K a multiple of {KS}, got K={w.shape[1]}")
     if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
@@ -306,20 +346,23 @@ def _check(w, x, y, accumulate: bool, addend, row_scale, counters) -> None:
 
 
 def compile_wgmma_projection(w, x, y, ws, counters, accumulate: bool = False, addend=None, row_scale=None,
-                             plan: WgmmaPlan | None = None):
-    plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
+                             plan: WgmmaPlan | None = None, glu: bool = False):
+    plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device), glu)
     return compile_split_k("gemm_wgmma", WgmmaProjection, plan, w, x, y, ws, counters, accumulate, addend,
                            row_scale)
 
 
 def project_wgmma(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, counters: torch.Tensor,
                   accumulate: bool = False, addend: torch.Tensor | None = None, row_scale: tuple | None = None,
-                  plan: WgmmaPlan | None = None) -> torch.Tensor:
+                  plan: WgmmaPlan | None = None, glu: bool = False) -> torch.Tensor:
     """y = x @ w.T, or y += x @ w.T (+ addend) with `accumulate`, on the current stream; the arguments are those of
     `gemm_tc.project` (`counters`: a contiguous int32 vector, which the shared split-K launch passes and this
     kernel, whose splits meet in the cluster's shared memory, never reads or writes; `plan`: another tiling, for
-    benchmarks)."""
-    _check(w, x, y, accumulate, addend, row_scale, counters)
-    plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device))
+    benchmarks). `glu`: w is [gate; up] (2I rows, a multiple of 64) and y [M, I] bf16 = SiTU-GLU(x @ gate.T,
+    x @ up.T), as `gemv.gemv(..., glu=True)`."""
+    _check(w, x, y, accumulate, addend, row_scale, counters, glu)
+    plan = plan or wgmma_plan_for(x.shape[0], w.shape[0], w.shape[1], sm_count(w.device), glu)
+    if plan.glu != glu:
+        raise ValueError("the plan's SiTU-GLU epilogue does not match glu")
     return run_split_k(compile_wgmma_projection, plan, "wgmma projection", w, x, y, counters, accumulate, addend,
                        row_scale)

@@ -303,10 +303,8 @@ def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, 
     M, K = x.shape
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"small-batch GEMV takes 1..{MAX_ROWS} rows, got {M}")
-    if glu and (accumulate or addend is not None or row_scale is not None or y.dtype != torch.bfloat16
-                or w.shape[0] % 2):
-        raise ValueError("the SiTU-GLU epilogue takes [gate; up] weights with an even row count and a bf16 y, and no "
-                         "accumulate, addend or row scale")
+    if glu:
+        check_glu(w, y, accumulate, addend, row_scale)
     if w.shape[1] != K or y.shape != (M, w.shape[0] // 2 if glu else w.shape[0]):
         raise ValueError(f"shapes do not chain: W {tuple(w.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
     if w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or K % VEC:
@@ -314,6 +312,14 @@ def _check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, accumulate: bool, 
     if w.stride(1) != 1 or x.stride(1) != 1 or y.stride(1) != 1 or w.stride(0) % VEC or x.stride(0) % VEC:
         raise ValueError("rows must be contiguous and 16-byte aligned")
     check_epilogue(y, accumulate, addend, row_scale)
+
+
+def check_glu(w: torch.Tensor, y: torch.Tensor, accumulate: bool, addend, row_scale) -> None:
+    """The SiTU-GLU epilogue's arguments (this GEMV's and the warpgroup-mma projection's): [gate; up] weights with an
+    even row count, a bf16 y, no accumulate, addend or row scale."""
+    if accumulate or addend is not None or row_scale is not None or y.dtype != torch.bfloat16 or w.shape[0] % 2:
+        raise ValueError("the SiTU-GLU epilogue takes [gate; up] weights with an even row count and a bf16 y, and no "
+                         "accumulate, addend or row scale")
 
 
 def check_epilogue(y: torch.Tensor, accumulate: bool, addend, row_scale) -> None:
