@@ -14,9 +14,10 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   (`kernels/gemm_tc.py`, the last CTA of each row group adding the splits and running the epilogue),
   `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
 - the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue, and from 2 rows in the warpgroup-mma
-  projection's where that takes their gate/up (`KIMI_DECODE_SHARED_GLU=0`: its own kernel at every batch). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels,
-  all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of
-  the entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
+  projection's where that takes their gate/up (`KIMI_DECODE_SHARED_GLU=0`: its own kernel at every batch). Where the
+  shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels at batch 1, all
+  launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of the
+  entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
   (`MoEW2SumShared`); `KIMI_DECODE_SHARED_GLU_IN=w13` puts the gate/up in CTAs of the w13 expert kernel instead
   (`MoEW13ActShared`, measured slower). At TP8 (twice the shared rows) without PDL every placement inside measured
   slower than their own kernels on their own stream, which it keeps then; under PDL (below) they run inside at both
