@@ -2551,6 +2551,7 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     (2, {}, 128, ["wgmma+glu", "wgmma"]), (8, {}, 128, ["wgmma+glu", "wgmma"]), (32, {}, 128, ["wgmma+glu", "wgmma"]),
     (64, {"KIMI_DECODE_WGMMA": "1"}, 128, ["wgmma+glu", "wgmma"]),
     (8, {"KIMI_DECODE_SHARED_GLU": "0"}, 128, ["wgmma", "glu", "wgmma"]),
+    (8, {"KIMI_DECODE_SHARED_GLU": "1"}, 128, ["wgmma", "glu", "wgmma"]),
     (8, {}, 96, ["wgmma", "glu", "wgmma"]),  # 48 gate rows: no whole row group of 32 gate and 32 up rows
     (8, {"KIMI_DECODE_WGMMA": "0"}, 128, ["rows", "glu", "rows"]),
     (8, {"KIMI_DECODE_WGMMA": "in_proj"}, 128, ["rows", "glu", "rows"]),
@@ -2559,9 +2560,11 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     (33, {}, 128, ["cublas", "glu", "cublas"]),
 ])
 def test_shared_experts_take_the_situ_glu_into_the_wgmma_epilogue(monkeypatch, rows, env, gate_rows, want):
-    """Where the shared experts' gate/up runs on the warpgroup mma and its rows split into whole row groups, the
-    SiTU-GLU is that projection's epilogue (two kernels: gate/up with SiTU-GLU, down); KIMI_DECODE_SHARED_GLU=0,
-    the other kernels and rows that do not split keep it a kernel of its own."""
+    """With KIMI_DECODE_SHARED_GLU=all (set unless a case sets it), where the shared experts' gate/up runs on the
+    warpgroup mma and its rows split into whole row groups, the SiTU-GLU is that projection's epilogue (two
+    kernels: gate/up with SiTU-GLU, down); "1" and "0", the other kernels and rows that do not split keep it a
+    kernel of its own."""
+    monkeypatch.setenv("KIMI_DECODE_SHARED_GLU", "all")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     backend, calls, spy = _shared_branch_spy(monkeypatch, "0", forked=False)

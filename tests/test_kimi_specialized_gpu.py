@@ -1104,6 +1104,12 @@ def test_wgmma_glu_epilogue_matches_float64(tp, rows, splits):
                        check)
 
 
+@pytest.mark.parametrize("tp, batch", [(16, 8), (8, 8), (8, 16), (16, 32)])
+def test_specialized_layer_with_the_wgmma_glu_matches_reference(monkeypatch, tp, batch):
+    """KIMI_DECODE_SHARED_GLU=all in whole layers: the shared experts' gate/up with SiTU-GLU on the warpgroup mma."""
+    _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_GLU", "all", tp, batch, 5710)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_gemv_with_row_scale_epilogue_matches_float64(rows):
     """The MoE tail on the expert kernel's bf16(x * norm_w): y += rsqrt(mean(x**2) + eps) * (x * norm_w) @ W.T +

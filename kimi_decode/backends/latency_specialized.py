@@ -13,8 +13,8 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   from that many rows), `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel
   (`kernels/gemm_tc.py`, the last CTA of each row group adding the splits and running the epilogue),
   `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
-- the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue, and from 2 rows in the warpgroup-mma
-  projection's where that takes their gate/up (`KIMI_DECODE_SHARED_GLU=0`: its own kernel at every batch). Where the
+- the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
+  kernel; `all`: from 2 rows in the warpgroup-mma projection's too, where that takes their gate/up). Where the
   shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels at batch 1, all
   launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of the
   entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
@@ -270,6 +270,8 @@ PREFETCH_MB = 0
 # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
 # and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
 GLU_MAX_ROWS = 1
+# from 2 rows, in the warpgroup-mma gate/up projection's epilogue too with "all" (one kernel fewer per layer; A/B)
+SHARED_GLU = "1"
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~4 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
 # above it, the routing in a kernel of its own with one CTA per row (`route_topk`) at every batch the path takes:
@@ -353,8 +355,10 @@ class LatencySpecializedBackend(AutoBackend):
         self._overlap_on = cute_common.env_flag("KIMI_DECODE_OVERLAP", "1")
         self._prefetch_bytes = int(prefetch_mb() * 2**20)
         self._lw = None
-        # 0: SiTU-GLU as its own kernel (A/B), not in the gate/up GEMV's or warpgroup-mma projection's epilogue
-        self._shared_glu = cute_common.env_flag("KIMI_DECODE_SHARED_GLU", "1")
+        # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue at batch 1 ("1"), also in the warpgroup-mma
+        # projection's from 2 rows ("all", `_wgmma_glu`), or as a kernel of its own at every batch ("0")
+        glu = cute_common.env_choice("KIMI_DECODE_SHARED_GLU", SHARED_GLU, ("1", "all", "0"))
+        self._shared_glu, self._shared_glu_wgmma = glu != "0", glu == "all"
         # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
         self._fused_gate = cute_common.env_flag("KIMI_DECODE_FUSED_GATE", "1")
         # (layout, id(weight)) -> (weak reference to the weight, its copy in that layout): `_copy_of`
@@ -824,10 +828,10 @@ class LatencySpecializedBackend(AutoBackend):
     def _wgmma_glu(self, rows: int, gate_up: torch.Tensor) -> bool:
         """Whether the shared experts' gate/up projection of `rows` tokens runs on the warpgroup mma with the SiTU-GLU
         in its epilogue: where that kernel takes it (`_plain_on_cublas`, `_wgmma_rows`) and its rows split into
-        whole row groups of gate and up rows (`gemm_wgmma.glu_fits`), unless KIMI_DECODE_SHARED_GLU=0."""
+        whole row groups of gate and up rows (`gemm_wgmma.glu_fits`), with KIMI_DECODE_SHARED_GLU=all."""
         from ..kernels.gemm_wgmma import glu_fits
 
-        return (self._shared_glu and not self._plain_on_cublas(rows, "shared_gate_up")
+        return (self._shared_glu_wgmma and not self._plain_on_cublas(rows, "shared_gate_up")
                 and self._wgmma_rows(rows, "shared_gate_up") and glu_fits(gate_up.shape[0]))
 
     def _launch_deferred_shared(self) -> None:
