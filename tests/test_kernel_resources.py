@@ -172,6 +172,42 @@ def test_the_load_order_switches_leave_no_load_after_a_store(tmp_path):
     assert all(counts["1"][n] == 0 for n in names), counts
 
 
+def test_wgmma_glu_projection_assembles_for_sm90a(tmp_path):
+    """The warpgroup-mma projection with the SiTU-GLU epilogue (the shared experts' gate/up at TP16, 8 tokens: the
+    plan's 8 splits) compiled in a fresh process that keeps its PTX, then assembled: `wgmma m64n8k16`, the partial
+    sums through the cluster's shared memory, bf16 stores of the activation only, no ptxas warning and no stack."""
+    pytest.importorskip("cutlass")
+    if kr.ptxas() is None:
+        pytest.skip("no ptxas on this machine")
+    script = textwrap.dedent("""
+        import torch
+        from kimi_decode.kernels.gemm_tc import workspace
+        from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for
+        plan = wgmma_plan_for(8, 768, 7168, glu=True)
+        w = torch.empty(768, 7168, dtype=torch.bfloat16)
+        compile_wgmma_projection(w, torch.empty(8, 7168, dtype=torch.bfloat16),
+                                 torch.empty(8, 384, dtype=torch.bfloat16), workspace(plan, w.device),
+                                 torch.zeros(plan.groups, dtype=torch.int32), glu=True)
+    """)
+    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), KIMI_DECODE_CUTE_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
+    from kimi_decode.kernels.gemm_wgmma import wgmma_plan_for
+
+    plan = wgmma_plan_for(8, 768, 7168, glu=True)
+    assert plan.glu and plan.splits == 8
+    (path,) = tmp_path.glob("*.ptx")
+    lines = path.read_text().splitlines()
+    mma = [ln for ln in lines if "wgmma.mma_async" in ln]
+    assert len(mma) == 4 and all("m64n8k16.f32.bf16.bf16" in ln for ln in mma)
+    assert sum("st.shared::cluster.f32" in ln for ln in lines) == 4 * plan.tiles
+    stores = [ln for ln in lines if re.search(r"\bst\.global\.", ln)]
+    assert stores and all(".b16" in ln or ".u16" in ln for ln in stores), stores[:3]  # bf16 activations only
+    r = kr.resources(str(path), kr.ptxas())
+    assert r["threads"] == 128 and r["stack"] == 0
+    assert not r["warnings"], r["warnings"]
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_wgmma_projection_compiled_for_sm90a(tmp_path, splits):
     """The warpgroup-mma projection in the MoE tail's form (1/rms per row, accumulate, addend) at 64 tokens, K in
