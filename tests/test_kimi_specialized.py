@@ -1066,8 +1066,8 @@ def test_split_k_projection_compiles_for_sm90a(sm90a, n, k, kernel, rows):
 @needs_cute
 @pytest.mark.parametrize("tp", [16, 8])
 def test_wgmma_glu_projection_compiles_for_sm90a(sm90a, tp):
-    """The warpgroup-mma projection with the SiTU-GLU epilogue on the shared experts' gate/up shape, at the rows it
-    takes by default (2 to 32) and at 64."""
+    """The warpgroup-mma projection with the SiTU-GLU epilogue (KIMI_DECODE_SHARED_GLU=all) on the shared experts'
+    gate/up shape, at the rows the warpgroup mma takes that projection by default (2 to 32) and at 64."""
     from kimi_decode.kernels.gemm_tc import workspace
     from kimi_decode.kernels.gemm_wgmma import compile_wgmma_projection, wgmma_plan_for
 
