@@ -1162,6 +1162,16 @@ def test_wgmma_projection_refuses_bad_shapes():
     with pytest.raises(ValueError, match="not for this shape"):
         project_wgmma(w, torch.empty(32, 256, dtype=torch.bfloat16), torch.empty(32, 64), c,
                       plan=WgmmaPlan(64, 64, 256, 1, 1))
+    x = torch.empty(8, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="SiTU-GLU epilogue needs N a multiple of 64"):  # 48 gate and 48 up rows
+        project_wgmma(torch.empty(96, 256, dtype=torch.bfloat16), x, torch.empty(8, 48, dtype=torch.bfloat16), c,
+                      glu=True)
+    with pytest.raises(ValueError, match="SiTU-GLU epilogue takes"):
+        project_wgmma(w, x, torch.empty(8, 32), c, glu=True)  # an fp32 y
+    with pytest.raises(ValueError, match="chain"):
+        project_wgmma(w, x, torch.empty(8, 64, dtype=torch.bfloat16), c, glu=True)  # y must be [M, N / 2]
+    with pytest.raises(ValueError, match="does not match glu"):
+        project_wgmma(w, x, torch.empty(8, 64, dtype=torch.bfloat16), c, plan=WgmmaPlan(8, 64, 256, 1, 1, glu=True))
 
 
 @needs_cute

@@ -157,10 +157,9 @@ if HAVE_CUTE:
             outs = self.finish_outputs(tidx, bx, bs)
             pre = cute.make_rmem_tensor((2 * len(outs),), Float32)
             if cutlass.const_expr(self.accumulate):
-                count = self.outputs_owned()[0]
                 for i in cutlass.range_constexpr(len(outs)):
                     o, _, m, n = outs[i]
-                    if o < count and m < p.M and n < p.n_out:
+                    if o < p.outputs and m < p.M and n < p.n_out:
                         preload_output(mY, mAdd, m, n, pre, i, self.addend)
             acc = cute.make_rmem_tensor((p.cols // 2,), Float32)
             acc.fill(0.0)
@@ -205,42 +204,33 @@ if HAVE_CUTE:
             else:
                 cute.arch.barrier()
             # this CTA's tokens m = rank + splits j: the splits' sums in split order, then the epilogue; a thread a row
-            # (with `glu` a gate row, and the up row `half` further in `red`)
-            count, half = self.outputs_owned()
+            # (with `glu` a gate row, and the up row `p.width` further in `red`)
             for i in cutlass.range_constexpr(len(outs)):
                 o, e, m, n = outs[i]
-                if o < count and m < p.M and n < p.n_out:
+                if o < p.outputs and m < p.M and n < p.n_out:
                     tot = red[e]
                     for s in cutlass.range_constexpr(1, p.splits):
                         tot = tot + red[s * p.owned + e]
                     if cutlass.const_expr(p.glu):
-                        up = red[e + half]
+                        up = red[e + p.width]
                         for s in cutlass.range_constexpr(1, p.splits):
-                            up = up + red[s * p.owned + e + half]
+                            up = up + red[s * p.owned + e + p.width]
                         mY[m, n] = situ_glu(tot, up).to(mY.element_type)
                     else:
                         if cutlass.const_expr(self.scaled):
                             tot = tot * rs[m]
                         store_preloaded(mY, mAdd, m, n, tot, pre, i, self.accumulate, self.addend)
 
-        def outputs_owned(self):
-            """(the outputs a CTA finishes, the outputs per token of its row group): its tokens x its rows, or x half
-            its rows (the gate rows) with `glu`."""
-            p = self.p
-            rows = ROWS * p.wgs
-            width = rows // 2 if p.glu else rows
-            return p.owned // rows * width, width
-
         def finish_outputs(self, tidx, bx, bs):
             """The outputs thread `tidx` of the CTA at row group `bx`, split `bs` finishes, one per CTA-wide step: (o,
-            e, token m, column n), o its index among the CTA's outputs (none where o >= `outputs_owned()[0]`), e its
+            e, token m, column n), o its index among the CTA's outputs (none where o >= `plan.outputs`), e its
             (gate) row's place in `red`'s first slice; consecutive threads on consecutive columns of one of the CTA's
             tokens m = bs + splits j."""
             p = self.p
             rows = ROWS * p.wgs
-            count, width = self.outputs_owned()
+            width = p.width
             outs = []
-            for i in range(-(-count // (32 * p.warps))):
+            for i in range(-(-p.outputs // (32 * p.warps))):
                 o = tidx + i * 32 * p.warps
                 e = o if width == rows else (o // width) * rows + o % width
                 outs.append((o, e, bs + p.splits * (o // width), bx * width + o % width))
@@ -295,6 +285,8 @@ class WgmmaPlan:
         self.w_units = ROWS * wgs * KS // 8  # 16-byte units of one stage's rows
         self.x_units = self.cols * KS // 8
         self.owned = -(-M // self.splits) * ROWS * wgs  # partial sums of one split for the tokens a CTA finishes
+        self.width = ROWS * wgs // 2 if glu else ROWS * wgs  # outputs per token of a row group (glu: its gate rows)
+        self.outputs = self.owned // (ROWS * wgs) * self.width  # outputs a CTA finishes: its tokens x width
 
     @property
     def smem_bytes(self) -> int:
@@ -337,8 +329,6 @@ def wgmma_plan_for(M: int, N: int, K: int, sms: int = DEFAULT_SMS, glu: bool = F
 
 def _check(w, x, y, accumulate: bool, addend, row_scale, counters, glu: bool = False) -> None:
     check_projection(w, x, y, accumulate, addend, row_scale, "wgmma projection", (MIN_ROWS, MAX_ROWS), 16, glu)
-    if glu and not glu_fits(w.shape[0]):
-        raise ValueError(f"the wgmma projection's SiTU-GLU epilogue needs N a multiple of {ROWS}, got N={w.shape[0]}")
     if w.shape[1] % KS:
         raise ValueError(f"wgmma projection needs K a multiple of {KS}, got K={w.shape[1]}")
     if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
