@@ -2568,6 +2568,7 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     (24, {"KIMI_DECODE_WGMMA": "shared_gate_up"}, 128, ["wgmma+glu", "cublas"]),
     (8, {"KIMI_DECODE_TC_PLAIN": "0"}, 128, ["cublas", "glu", "cublas"]),
     (33, {}, 128, ["cublas", "glu", "cublas"]),
+    (3, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, 128, ["gemv", "glu", "gemv"]),  # below the tensor cores: the GEMV
 ])
 def test_shared_experts_take_the_situ_glu_into_the_wgmma_epilogue(monkeypatch, rows, env, gate_rows, want):
     """With KIMI_DECODE_SHARED_GLU=all (set unless a case sets it), where the shared experts' gate/up runs on the

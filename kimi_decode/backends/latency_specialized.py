@@ -827,12 +827,14 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _wgmma_glu(self, rows: int, gate_up: torch.Tensor) -> bool:
         """Whether the shared experts' gate/up projection of `rows` tokens runs on the warpgroup mma with the SiTU-GLU
-        in its epilogue: where that kernel takes it (`_plain_on_cublas`, `_wgmma_rows`) and its rows split into
-        whole row groups of gate and up rows (`gemm_wgmma.glu_fits`), with KIMI_DECODE_SHARED_GLU=all."""
+        in its epilogue: where `_gemv` would run it there (not on cuBLAS, not below TC_MIN_ROWS on the GEMV, and
+        `_wgmma_rows`) and its rows split into whole row groups of gate and up rows (`gemm_wgmma.glu_fits`), with
+        KIMI_DECODE_SHARED_GLU=all."""
         from ..kernels.gemm_wgmma import glu_fits
 
-        return (self._shared_glu_wgmma and not self._plain_on_cublas(rows, "shared_gate_up")
-                and self._wgmma_rows(rows, "shared_gate_up") and glu_fits(gate_up.shape[0]))
+        return (self._shared_glu_wgmma and rows >= self._tc_rows[0]
+                and not self._plain_on_cublas(rows, "shared_gate_up") and self._wgmma_rows(rows, "shared_gate_up")
+                and glu_fits(gate_up.shape[0]))
 
     def _launch_deferred_shared(self) -> None:
         """The deferred shared experts on their branch's stream (still open: `join` launches them before it closes
