@@ -2557,26 +2557,6 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     assert spy.waited == spy.events and spy.entered == ([spy.side] if deferred else [])
 
 
-@pytest.mark.parametrize("rows, grouped_from, want", [(8, 8, "align"), (64, 9, "align"), (16, 17, "latent"),
-                                                     (64, 65, "latent")])
-def test_shared_after_align_waits_for_the_grouped_experts_alignment(monkeypatch, rows, grouped_from, want):
-    """KIMI_DECODE_SHARED_AFTER=align: where the experts run grouped (from `grouped_from` rows), the deferred shared
-    experts are not launched after the latent down-projection (the grouped path launches them after its alignment,
-    and their branch's join in any case); not grouped, after the latent, as with auto."""
-    backend, calls, spy = _shared_branch_spy(monkeypatch, "align", forked=True)
-    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append("cublas") or out)
-    backend._experts_fast, backend._grouped_from = True, grouped_from
-    kernel = "wgmma" if rows <= 32 else "cublas"
-    x = torch.zeros(rows, 64, dtype=torch.bfloat16)
-    backend.shared_experts(x, spy.w)
-    assert calls == []
-    backend.latent_down(x, spy.w)
-    assert calls == ([kernel] if want == "align" else [kernel, "event", kernel, "glu", kernel])
-    calls.clear()
-    backend.join("shared")
-    assert calls == (["event", kernel, "glu", kernel] if want == "align" else [])
-
-
 @pytest.mark.parametrize("rows, env, gate_rows, want", [
     (2, {}, 128, ["wgmma+glu", "wgmma"]), (8, {}, 128, ["wgmma+glu", "wgmma"]), (32, {}, 128, ["wgmma+glu", "wgmma"]),
     (64, {"KIMI_DECODE_WGMMA": "1"}, 128, ["wgmma+glu", "wgmma"]),

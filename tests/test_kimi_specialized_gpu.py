@@ -337,18 +337,6 @@ def test_specialized_layer_with_the_shared_experts_after_the_latent_matches_refe
     _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_AFTER", "latent", tp, batch, 3800)
 
 
-@pytest.mark.parametrize("tp, batch", [(8, 8), (8, 16), (16, 32)])
-def test_specialized_layer_with_the_shared_experts_after_the_alignment_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_SHARED_AFTER=align: where the experts run grouped, the forked shared experts start once their
-    alignment is launched."""
-    _layer_matches_with(monkeypatch, "KIMI_DECODE_SHARED_AFTER", "align", tp, batch, 4300)
-
-
-def test_shared_experts_after_the_alignment_replay_in_a_graph_like_eager(monkeypatch):
-    monkeypatch.setenv("KIMI_DECODE_SHARED_AFTER", "align")
-    _check_graph_replays_like_eager(8, 8)
-
-
 @pytest.mark.parametrize("shared_after", ["0", "latent"])
 @pytest.mark.parametrize("tp, batch", [(16, 2), (8, 8), (16, 8), (8, 16)])
 def test_specialized_layer_with_the_router_on_more_warps_matches_reference(monkeypatch, shared_after, tp, batch):

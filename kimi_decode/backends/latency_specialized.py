@@ -78,8 +78,7 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   in the CUDA graph); the experts wait for the router branch, the tail for the shared one. `KIMI_DECODE_OVERLAP=0`
   runs them in order on one stream (for A/B timing). From SHARED_AFTER_MIN_ROWS rows (2: wherever it forks) the
   shared branch's kernels start only once the latent down-projection is done, beside the expert kernels
-  (`KIMI_DECODE_SHARED_AFTER=0`: at the fork; `latent`: from 2 rows, whatever the constant; `align`: where the
-  experts run grouped, once their alignment is launched); the router
+  (`KIMI_DECODE_SHARED_AFTER=0`: at the fork; `latent`: from 2 rows, whatever the constant); the router
   projection on the row tiles (`KIMI_DECODE_WGMMA=0`) takes CTAs of ROUTER_WARPS warps (`KIMI_DECODE_ROUTER_WARPS`,
   0: the row tiles' own plan);
 - L2 prefetch, off by default because it measured slower (`KIMI_DECODE_PREFETCH_MB=N` turns it on; batch <= 8,
@@ -378,11 +377,8 @@ class LatencySpecializedBackend(AutoBackend):
         # "latent": where the MoE block forks, the shared experts start only once the latent down-projection is
         # done, so that their weights (TP16 16.5 MB, TP8 33 MB) stream beside the expert kernels instead of beside
         # the router and the latent, which the experts wait for; "0": at the fork; "auto" (default): "latent" from
-        # SHARED_AFTER_MIN_ROWS rows; "align": as auto, but where the experts run grouped only once their alignment
-        # is launched (so that the shared weights stream beside the grouped w13 kernel, not beside the alignment it
-        # waits for; A/B)
-        self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "auto",
-                                                    ("auto", "0", "latent", "align"))
+        # SHARED_AFTER_MIN_ROWS rows
+        self._shared_after = cute_common.env_choice("KIMI_DECODE_SHARED_AFTER", "auto", ("auto", "0", "latent"))
         self._deferred_shared = None  # (x, weights, out) of those, until the latent down-projection
         # the most warps per CTA of the router projection on the row tiles (2..16 rows; 0: the row tiles' own plan,
         # KIMI_DECODE_TC_ROWS_WARPS): its 56 CTAs stream beside the latent down-projection's 224, and with a larger
@@ -794,7 +790,7 @@ class LatencySpecializedBackend(AutoBackend):
         if not self._mlp_fast:
             return super().shared_experts(x, w)
         if not (self._shared_glu and x.shape[0] <= GLU_MAX_ROWS):
-            after = self._shared_after == "latent" or (self._shared_after in ("auto", "align")
+            after = self._shared_after == "latent" or (self._shared_after == "auto"
                                                        and x.shape[0] >= SHARED_AFTER_MIN_ROWS)
             if after and "shared" in self._open:  # launched after the latent down-projection (`_launch_...`)
                 out = self._empty(x.shape[0], w.shared_down.shape[0], device=x.device)
@@ -857,8 +853,7 @@ class LatencySpecializedBackend(AutoBackend):
 
     def latent_down(self, x, w: MoEWeights):
         latent = self._gemv(x, w.down, "latent_down") if self._mlp_fast else super().latent_down(x, w)
-        if not (self._shared_after == "align" and self._experts_fast and x.shape[0] >= self._grouped_from):
-            self._launch_deferred_shared()  # else after the grouped experts' alignment (`routed_experts`)
+        self._launch_deferred_shared()
         return latent
 
     def routed_experts(self, x, ids, weights, w: MoEWeights, shard: ShardConfig):
@@ -906,7 +901,6 @@ class LatencySpecializedBackend(AutoBackend):
                 counting.moe_align(ids.reshape(-1), *align, experts=w13.shape[0],
                                    latent=latent if how == "1" else None, operands=ops)
                 latent = ops if how == "1" else latent
-            self._launch_deferred_shared()  # KIMI_DECODE_SHARED_AFTER=align (else launched already: nothing left)
             return moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
                                      pair_out=self._empty(B * k, L, device=x.device,
