@@ -110,10 +110,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import weakref
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import KDA, ShardConfig
 from ..instrument import rng
@@ -361,8 +361,10 @@ class LatencySpecializedBackend(AutoBackend):
         self._shared_glu, self._shared_glu_wgmma = glu != "0", glu == "all"
         # f_b inside the KDA kernel, from a column-major copy (row-major it was 2.4-3.3 us slower: NOTES, v7)
         self._fused_gate = cute_common.env_flag("KIMI_DECODE_FUSED_GATE", "1")
-        # (layout, id(weight)) -> (weak reference to the weight, its copy in that layout): `_copy_of`
-        self._copies: dict[tuple[str, int], tuple] = {}
+        # layout -> weight -> its copy in that layout, kept while the weight lives (`_copy_of`); keyed weakly by
+        # identity, with no reference back to the backend, so that the copies go with the backend or the weight
+        # without waiting for the cycle collector
+        self._copies: dict[str, WeakIdKeyDictionary] = {}
         # the expert kernels' MXFP4 codes in quad-major order (`moe_mxfp4.quad_major`: no word exchange between
         # lanes); KIMI_DECODE_QUAD_MAJOR=0 reads the natural rows, for A/B
         self._quad_major_on = cute_common.env_flag("KIMI_DECODE_QUAD_MAJOR", "1")
@@ -713,15 +715,15 @@ class LatencySpecializedBackend(AutoBackend):
         """`make(w)`, a copy of weight `w` in another layout, made on first use and kept while `w` lives; None when
         that first use is inside a CUDA-graph capture, where the copy would become a node of the graph (`why`, what
         runs instead, is said once)."""
-        key = (layout, id(w))
-        hit = self._copies.get(key)
-        if hit is not None and hit[0]() is w:
-            return hit[1]
+        made = self._copies.setdefault(layout, WeakIdKeyDictionary())
+        hit = made.get(w)
+        if hit is not None:
+            return hit
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self._fallback(why)
             return None
         copy = make(w)
-        self._copies[key] = (weakref.ref(w, lambda _: self._copies.pop(key, None)), copy)
+        made[w] = copy
         return copy
 
     def _f_b_columns(self, f_b: torch.Tensor) -> torch.Tensor | None:
