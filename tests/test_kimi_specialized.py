@@ -2581,6 +2581,8 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
 @pytest.mark.parametrize("rows, env, gate_rows, want", [
     (2, {}, 128, ["wgmma+glu", "wgmma"]), (8, {}, 128, ["wgmma+glu", "wgmma"]), (32, {}, 128, ["wgmma+glu", "wgmma"]),
     (64, {"KIMI_DECODE_WGMMA": "1"}, 128, ["wgmma+glu", "wgmma"]),
+    (8, {"KIMI_DECODE_SHARED_GLU": None}, 128, ["wgmma+glu", "wgmma"]),  # the default
+    (16, {"KIMI_DECODE_SHARED_GLU": None}, 128, ["wgmma+glu", "wgmma"]),
     (8, {"KIMI_DECODE_SHARED_GLU": "0"}, 128, ["wgmma", "glu", "wgmma"]),
     (8, {"KIMI_DECODE_SHARED_GLU": "1"}, 128, ["wgmma", "glu", "wgmma"]),
     (8, {}, 96, ["wgmma", "glu", "wgmma"]),  # 48 gate rows: no whole row group of 32 gate and 32 up rows
@@ -2592,13 +2594,16 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
     (3, {"KIMI_DECODE_TC_MIN_ROWS": "4"}, 128, ["gemv", "glu", "gemv"]),  # below the tensor cores: the GEMV
 ])
 def test_shared_experts_take_the_situ_glu_into_the_wgmma_epilogue(monkeypatch, rows, env, gate_rows, want):
-    """With KIMI_DECODE_SHARED_GLU=all (set unless a case sets it), where the shared experts' gate/up runs on the
-    warpgroup mma and its rows split into whole row groups, the SiTU-GLU is that projection's epilogue (two
+    """With KIMI_DECODE_SHARED_GLU=all (the default; set unless a case sets or unsets it), where the shared experts'
+    gate/up runs on the warpgroup mma and its rows split into whole row groups, the SiTU-GLU is that projection's epilogue (two
     kernels: gate/up with SiTU-GLU, down); "1" and "0", the other kernels and rows that do not split keep it a
     kernel of its own."""
     monkeypatch.setenv("KIMI_DECODE_SHARED_GLU", "all")
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
+        if v is None:
+            monkeypatch.delenv(k)
+        else:
+            monkeypatch.setenv(k, v)
     backend, calls, spy = _shared_branch_spy(monkeypatch, "0", forked=False)
     spy.w.shared_gate_up = torch.zeros(gate_rows, 64, dtype=torch.bfloat16)
     spy.w.shared_down = torch.zeros(64, gate_rows // 2, dtype=torch.bfloat16)

@@ -13,8 +13,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   from that many rows), `KIMI_DECODE_TC_FORM=split` the tensor-core ones on the split-K kernel
   (`kernels/gemm_tc.py`, the last CTA of each row group adding the splits and running the epilogue),
   `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
-- the shared experts: at batch 1 their SiTU-GLU in the gate/up GEMV's epilogue (`KIMI_DECODE_SHARED_GLU=0`: its own
-  kernel; `all`: from 2 rows in the warpgroup-mma projection's too, where that takes their gate/up). Where the
+- the shared experts: their SiTU-GLU in the gate/up projection's epilogue, at batch 1 the GEMV's and from 2 rows the
+  warpgroup-mma projection's where that takes their gate/up (`KIMI_DECODE_SHARED_GLU=1`: batch 1 only; `0`: its own
+  kernel). Where the
   shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels at batch 1, all
   launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of the
   entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
@@ -270,8 +271,10 @@ PREFETCH_MB = 0
 # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
 # and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
 GLU_MAX_ROWS = 1
-# from 2 rows, in the warpgroup-mma gate/up projection's epilogue too with "all" (one kernel fewer per layer; A/B)
-SHARED_GLU = "1"
+# from 2 rows, in the warpgroup-mma gate/up projection's epilogue too ("all": one kernel fewer per layer from 2 to 32
+# rows; on the H100 within -3.5 / +1.1 us per KDA layer of "1" over two paired runs at batches 8-32 and one at 2-4,
+# 0.2-0.9 faster on the mean at each shard: NOTES item 118)
+SHARED_GLU = "all"
 # the router GEMV and the top-k in one kernel (its last CTA routes the rows one after another, ~4 us each): batch 1
 ROUTER_FUSED_MAX_ROWS = 1
 # above it, the routing in a kernel of its own with one CTA per row (`route_topk`) at every batch the path takes:
