@@ -18,6 +18,7 @@ Each layer is timed two ways:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -165,6 +166,7 @@ def bench_config(backend: str, tp: int, batch: int, args, group=None, rank: int 
             "in_step_us": round(in_step_us[i], 2), "pct_floor_in_step": round(100 * floor_us / in_step_us[i], 1),
         })
     del copies
+    gc.collect()  # whatever a backend holds in reference cycles goes before the next configuration's slices
     torch.cuda.empty_cache()
     return {"rows": rows, "step_us": round(step_us, 2), "copy_us": round(prefix_us[0], 2)}
 
