@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", nargs="+", type=int, default=[16, 8], metavar="N",
                    help="tensor-parallel shards to time (one rank of each)")
     add_run_args(p, ["auto"], copies=3, replays=200, warmup=10)
-    p.add_argument("--json", help="also write every row to this JSON file")
+    p.add_argument("--json", help="also write every row to this JSON file, rewritten after each configuration "
+                   "(meta.complete: true once every configuration ran)")
     args = p.parse_args(argv)
     try:
         check_args(args, args.tp)
@@ -249,19 +250,33 @@ def main(argv=None) -> int:
         print("kimi_decode.bench: error: needs a CUDA device", file=sys.stderr)
         return 2
     results = []
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+
+    def save(complete: bool) -> int:
+        """--json rewritten after every configuration (`complete` false until the last): a run stopped by a time
+        limit or out of memory keeps what it timed."""
+        if not args.json:
+            return 0
+        return write_json(args.json, {"meta": {**meta, "complete": complete}, "results": results}, "kimi_decode.bench")
+
     try:
         for tp in args.tp:
             for batch in args.batch:
                 for backend in args.backend:
                     results.append(bench_config(backend, tp, batch, args))
+                    if save(False):
+                        return 1
     except ValueError as exc:
         print(f"kimi_decode.bench: error: {exc}", file=sys.stderr)
         return 2
+    except torch.cuda.OutOfMemoryError:
+        if results:
+            _print_table(results)
+        kept = f"; the {len(results)} before it are in {args.json}" if args.json and results else ""
+        print(f"kimi_decode.bench: error: out of GPU memory at {backend} tp {tp} batch {batch}{kept}", file=sys.stderr)
+        return 1
     _print_table(results)
-    if args.json:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-        return write_json(args.json, {"meta": meta, "results": results}, "kimi_decode.bench")
-    return 0
+    return save(True)
 
 
 def write_json(path: str, payload: dict, prog: str) -> int:

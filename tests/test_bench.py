@@ -125,6 +125,43 @@ def test_the_json_is_written_whole_or_not_at_all(tmp_path, capsys):
     assert json.loads(path.read_text()) == {"results": [1, 2]} and [f.name for f in tmp_path.iterdir()] == ["out.json"]
 
 
+@pytest.mark.parametrize("fail_at", [None, 3, 1])
+def test_the_json_keeps_each_configuration_as_it_is_timed(monkeypatch, tmp_path, capsys, fail_at):
+    """--json is rewritten after every configuration: a run that runs out of GPU memory at configuration `fail_at`
+    keeps the ones before it (meta.complete false) and ends with a one-line error naming the configuration, exit 1;
+    a whole run ends complete."""
+    from kimi_decode import bench
+
+    done = []
+
+    def fake_config(backend, tp, batch, args):
+        if len(done) + 1 == fail_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.15 GiB")
+        done.append((backend, tp, batch))
+        return {"rows": [dict(_row(backend, 1, 80.0, 70.0), tp=tp, batch=batch)], "step_us": 74.0, "copy_us": 4.0}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test card")
+    monkeypatch.setattr(bench, "bench_config", fake_config)
+    path = tmp_path / "run.json"
+    rc = bench.main(["--backend", "latency_specialized", "--tp", "16", "8", "--batch", "1", "8", "--json", str(path)])
+    err = capsys.readouterr().err
+    doc = json.loads(path.read_text()) if path.exists() else None
+    if fail_at is None:
+        assert rc == 0 and err == "" and doc["meta"]["complete"] is True and doc["meta"]["gpu"] == "a test card"
+        assert [(r["rows"][0]["tp"], r["rows"][0]["batch"]) for r in doc["results"]] == [(16, 1), (16, 8), (8, 1),
+                                                                                         (8, 8)]
+        return
+    assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("kimi_decode.bench: error: out of GPU memory")
+    failed = [(16, 1), (16, 8), (8, 1)][fail_at - 1]
+    assert f"latency_specialized tp {failed[0]} batch {failed[1]}" in err
+    if fail_at == 1:  # nothing timed: no file
+        assert doc is None and str(path) not in err
+    else:
+        assert f"the {fail_at - 1} before it are in {path}" in err
+        assert doc["meta"]["complete"] is False and len(doc["results"]) == fail_at - 1 == len(done)
+
+
 def _row(backend, layer, us, in_step, floor=50.0):
     return {"backend": backend, "tp": 16, "batch": 1, "layer": layer, "kind": "kda", "us": us, "in_step_us": in_step,
             "kernels": 8, "weight_bytes": 200e6, "state_bytes": 1e6, "floor_us": floor,
