@@ -15,10 +15,9 @@ What it runs today, per stage (everything else is `auto` by construction, since 
   `KIMI_DECODE_TC_ROWS_WARPS` caps the row tiles' warps per CTA;
 - the shared experts: their SiTU-GLU in the gate/up projection's epilogue, at batch 1 the GEMV's and from 2 rows the
   warpgroup-mma projection's where that takes their gate/up (`KIMI_DECODE_SHARED_GLU=1`: batch 1 only; `0`: its own
-  kernel). Where the
-  shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels at batch 1, all
-  launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third part of the
-  entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
+  kernel). Where the shared rows are few (`moe_mxfp4.few_shared_rows`: TP16) they then run inside other kernels at
+  batch 1, all launched under `routed_experts` (so `shared_experts` has no kernel there): the gate/up GEMV as a third
+  part of the entry kernel (`moe_entry`), the down-projection in CTAs of their own in the w2 expert kernel
   (`MoEW2SumShared`); `KIMI_DECODE_SHARED_GLU_IN=w13` puts the gate/up in CTAs of the w13 expert kernel instead
   (`MoEW13ActShared`, measured slower). At TP8 (twice the shared rows) without PDL every placement inside measured
   slower than their own kernels on their own stream, which it keeps then; under PDL (below) they run inside at both
@@ -718,7 +717,9 @@ class LatencySpecializedBackend(AutoBackend):
         """`make(w)`, a copy of weight `w` in another layout, made on first use and kept while `w` lives; None when
         that first use is inside a CUDA-graph capture, where the copy would become a node of the graph (`why`, what
         runs instead, is said once)."""
-        made = self._copies.setdefault(layout, WeakIdKeyDictionary())
+        made = self._copies.get(layout)
+        if made is None:
+            made = self._copies[layout] = WeakIdKeyDictionary()
         hit = made.get(w)
         if hit is not None:
             return hit
