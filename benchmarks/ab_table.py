@@ -5,7 +5,8 @@
 
 One row per (tp, batch, layer) and one column per file (named by the part of its name after `bench_ab_`), in us:
 each layer alone, or with `--in-step` its time within the step's graph; then a row per (tp, batch) for the whole
-step. Files from before the bench had in-step times show "-" there.
+step. Files from before the bench had in-step times show "-" there; a file of a bench that stopped before its last
+configuration is named "(incomplete)" and shows "-" for the ones it did not time.
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def layer_frame(paths: list[str], backend: str, in_step: bool) -> pd.DataFrame:
                 values[(r["tp"], r["batch"], str(r["layer"]))] = r.get("in_step_us") if in_step else r["us"]
             if rows:
                 values[(rows[0]["tp"], rows[0]["batch"], "step")] = res["step_us"]
-        cols[setting_name(path)] = values
+        # a bench stopped before its last configuration (time limit, out of memory) leaves the ones it timed
+        partial = isinstance(doc.get("meta"), dict) and doc["meta"].get("complete") is False
+        cols[setting_name(path) + (" (incomplete)" if partial else "")] = values
     frame = pd.DataFrame(cols)
     if frame.empty:
         raise ValueError(f"no {backend} rows in these files")

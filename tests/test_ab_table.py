@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ab_table  # noqa: E402
 
 
-def _bench_json(path: Path, us: dict, in_step: dict | None, step: float) -> str:
+def _bench_json(path: Path, us: dict, in_step: dict | None, step: float, meta: dict | None = None) -> str:
     rows = [{"backend": b, "tp": 16, "batch": 1, "layer": layer, "us": t,
              **({"in_step_us": in_step[layer]} if in_step else {})}
             for b in ("auto", "latency_specialized") for layer, t in us.items()]
@@ -19,7 +19,7 @@ def _bench_json(path: Path, us: dict, in_step: dict | None, step: float) -> str:
             r["us"] *= 3
     results = [{"rows": [r for r in rows if r["backend"] == b], "step_us": step * (3 if b == "auto" else 1)}
                for b in ("auto", "latency_specialized")]
-    path.write_text(json.dumps({"meta": {}, "results": results}))
+    path.write_text(json.dumps({"meta": meta or {}, "results": results}))
     return str(path)
 
 
@@ -46,3 +46,19 @@ def test_a_file_that_is_not_a_bench_json_is_an_error(tmp_path, capsys):
     good = _bench_json(tmp_path / "b.json", {1: 1.0}, None, 2.0)
     with pytest.raises(ValueError, match="no nope rows"):
         ab_table.layer_frame([good], "nope", in_step=False)
+
+
+def test_a_file_of_a_stopped_bench_is_named_incomplete(tmp_path):
+    """A bench stopped before its last configuration writes meta.complete false: its column says so, and the
+    configurations it did not time show as missing beside a complete file's."""
+    done = _bench_json(tmp_path / "bench_ab_A.json", {1: 74.0}, None, 150.0, {"complete": True})
+    stopped = tmp_path / "bench_ab_B.json"
+    doc = json.loads(Path(_bench_json(stopped, {1: 73.0}, None, 148.0, {"complete": False})).read_text())
+    for res in doc["results"]:  # another batch, which the stopped file lacks
+        for r in res["rows"]:
+            r["batch"] = 8
+    stopped.write_text(json.dumps(doc))
+    frame = ab_table.layer_frame([done, str(stopped)], "latency_specialized", in_step=False)
+    assert list(frame.columns) == ["A", "B (incomplete)"]
+    assert frame.loc[(16, 1, "1")].isna().tolist() == [False, True]
+    assert frame.loc[(16, 8, "1"), "B (incomplete)"] == 73.0
