@@ -589,21 +589,30 @@ class LatencySpecializedBackend(AutoBackend):
         return rows >= self._tc_rows[0] and not (self._tc_plain and (self._cute_rows(rows)
                                                                      or self._wgmma_rows(rows, name)))
 
+    def _project_kernel(self, rows: int, name: str) -> str:
+        """Which of our kernels `_project` runs projection `name` of `rows` tokens on: "gemv" (the CUDA-core GEMV)
+        below TC_MIN_ROWS rows, "wgmma" where `_wgmma_rows` takes it, else tensor cores up to TC_MAX_ROWS: "rows"
+        (the row tiles, by KIMI_DECODE_TC_FORM) or "split" (the split-K GEMM)."""
+        if rows < self._tc_rows[0]:
+            return "gemv"
+        if self._wgmma_rows(rows, name):
+            return "wgmma"
+        return "rows" if self._tc_form == "rows" and rows <= gemm_tc_rows.MAX_ROWS else "split"
+
     def _project(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, name: str, warps: int | None = None,
                  **epilogue) -> torch.Tensor:
-        """y = x @ w.T (or `gemv`'s accumulating forms) of projection `name` on our kernels: the CUDA-core GEMV below
-        TC_MIN_ROWS rows, the warpgroup-mma projection where `_wgmma_rows` takes it, else tensor cores up to
-        TC_MAX_ROWS (the split-K GEMM, or the row tiles by KIMI_DECODE_TC_FORM; `warps`: the most warps per CTA of the
-        row tiles' plan, for this projection)."""
-        if x.shape[0] < self._tc_rows[0]:
+        """y = x @ w.T (or `gemv`'s accumulating forms) of projection `name` on the kernel `_project_kernel` names
+        (`warps`: the most warps per CTA of the row tiles' plan, for this projection)."""
+        kernel = self._project_kernel(x.shape[0], name)
+        if kernel == "gemv":
             from ..kernels.gemv import gemv
 
             return gemv(w, x, y, **epilogue)
-        if self._wgmma_rows(x.shape[0], name):
+        if kernel == "wgmma":
             from ..kernels.gemm_wgmma import project_wgmma
 
             return project_wgmma(w, x, y, self._tc_counters(x.device), **epilogue)
-        if self._tc_form == "rows" and x.shape[0] <= gemm_tc_rows.MAX_ROWS:
+        if kernel == "rows":
             plan = gemm_tc_rows.rows_plan_for(x.shape[0], w.shape[0], w.shape[1], warps) if warps else None
             return gemm_tc_rows.project_rows(w, x, y, plan=plan, **epilogue)
         from ..kernels.gemm_tc import project
@@ -833,14 +842,12 @@ class LatencySpecializedBackend(AutoBackend):
 
     def _wgmma_glu(self, rows: int, gate_up: torch.Tensor) -> bool:
         """Whether the shared experts' gate/up projection of `rows` tokens runs on the warpgroup mma with the SiTU-GLU
-        in its epilogue: where `_gemv` would run it there (not on cuBLAS, not below TC_MIN_ROWS on the GEMV, and
-        `_wgmma_rows`) and its rows split into whole row groups of gate and up rows (`gemm_wgmma.glu_fits`), with
-        KIMI_DECODE_SHARED_GLU=all."""
+        in its epilogue: where `_gemv` would run it there (not on cuBLAS, and `_project_kernel` names it) and its rows
+        split into whole row groups of gate and up rows (`gemm_wgmma.glu_fits`), with KIMI_DECODE_SHARED_GLU=all."""
         from ..kernels.gemm_wgmma import glu_fits
 
-        return (self._shared_glu_wgmma and rows >= self._tc_rows[0]
-                and not self._plain_on_cublas(rows, "shared_gate_up") and self._wgmma_rows(rows, "shared_gate_up")
-                and glu_fits(gate_up.shape[0]))
+        return (self._shared_glu_wgmma and not self._plain_on_cublas(rows, "shared_gate_up")
+                and self._project_kernel(rows, "shared_gate_up") == "wgmma" and glu_fits(gate_up.shape[0]))
 
     def _launch_deferred_shared(self) -> None:
         """The deferred shared experts on their branch's stream (still open: `join` launches them before it closes
