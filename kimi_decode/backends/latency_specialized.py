@@ -108,6 +108,7 @@ batches over 64, no CUDA device or no cutlass-dsl.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from typing import NamedTuple
@@ -337,6 +338,15 @@ TC_COUNTERS = 1024
 EXPERT_COUNTERS = 2 + GEMV_MAX_ROWS
 
 
+@functools.cache
+def branch_stream(device: torch.device, name: str) -> torch.cuda.Stream:
+    """The stream branch `name` runs on, one per device for every backend: torch keeps a cuBLAS workspace per stream
+    that has run a cuBLAS call, for the life of the process, so streams of each backend's own would hold more
+    workspaces with every backend built. The router branch is on the critical path (it gates the experts): high
+    priority."""
+    return torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
+
+
 class LatencySpecializedBackend(AutoBackend):
     name = "latency_specialized"
 
@@ -521,8 +531,8 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- streams -----------------------------------------------------------------------------------------------------
     def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
         key = (device, name)
-        if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
-            self._streams[key] = torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
+        if key not in self._streams:
+            self._streams[key] = branch_stream(device, name)
         return self._streams[key]
 
     def _counter(self, name: str, device: torch.device, n: int = 1) -> torch.Tensor:
