@@ -13,8 +13,6 @@ group of one) they are skipped.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .backends import get_backend
@@ -22,6 +20,7 @@ from .config import KDA, ShardConfig, shard as make_shard
 from .instrument import DECODE_STEP, rng
 from .model import decode_layer
 from .state import init_kda_state, init_mla_cache, init_residual
+from .streams import process_stream
 from .weights import init_layer
 
 MAX_BATCH = 64
@@ -36,13 +35,6 @@ def check_slice(shard: ShardConfig, batch: int, first_layer: int, num_layers: in
     if num_layers < 1 or first_layer < 0 or first_layer + num_layers > m.num_layers:
         raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} are outside "
                          f"0..{m.num_layers - 1} of {m.name}")
-
-
-@functools.cache
-def warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream every slice on `device` warms up on. torch keeps one cuBLAS workspace per stream that has run
-    a cuBLAS call, for the life of the process, so a new stream per slice would hold one more workspace per slice."""
-    return torch.cuda.Stream(device)
 
 
 class DecodeSlice:
@@ -88,8 +80,7 @@ class DecodeSlice:
         """Warm up (compiles kernels, sets up cuBLAS) on a side stream, then record one step as a CUDA graph."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA-graph capture needs a CUDA device")
-        side = warmup_stream(torch.device("cuda", self.device.index if self.device.index is not None
-                                          else torch.cuda.current_device()))
+        side = process_stream(self.device, "warmup")
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(warmup):

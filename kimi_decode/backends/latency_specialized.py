@@ -108,7 +108,6 @@ batches over 64, no CUDA device or no cutlass-dsl.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 from typing import NamedTuple
@@ -121,6 +120,7 @@ from ..instrument import rng
 from ..kernels import cute_common, gemm_tc_rows
 from ..kernels.shared_mlp import COUNTERS as SHARED_COUNTERS
 from ..state import KDAState, ResidualState
+from ..streams import process_stream
 from ..weights import KDAWeights, MoEWeights
 from .auto import BF16, AutoBackend
 
@@ -338,15 +338,6 @@ TC_COUNTERS = 1024
 EXPERT_COUNTERS = 2 + GEMV_MAX_ROWS
 
 
-@functools.cache
-def branch_stream(device: torch.device, name: str) -> torch.cuda.Stream:
-    """The stream branch `name` runs on, one per device for every backend: torch keeps a cuBLAS workspace per stream
-    that has run a cuBLAS call, for the life of the process, so streams of each backend's own would hold more
-    workspaces with every backend built. The router branch is on the critical path (it gates the experts): high
-    priority."""
-    return torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
-
-
 class LatencySpecializedBackend(AutoBackend):
     name = "latency_specialized"
 
@@ -531,8 +522,8 @@ class LatencySpecializedBackend(AutoBackend):
     # ---- streams -----------------------------------------------------------------------------------------------------
     def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
         key = (device, name)
-        if key not in self._streams:
-            self._streams[key] = branch_stream(device, name)
+        if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
+            self._streams[key] = process_stream(device, name, priority=-1 if name == "router" else 0)
         return self._streams[key]
 
     def _counter(self, name: str, device: torch.device, n: int = 1) -> torch.Tensor:
