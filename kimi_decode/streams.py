@@ -1,8 +1,8 @@
-"""CUDA streams kept for the life of the process, one per device and purpose, for every slice and backend.
+"""CUDA streams kept for the life of the process, one per device and purpose (the slices' warm-up stream).
 
 torch keeps a cuBLAS workspace (32 MiB on Hopper) for each stream that has run a cuBLAS call, until the process
-ends, so a stream made per slice or per backend holds one more workspace with every slice or backend built: a bench
-of many configurations in one process grows by that much per configuration (benchmarks/NOTES.md, item 119).
+ends, so a stream made per slice holds one more workspace with every slice built: a bench of many configurations in
+one process grew by that much per configuration (benchmarks/NOTES.md, item 119).
 """
 from __future__ import annotations
 
