@@ -11,15 +11,15 @@ import functools
 import torch
 
 
-def process_stream(device: torch.device | str, name: str, priority: int = 0) -> torch.cuda.Stream:
-    """The process's stream `name` on `device` (the current CUDA device where it names no index), made with
-    `priority` the first time it is asked for."""
+def process_stream(device: torch.device | str, name: str) -> torch.cuda.Stream:
+    """The process's stream `name` on `device` (the current CUDA device where it names no index), made the first
+    time it is asked for."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
-    return _stream(device, name, priority)
+    return _stream(device, name)
 
 
 @functools.cache
-def _stream(device: torch.device, name: str, priority: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device, priority=priority)
+def _stream(device: torch.device, name: str) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)

@@ -8,20 +8,20 @@ from kimi_decode import streams
 def test_one_stream_per_device_and_name_made_once(monkeypatch):
     made = []
 
-    def fake_stream(device, priority=0):
-        made.append((device, priority))
+    def fake_stream(device):
+        made.append(device)
         return object()
 
     monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     streams._stream.cache_clear()
     try:
-        urgent = streams.process_stream(torch.device("cuda", 1), "urgent", priority=-1)
-        assert streams.process_stream("cuda", "urgent", priority=-1) is urgent  # no index: the current device
-        assert streams.process_stream("cuda:1", "urgent", priority=-1) is urgent
-        warmup = streams.process_stream("cuda:1", "warmup")
+        warmup = streams.process_stream(torch.device("cuda", 1), "warmup")
+        assert streams.process_stream("cuda", "warmup") is warmup  # no index: the current device
+        assert streams.process_stream("cuda:1", "warmup") is warmup
+        other_name = streams.process_stream("cuda:1", "other")
         other_device = streams.process_stream("cuda:0", "warmup")
-        assert len({id(urgent), id(warmup), id(other_device)}) == 3
-        assert made == [(torch.device("cuda", 1), -1), (torch.device("cuda", 1), 0), (torch.device("cuda", 0), 0)]
+        assert len({id(warmup), id(other_name), id(other_device)}) == 3
+        assert made == [torch.device("cuda", 1), torch.device("cuda", 1), torch.device("cuda", 0)]
     finally:
         streams._stream.cache_clear()
