@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 
@@ -9,3 +11,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_cycle_collector():
+    """The cycle collector off for the test (and back as it was after): what it frees must go by reference counts
+    alone."""
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()

@@ -205,34 +205,26 @@ def test_the_prefix_graphs_hold_the_steps_first_layers(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "latency_specialized"])
-def test_timed_slices_give_their_memory_back_without_the_cycle_collector(backend):
+def test_timed_slices_give_their_memory_back_without_the_cycle_collector(backend, no_cycle_collector):
     """A slice with its graphs (what `bench_config` times, at TP8 batch 8 where the experts run grouped and the
     specialized backend makes its weight copies), once dropped, holds no GPU memory, with the cycle collector off,
     slice after slice: a bench of many configurations in one process must not keep the ones before (ten in one
     process ran out of memory on an H100). Counted from after the process's first slice: what torch keeps for the
     process from then on (cuBLAS handles, a workspace per stream that ran cuBLAS) is not the slice's."""
-    import gc
-
     from kimi_decode.bench import _Captured
 
     def captured():
         return _Captured(DecodeSlice(backend=backend, tp=8, batch=8, first_layer=1, num_layers=2, context=256,
                                      device="cuda"))
 
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        first = captured()
-        del first
+    first = captured()
+    del first
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        cap = captured()
+        held, weights = torch.cuda.memory_allocated() - base, cap.sl.weight_bytes()
+        del cap
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        for _ in range(2):
-            cap = captured()
-            held, weights = torch.cuda.memory_allocated() - base, cap.sl.weight_bytes()
-            del cap
-            torch.cuda.synchronize()
-            left = torch.cuda.memory_allocated() - base
-            assert held > weights and left < 4 * 2**20, (held, weights, left)
-    finally:
-        if enabled:
-            gc.enable()
+        left = torch.cuda.memory_allocated() - base
+        assert held > weights and left < 4 * 2**20, (held, weights, left)

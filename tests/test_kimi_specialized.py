@@ -2346,25 +2346,18 @@ def test_f_b_column_copy_is_made_once_outside_captures_and_dropped_with_its_weig
     assert [len(made) for made in backend._copies.values()] == [0]
 
 
-def test_weight_copies_go_with_the_backend_without_the_cycle_collector():
+def test_weight_copies_go_with_the_backend_without_the_cycle_collector(no_cycle_collector):
     """A backend's weight copies (here f_b's columns) are freed when the backend goes, with the cycle collector off:
     nothing refers back to the backend, so a benchmark that makes one slice after another does not hold the copies
     of the ones before it (GiBs per slice) until a collection happens to run."""
-    import gc
     import weakref
 
     f_b = torch.randn(768, 128).bfloat16()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        backend = get_backend("latency_specialized")
-        cols = weakref.ref(backend._f_b_columns(f_b))
-        assert cols() is not None
-        del backend
-        assert cols() is None
-    finally:
-        if enabled:
-            gc.enable()
+    backend = get_backend("latency_specialized")
+    cols = weakref.ref(backend._f_b_columns(f_b))
+    assert cols() is not None
+    del backend
+    assert cols() is None
 
 
 @needs_cute
@@ -2595,9 +2588,9 @@ def test_shared_after_launches_deferred_shared_experts_at_their_join(monkeypatch
 ])
 def test_shared_experts_take_the_situ_glu_into_the_wgmma_epilogue(monkeypatch, rows, env, gate_rows, want):
     """With KIMI_DECODE_SHARED_GLU=all (the default; set unless a case sets or unsets it), where the shared experts'
-    gate/up runs on the warpgroup mma and its rows split into whole row groups, the SiTU-GLU is that projection's epilogue (two
-    kernels: gate/up with SiTU-GLU, down); "1" and "0", the other kernels and rows that do not split keep it a
-    kernel of its own."""
+    gate/up runs on the warpgroup mma and its rows split into whole row groups, the SiTU-GLU is that projection's
+    epilogue (two kernels: gate/up with SiTU-GLU, down); "1" and "0", the other kernels and rows that do not split
+    keep it a kernel of its own."""
     monkeypatch.setenv("KIMI_DECODE_SHARED_GLU", "all")
     for k, v in env.items():
         if v is None:
