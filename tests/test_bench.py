@@ -205,16 +205,18 @@ def test_the_prefix_graphs_hold_the_steps_first_layers(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "latency_specialized"])
-def test_timed_slices_give_their_memory_back_without_the_cycle_collector(backend, no_cycle_collector):
-    """A slice with its graphs (what `bench_config` times, at TP8 batch 8 where the experts run grouped and the
-    specialized backend makes its weight copies), once dropped, holds no GPU memory, with the cycle collector off,
-    slice after slice: a bench of many configurations in one process must not keep the ones before (ten in one
-    process ran out of memory on an H100). Counted from after the process's first slice: what torch keeps for the
-    process from then on (cuBLAS handles, a workspace per stream that ran cuBLAS) is not the slice's."""
+@pytest.mark.parametrize("tp,batch", [(8, 8), (16, 64)])
+def test_timed_slices_give_their_memory_back_without_the_cycle_collector(backend, tp, batch, no_cycle_collector):
+    """A slice with its graphs (what `bench_config` times: at batch 8 the experts run grouped and the specialized
+    backend makes its weight copies; at 64 rows its projections beside the main stream run cuBLAS on its branch
+    streams), once dropped, holds no GPU memory, with the cycle collector off, slice after slice: a bench of many
+    configurations in one process must not keep the ones before (ten in one process ran out of memory on an H100).
+    Counted from after the process's first slice: what torch keeps for the process from then on (cuBLAS handles, a
+    workspace per stream that ran cuBLAS) is not the slice's."""
     from kimi_decode.bench import _Captured
 
     def captured():
-        return _Captured(DecodeSlice(backend=backend, tp=8, batch=8, first_layer=1, num_layers=2, context=256,
+        return _Captured(DecodeSlice(backend=backend, tp=tp, batch=batch, first_layer=1, num_layers=2, context=256,
                                      device="cuda"))
 
     first = captured()
