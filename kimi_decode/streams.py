@@ -1,4 +1,5 @@
-"""CUDA streams kept for the life of the process, one per device and purpose (the slices' warm-up stream).
+"""CUDA streams kept for the life of the process, one per device, purpose and priority (the slices' warm-up
+stream, the specialized backend's branch streams).
 
 torch keeps a cuBLAS workspace (32 MiB on Hopper) for each stream that has run a cuBLAS call, until the process
 ends, so a stream made per slice holds one more workspace with every slice built: a bench of many configurations in
@@ -11,15 +12,15 @@ import functools
 import torch
 
 
-def process_stream(device: torch.device | str, name: str) -> torch.cuda.Stream:
+def process_stream(device: torch.device | str, name: str, priority: int = 0) -> torch.cuda.Stream:
     """The process's stream `name` on `device` (the current CUDA device where it names no index), made the first
-    time it is asked for."""
+    time it is asked for, at `priority` (lower runs first; one stream per device, name and priority)."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
-    return _stream(device, name)
+    return _stream(device, name, priority)
 
 
 @functools.cache
-def _stream(device: torch.device, name: str) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+def _stream(device: torch.device, name: str, priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=priority)

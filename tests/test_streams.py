@@ -5,11 +5,11 @@ import torch
 from kimi_decode import streams
 
 
-def test_one_stream_per_device_and_name_made_once(monkeypatch):
+def test_one_stream_per_device_name_and_priority_made_once(monkeypatch):
     made = []
 
-    def fake_stream(device):
-        made.append(device)
+    def fake_stream(device, priority=0):
+        made.append((device, priority))
         return object()
 
     monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
@@ -21,7 +21,10 @@ def test_one_stream_per_device_and_name_made_once(monkeypatch):
         assert streams.process_stream("cuda:1", "warmup") is warmup
         other_name = streams.process_stream("cuda:1", "other")
         other_device = streams.process_stream("cuda:0", "warmup")
-        assert len({id(warmup), id(other_name), id(other_device)}) == 3
-        assert made == [torch.device("cuda", 1), torch.device("cuda", 1), torch.device("cuda", 0)]
+        router = streams.process_stream("cuda:1", "router", priority=-1)
+        assert streams.process_stream("cuda", "router", priority=-1) is router
+        assert len({id(warmup), id(other_name), id(other_device), id(router)}) == 4
+        cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+        assert made == [(cuda1, 0), (cuda1, 0), (cuda0, 0), (cuda1, -1)]
     finally:
         streams._stream.cache_clear()

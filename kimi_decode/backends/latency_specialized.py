@@ -120,6 +120,7 @@ from ..instrument import rng
 from ..kernels import cute_common, gemm_tc_rows
 from ..kernels.shared_mlp import COUNTERS as SHARED_COUNTERS
 from ..state import KDAState, ResidualState
+from ..streams import process_stream
 from ..weights import KDAWeights, MoEWeights
 from .auto import BF16, AutoBackend
 
@@ -522,7 +523,7 @@ class LatencySpecializedBackend(AutoBackend):
     def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
         key = (device, name)
         if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
-            self._streams[key] = torch.cuda.Stream(device, priority=-1 if name == "router" else 0)
+            self._streams[key] = process_stream(device, name, priority=-1 if name == "router" else 0)
         return self._streams[key]
 
     def _counter(self, name: str, device: torch.device, n: int = 1) -> torch.Tensor:
