@@ -423,7 +423,6 @@ class LatencySpecializedBackend(AutoBackend):
         # the projections that run on the warpgroup-mma projection instead of cuBLAS above TC_MAX_ROWS (or of the row
         # tiles at and below it), from and up to how many rows (`kernels/gemm_wgmma.py`; `wgmma_setting`)
         self._wgmma = wgmma_setting(self._tc_rows[1])
-        self._streams: dict[tuple, torch.cuda.Stream] = {}
         # last-CTA kernels' self-resetting counters, o_proj's scratch, the split routed norm's (counters, parts)
         self._counters: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self._open: dict[str, torch.cuda.Stream] = {}  # branches forked and not joined yet
@@ -521,10 +520,9 @@ class LatencySpecializedBackend(AutoBackend):
 
     # ---- streams -----------------------------------------------------------------------------------------------------
     def _stream(self, name: str, device: torch.device) -> torch.cuda.Stream:
-        key = (device, name)
-        if key not in self._streams:  # the router branch is on the critical path (it gates the experts): high priority
-            self._streams[key] = process_stream(device, name, priority=-1 if name == "router" else 0)
-        return self._streams[key]
+        """Branch `name`'s stream: the process's (one for every backend and slice, so each keeps one cuBLAS
+        workspace); the router branch is on the critical path (it gates the experts): high priority."""
+        return process_stream(device, name, priority=-1 if name == "router" else 0)
 
     def _counter(self, name: str, device: torch.device, n: int = 1) -> torch.Tensor:
         """The completion counters of one last-CTA kernel site: `n` int32, 0 between launches (the kernel's last CTAs
@@ -560,7 +558,7 @@ class LatencySpecializedBackend(AutoBackend):
         and share a set; the branches' streams, which run beside the main one, have their own."""
         current = torch.cuda.current_stream(device)
         for name in BRANCHES:
-            if self._streams.get((device, name)) == current:
+            if self._stream(name, device) == current:
                 return self._counter(f"tc.{name}", device, TC_COUNTERS)
         return self._counter("tc.main", device, TC_COUNTERS)
 
