@@ -1,3 +1,4 @@
+import fcntl
 import gc
 import os
 
@@ -7,11 +8,6 @@ import torch
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        # Under `pytest -n N --dist loadgroup` the GPU tests of unsharded (TP1) layers, over 30 GiB each, run one
-        # after another on one worker instead of side by side on one card.
-        for item in items:
-            if "gpu" in item.keywords and getattr(item, "callspec", None) and item.callspec.params.get("tp") == 1:
-                item.add_marker(pytest.mark.xdist_group("tp1"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
@@ -20,11 +16,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _gpu_cache_released(request):
-    """Under pytest-xdist the workers share one card: after each GPU test its worker hands its cached blocks back,
-    so that one test's peak does not stay reserved while the other workers need the memory."""
-    yield
-    if "gpu" in request.keywords and os.environ.get("PYTEST_XDIST_WORKER") and torch.cuda.is_available():
+def _one_card_shared(request, tmp_path_factory):
+    """Under pytest-xdist the workers share one card. The GPU tests of unsharded (TP1) layers, over 30 GiB each, hold
+    a lock that the workers share, so that they run one at a time; after each GPU test its worker hands its cached
+    blocks back, so that one test's peak does not stay reserved while the other workers need the memory."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    callspec = getattr(request.node, "callspec", None)
+    with open(tmp_path_factory.getbasetemp().parent / "tp1.lock", "w") as lock:
+        if callspec is not None and callspec.params.get("tp") == 1:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
         gc.collect()
         torch.cuda.empty_cache()
 
