@@ -2,7 +2,8 @@
 # A device session on the H200 within one command's limit: the named steps, in the order given, each with its own
 # time limit (never past BUDGET seconds in all); the log and the results go to $OUT.
 #   source .devsite/activate.sh && bash benchmarks/run_h200.sh BUDGET STEP...
-# Steps: numerics (every latency_specialized GPU test), bench (both backends, TP16/TP8, batch 1 and 8), bench64 (the
+# Steps: numerics (every latency_specialized GPU test, on NUMERICS_WORKERS pytest-xdist workers, default 9: all 754
+# in 362 s on an H100, benchmarks/NOTES.md item 124), bench (both backends, TP16/TP8, batch 1 and 8), bench64 (the
 # same at batch 64), fidelity (benchmarks/capture_fidelity.py), captures (latency_specialized TP16/TP8 batch 1 into
 # $OUT), sweep (benchmarks/projection_sweep.py), captures-batch (both backends, TP16, at each of CAPTURE_BATCHES, default 8 64), capture-tests (tests/test_capture_gpu.py), dist1 (kimi_decode.dist_bench on one GPU), serial (latency_specialized
 # with KIMI_DECODE_OVERLAP=0: the MoE block on one stream), noprefetch / prefetch12 / prefetch40 (latency_specialized with
@@ -37,8 +38,10 @@
 # and the rest is removed (the device tool brings back at most 8 files).
 set -u
 # The device bundle has no msgspec (the Kineto JSON reader's decoder, which torch.profiler captures and their tests
-# need): carry a cp312 wheel unpacked at .whl/site (`pip download msgspec --only-binary=:all: --python-version 3.12
-# --platform manylinux2014_x86_64 -d .whl/dl && python3 -m zipfile -e .whl/dl/*.whl .whl/site`, carry ".whl").
+# need); pytest-xdist (the numerics step's workers) comes the same way: carry their wheels unpacked at .whl/site
+# (`pip download msgspec --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl/dl &&
+# pip download pytest-xdist execnet --no-deps --only-binary=:all: -d .whl/dl &&
+# for w in .whl/dl/*.whl; do python3 -m zipfile -e "$w" .whl/site; done`, carry ".whl").
 if [ -d .whl/site ]; then export PYTHONPATH="$PWD/.whl/site${PYTHONPATH:+:$PYTHONPATH}"; fi
 OUT="${OUT:-runs/h200}"
 mkdir -p "$OUT"
@@ -79,7 +82,8 @@ pip list 2>/dev/null | grep -i cutlass >>"$LOG"
 for name in "$@"; do
   case "$name" in
     numerics)
-      step numerics 330 python3 -m pytest -q -p no:cacheprovider tests/test_kimi_specialized_gpu.py ;;
+      step numerics 450 python3 -m pytest -q -p no:cacheprovider -n "${NUMERICS_WORKERS:-9}" --durations=10 \
+        tests/test_kimi_specialized_gpu.py ;;
     numerics-new)
       step numerics-new ${NEW_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider \
         ${NEW_FILES:-tests/test_kimi_specialized_gpu.py} -k "${NEW_TESTS:-router}" ;;
