@@ -15,18 +15,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# GPU tests at once under pytest-xdist: 9 workers ran the latency_specialized GPU file on one 80 GB H100 (NOTES item
+# 124); more workers (`-n auto` on a machine of many cores) wait for a slot instead of adding to the card's load.
+GPU_SLOTS = int(os.environ.get("KIMI_TEST_GPU_SLOTS", "9"))
+
+
 @pytest.fixture(autouse=True)
 def _one_card_shared(request, tmp_path_factory):
-    """Under pytest-xdist the workers share one card. The GPU tests of unsharded (TP1) layers, over 30 GiB each, hold
-    a lock that the workers share, so that they run one at a time; after each GPU test its worker hands its cached
-    blocks back, so that one test's peak does not stay reserved while the other workers need the memory."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or "gpu" not in request.keywords or not torch.cuda.is_available():
+    """Under pytest-xdist the workers share one card. A GPU test holds its worker's slot (worker number modulo
+    GPU_SLOTS), so that at most GPU_SLOTS run at once; a GPU test of an unsharded (TP1) layer, over 30 GiB, also holds
+    the TP1 lock, so that those run one at a time. After each GPU test its worker hands its cached blocks back, so that
+    one test's peak does not stay reserved while the other workers need the memory. The locks are files that the
+    workers share, always taken in the same order (slot, then TP1)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or "gpu" not in request.keywords or not torch.cuda.is_available():
         yield
         return
     callspec = getattr(request.node, "callspec", None)
-    with open(tmp_path_factory.getbasetemp().parent / "tp1.lock", "w") as lock:
-        if callspec is not None and callspec.params.get("tp") == 1:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    tp1 = callspec is not None and callspec.params.get("tp") == 1
+    shared = tmp_path_factory.getbasetemp().parent
+    with open(shared / f"gpu_slot{int(worker[2:]) % GPU_SLOTS}.lock", "w") as slot, \
+            open(shared / "tp1.lock", "w") as big:
+        fcntl.flock(slot, fcntl.LOCK_EX)
+        if tp1:
+            fcntl.flock(big, fcntl.LOCK_EX)
         yield
         gc.collect()
         torch.cuda.empty_cache()
