@@ -34,11 +34,11 @@ def _one_card_shared(request, tmp_path_factory):
     callspec = getattr(request.node, "callspec", None)
     tp1 = callspec is not None and callspec.params.get("tp") == 1
     shared = tmp_path_factory.getbasetemp().parent
-    with open(shared / f"gpu_slot{int(worker[2:]) % GPU_SLOTS}.lock", "w") as slot, \
-            open(shared / "tp1.lock", "w") as big:
-        fcntl.flock(slot, fcntl.LOCK_EX)
+    with open(shared / f"gpu_slot{int(worker[2:]) % GPU_SLOTS}.lock", "w") as slot_lock, \
+            open(shared / "tp1.lock", "w") as tp1_lock:
+        fcntl.flock(slot_lock, fcntl.LOCK_EX)
         if tp1:
-            fcntl.flock(big, fcntl.LOCK_EX)
+            fcntl.flock(tp1_lock, fcntl.LOCK_EX)
         yield
         gc.collect()
         torch.cuda.empty_cache()
