@@ -1,6 +1,7 @@
-"""tests/conftest.py shares one card among pytest-xdist workers: at most GPU_SLOTS GPU tests at once, and the GPU
-tests of unsharded (TP1) layers one at a time. Checked on the CPU: the project's conftest in a scratch project whose
-workers see a CUDA device (faked), and whose tests log when they ran."""
+"""tests/conftest.py shares one card among pytest-xdist workers: at most GPU_SLOTS GPU tests at once, a GPU test
+waiting only while GPU_SLOTS others run, and the GPU tests of unsharded (TP1) layers one at a time. Checked on the
+CPU: the project's conftest in a scratch project whose workers see a CUDA device (faked), and whose tests log when
+they ran."""
 from pathlib import Path
 
 import pytest
