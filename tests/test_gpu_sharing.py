@@ -61,13 +61,25 @@ def test_no_more_gpu_tests_at_once_than_slots(pytester, monkeypatch, tmp_path):
     assert _most_at_once([(t0, t1) for _, t0, t1 in runs]) <= 2, runs
 
 
-def _slot_taker(monkeypatch, slots):
-    """The conftest's `_take_gpu_slot`, from a copy of the module with GPU_SLOTS = `slots`."""
+def _conftest_copy():
     spec = importlib.util.spec_from_file_location("card_sharing_conftest", Path(__file__).parent / "conftest.py")
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
+    return conftest
+
+
+def _slot_taker(monkeypatch, slots):
+    """The conftest's `_take_gpu_slot`, from a copy of the module with GPU_SLOTS = `slots`."""
+    conftest = _conftest_copy()
     monkeypatch.setattr(conftest, "GPU_SLOTS", slots)
     return conftest._take_gpu_slot
+
+
+@pytest.mark.parametrize("slots", ["0", "nine", "-1"])
+def test_a_gpu_slot_count_of_none_or_not_a_number_is_refused_by_name(monkeypatch, slots):
+    monkeypatch.setenv("KIMI_TEST_GPU_SLOTS", slots)
+    with pytest.raises(ValueError, match="KIMI_TEST_GPU_SLOTS must be a whole number, 1 or more"):
+        _conftest_copy()
 
 
 def _hold(path):
