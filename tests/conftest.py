@@ -16,8 +16,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# GPU tests at once under pytest-xdist: 9 workers ran the latency_specialized GPU file on one 80 GB H100 (NOTES item
-# 124); more workers (`-n auto` on a machine of many cores) wait for a slot instead of adding to the card's load.
 def _gpu_slots() -> int:
     raw = os.environ.get("KIMI_TEST_GPU_SLOTS", "9")
     if not raw.isdigit() or int(raw) < 1:  # with none, no GPU test would ever start
@@ -25,6 +23,8 @@ def _gpu_slots() -> int:
     return int(raw)
 
 
+# GPU tests at once under pytest-xdist: 9 workers ran the latency_specialized GPU file on one 80 GB H100 (NOTES item
+# 124); more workers (`-n auto` on a machine of many cores) wait for a slot instead of adding to the card's load.
 GPU_SLOTS = _gpu_slots()
 SLOT_POLL_S = 0.05
 
