@@ -6,6 +6,8 @@ import time
 import pytest
 import torch
 
+from kimi_decode.kernels.cute_common import env_int
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -16,16 +18,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _gpu_slots() -> int:
-    raw = os.environ.get("KIMI_TEST_GPU_SLOTS", "9")
-    if not raw.isdigit() or int(raw) < 1:  # with none, no GPU test would ever start
-        raise ValueError(f"KIMI_TEST_GPU_SLOTS must be a whole number, 1 or more, not {raw!r}")
-    return int(raw)
-
-
 # GPU tests at once under pytest-xdist: 9 workers ran the latency_specialized GPU file on one 80 GB H100 (NOTES item
-# 124); more workers (`-n auto` on a machine of many cores) wait for a slot instead of adding to the card's load.
-GPU_SLOTS = _gpu_slots()
+# 124); more workers (`-n auto` on a machine of many cores) wait for a slot instead of adding to the card's load. At
+# least 1: with none, no GPU test would ever start.
+GPU_SLOTS = env_int("KIMI_TEST_GPU_SLOTS", 9, 1, 1024, "the GPU tests at once")
 SLOT_POLL_S = 0.05
 
 

@@ -78,7 +78,7 @@ def _slot_taker(monkeypatch, slots):
 @pytest.mark.parametrize("slots", ["0", "nine", "-1"])
 def test_a_gpu_slot_count_of_none_or_not_a_number_is_refused_by_name(monkeypatch, slots):
     monkeypatch.setenv("KIMI_TEST_GPU_SLOTS", slots)
-    with pytest.raises(ValueError, match="KIMI_TEST_GPU_SLOTS must be a whole number, 1 or more"):
+    with pytest.raises(ValueError, match=r"KIMI_TEST_GPU_SLOTS must be the GPU tests at once in 1\.\.1024"):
         _conftest_copy()
 
 
