@@ -1,9 +1,13 @@
-"""Per-kernel times of one layer in kprof captures: for each kernel of the layer (in launch order), the median over
-steps of its own time (the part of its interval no earlier kernel covers), its duration, and the gap before it.
+"""Per-kernel times of one layer in kprof captures: for each kernel of the layer, the median over steps of its own
+time (the part of its interval no earlier kernel covers), its duration, and the gap before it (from the end of the
+kernel that started before it), in the order of their median start.
 
     python benchmarks/per_kernel.py CAPTURE.kprof [CAPTURE.kprof ...] [--layer 1]
 
-With several captures the columns sit side by side (same layer, kernels matched by position), for A/B runs.
+A kernel is known by its name, its stage and how many kernels of the same name and stage came before it in its
+step, not by its place in the step: the kernels of a forked layer's streams start in either order from one step to
+the next, and a place would mix two kernels' times. With several captures (A/B runs) the columns sit side by side,
+kernels matched the same way; one that a capture lacks shows NaN there.
 """
 from __future__ import annotations
 
@@ -16,17 +20,42 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analyzers.layers import kernel_layers, owned_ns  # noqa: E402
+from analyzers.trace import TraceError  # noqa: E402
 from profiler.readers import read_trace  # noqa: E402
+
+KEY = ["name", "stage", "nth"]  # a kernel of the layer, the same in every step
 
 
 def layer_kernels(path: str, layer: int) -> pd.DataFrame:
-    """The kernels of `layer` in the capture's steps, in launch order within each step (`pos`), with their own time
-    (`own_us`, the part of each kernel's interval no earlier kernel covers)."""
+    """The kernels of `layer` in the capture's steps, in start order within each step (`pos`), with their own time
+    (`own_us`, the part of each kernel's interval no earlier kernel covers) and `nth`, how many kernels of the same
+    name and stage started before them in their step. Raises TraceError for a capture kprof cannot read or a layer
+    it has no kernels of."""
     kernels = kernel_layers(read_trace(path))
     kernels["own_us"] = owned_ns(kernels) / 1e3
     kernels = kernels[(kernels["layer"] == layer) & (kernels["step"] >= 0)].sort_values(["step", "start_ns"])
+    if kernels.empty:
+        raise TraceError(f"{Path(path).name}: no kernels of layer {layer} in a step")
     kernels["pos"] = kernels.groupby("step").cumcount()
+    kernels["nth"] = kernels.groupby(["step", "name", "stage"]).cumcount()
     return kernels
+
+
+def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
+    """One row per kernel of the layer (`KEY`), in the order of its median start: its stream, and the medians over
+    steps of `own`, `dur` and `gap` (us) and of `start` / `end` (us from the step's first kernel of the layer)."""
+    first = kernels.groupby("step")["start_ns"].transform("min")
+    ends_before = kernels.groupby("step")["end_ns"].shift()
+    kernels = kernels.assign(start=(kernels["start_ns"] - first) / 1e3, end=(kernels["end_ns"] - first) / 1e3,
+                             dur=(kernels["end_ns"] - kernels["start_ns"]) / 1e3,
+                             gap=(kernels["start_ns"] - ends_before).fillna(0) / 1e3)
+    table = kernels.groupby(KEY).agg(stream=("stream", "first"), own=("own_us", "median"), dur=("dur", "median"),
+                                     gap=("gap", "median"), start=("start", "median"), end=("end", "median"))
+    return table.sort_values("start", kind="stable").reset_index()
+
+
+def layer_table(path: str, layer: int) -> pd.DataFrame:
+    return kernel_table(layer_kernels(path, layer))
 
 
 def short_names(names: pd.Series, width: int) -> pd.Series:
@@ -34,29 +63,32 @@ def short_names(names: pd.Series, width: int) -> pd.Series:
     return names.str.replace("kernel_cutlass_kernel_kimi_decodekernels", "", regex=False).str[:width]
 
 
-def layer_table(path: str, layer: int) -> pd.DataFrame:
-    kernels = layer_kernels(path, layer)
-    kernels["dur_us"] = (kernels["end_ns"] - kernels["start_ns"]) / 1e3
-    kernels["gap_us"] = (kernels["start_ns"] - kernels.groupby("step")["end_ns"].shift()).fillna(0) / 1e3
-    table = kernels.groupby("pos").agg(name=("name", "first"), own=("own_us", "median"), dur=("dur_us", "median"),
-                                       gap=("gap_us", "median"))
-    table["name"] = short_names(table["name"], 34)
-    return table
+def side_by_side(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """The tables' own, dur and gap columns (suffixed 0, 1, ...) on one row per kernel of any of them, ordered by
+    each kernel's median start in the first table that has it."""
+    out = None
+    for i, t in enumerate(tables):
+        part = t[KEY + ["own", "dur", "gap", "start"]].rename(columns=lambda c: c if c in KEY else f"{c}{i}")
+        out = part if out is None else out.merge(part, on=KEY, how="outer")
+    out["order"] = out[[f"start{i}" for i in range(len(tables))]].bfill(axis=1).iloc[:, 0]
+    out = out.sort_values("order", kind="stable").reset_index(drop=True)
+    out["name"] = short_names(out["name"], 34)
+    cols = ["name", "stage"] + [f"{c}{i}" for i in range(len(tables)) for c in ("own", "dur", "gap")]
+    return out[cols].round(1)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("captures", nargs="+")
     parser.add_argument("--layer", type=int, default=1)
-    args = parser.parse_args()
-    tables = [layer_table(p, args.layer) for p in args.captures]
-    out = tables[0][["name"]].copy()
-    for i, t in enumerate(tables):
-        for col in ("own", "dur", "gap"):
-            out[f"{col}{i}"] = t[col].round(1)
-    total = {f"own{i}": round(float(t["own"].sum()), 1) for i, t in enumerate(tables)}
-    print(out.to_string())
-    print("sum of own us:", total)
+    args = parser.parse_args(argv)
+    try:
+        tables = [layer_table(p, args.layer) for p in args.captures]
+    except TraceError as exc:
+        print(f"per_kernel: {exc}", file=sys.stderr)
+        return 1
+    print(side_by_side(tables).to_string())
+    print("sum of own us:", {f"own{i}": round(float(t["own"].sum()), 1) for i, t in enumerate(tables)})
     return 0
 
 

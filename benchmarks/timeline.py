@@ -1,6 +1,6 @@
-"""When each kernel of one layer runs, in kprof captures: for each kernel (in launch order) its stream, stage, and the
-median over steps of its start and end relative to the layer's first kernel, to see which branch of a forked layer
-holds the next kernel back.
+"""When each kernel of one layer runs, in kprof captures: for each kernel (known as `per_kernel.py` knows it, in the
+order of its median start) its stream, stage, and the median over steps of its start and end relative to the layer's
+first kernel, to see which branch of a forked layer holds the next kernel back.
 
     python benchmarks/timeline.py CAPTURE.kprof [--layer 1]
 """
@@ -12,27 +12,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from per_kernel import layer_kernels, short_names  # noqa: E402
+from analyzers.trace import TraceError  # noqa: E402
+from per_kernel import layer_table, short_names  # noqa: E402
 
 
 def layer_timeline(path: str, layer: int):
-    kernels = layer_kernels(path, layer)
-    first = kernels.groupby("step")["start_ns"].transform("min")
-    kernels = kernels.assign(start_us=(kernels["start_ns"] - first) / 1e3, end_us=(kernels["end_ns"] - first) / 1e3)
-    table = kernels.groupby("pos").agg(name=("name", "first"), stream=("stream", "first"), stage=("stage", "first"),
-                                       start=("start_us", "median"), end=("end_us", "median"))
+    table = layer_table(path, layer)[["name", "stream", "stage", "start", "end"]]
     table["name"] = short_names(table["name"], 40)
     return table.round(1)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("captures", nargs="+")
     parser.add_argument("--layer", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for path in args.captures:
+        try:
+            table = layer_timeline(path, args.layer)
+        except TraceError as exc:
+            print(f"timeline: {exc}", file=sys.stderr)
+            return 1
         print(path)
-        print(layer_timeline(path, args.layer).to_string())
+        print(table.to_string())
     return 0
 
 
