@@ -27,7 +27,7 @@ KEY = ["name", "stage", "nth"]  # a kernel of the layer, the same in every step
 
 
 def layer_kernels(path: str, layer: int) -> pd.DataFrame:
-    """The kernels of `layer` in the capture's steps, in start order within each step (`pos`), with their own time
+    """The kernels of `layer` in the capture's steps, in start order within each step, with their own time
     (`own_us`, the part of each kernel's interval no earlier kernel covers) and `nth`, how many kernels of the same
     name and stage started before them in their step. Raises TraceError for a capture kprof cannot read or a layer
     it has no kernels of."""
@@ -36,7 +36,6 @@ def layer_kernels(path: str, layer: int) -> pd.DataFrame:
     kernels = kernels[(kernels["layer"] == layer) & (kernels["step"] >= 0)].sort_values(["step", "start_ns"])
     if kernels.empty:
         raise TraceError(f"{Path(path).name}: no kernels of layer {layer} in a step")
-    kernels["pos"] = kernels.groupby("step").cumcount()
     kernels["nth"] = kernels.groupby(["step", "name", "stage"]).cumcount()
     return kernels
 

@@ -23,7 +23,6 @@ def _kernels(rows):
     k = pd.DataFrame(rows, columns=["step", "name", "stage", "stream", "start_ns", "end_ns"])
     k["own_us"] = owned_ns(k) / 1e3
     k = k.sort_values(["step", "start_ns"])
-    k["pos"] = k.groupby("step").cumcount()
     k["nth"] = k.groupby(["step", "name", "stage"]).cumcount()
     return k
 
