@@ -27,17 +27,20 @@ KEY = ["name", "stage", "nth"]  # a kernel of the layer, the same in every step
 
 
 def layer_kernels(path: str, layer: int) -> pd.DataFrame:
-    """The kernels of `layer` in the capture's steps, in start order within each step, with their own time
-    (`own_us`, the part of each kernel's interval no earlier kernel covers) and `nth`, how many kernels of the same
-    name and stage started before them in their step. Raises TraceError for a capture kprof cannot read or a layer
-    it has no kernels of."""
-    kernels = kernel_layers(read_trace(path))
-    kernels["own_us"] = owned_ns(kernels) / 1e3
+    """`layer_rows` of the capture at `path`. Raises TraceError for a capture kprof cannot read or a layer it has no
+    kernels of."""
+    return layer_rows(kernel_layers(read_trace(path)), layer, Path(path).name)
+
+
+def layer_rows(kernels: pd.DataFrame, layer: int, source: str = "capture") -> pd.DataFrame:
+    """The kernels of `layer` in the steps of `kernels` (`analyzers.layers.kernel_layers`' rows), in start order
+    within each step, with their own time (`own_us`, the part of each kernel's interval no earlier kernel of the
+    step covers) and `nth`, how many kernels of the same name and stage started before them in their step."""
+    kernels = kernels.assign(own_us=owned_ns(kernels) / 1e3)
     kernels = kernels[(kernels["layer"] == layer) & (kernels["step"] >= 0)].sort_values(["step", "start_ns"])
     if kernels.empty:
-        raise TraceError(f"{Path(path).name}: no kernels of layer {layer} in a step")
-    kernels["nth"] = kernels.groupby(["step", "name", "stage"]).cumcount()
-    return kernels
+        raise TraceError(f"{source}: no kernels of layer {layer} in a step")
+    return kernels.assign(nth=kernels.groupby(["step", "name", "stage"]).cumcount())
 
 
 def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:

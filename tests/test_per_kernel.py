@@ -13,18 +13,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import per_kernel  # noqa: E402
 import timeline  # noqa: E402
-from analyzers.layers import owned_ns  # noqa: E402
 
 CAPTURE = ROOT / "examples" / "captures" / "latency_specialized_tp16_b1.kprof"
 
 
 def _kernels(rows):
-    """rows: (step, name, stage, stream, start_ns, end_ns) -> the frame `layer_kernels` returns."""
-    k = pd.DataFrame(rows, columns=["step", "name", "stage", "stream", "start_ns", "end_ns"])
-    k["own_us"] = owned_ns(k) / 1e3
-    k = k.sort_values(["step", "start_ns"])
-    k["nth"] = k.groupby(["step", "name", "stage"]).cumcount()
-    return k
+    """rows: (step, name, stage, stream, start_ns, end_ns) of layer 1 -> `per_kernel.layer_rows` of them."""
+    k = pd.DataFrame(rows, columns=["step", "name", "stage", "stream", "start_ns", "end_ns"]).assign(layer=1)
+    return per_kernel.layer_rows(k, 1)
 
 
 def test_kernels_of_two_streams_keep_their_times_when_their_order_swaps():
