@@ -34,7 +34,8 @@ def test_kernels_of_two_streams_keep_their_times_when_their_order_swaps():
         rows.append((step, "down", "routed_experts", 147, *down))
         rows.append((step, "proj", "routed_experts", 147, t + 26_000, t + 30_000))
         rows.append((step, "proj", "routed_experts", 147, t + 31_000, t + 41_000))
-    table = per_kernel.kernel_table(_kernels(rows)).set_index(["name", "nth"])
+    ordered = per_kernel.kernel_table(_kernels(rows))
+    table = ordered.set_index(["name", "nth"])
     assert table.loc[("topk", 0), "dur"] == pytest.approx(2.0)
     assert table.loc[("down", 0), "dur"] == pytest.approx(20.0)
     assert table.loc[("topk", 0), "stream"] == 7 and table.loc[("down", 0), "stream"] == 147
@@ -42,7 +43,7 @@ def test_kernels_of_two_streams_keep_their_times_when_their_order_swaps():
     assert table.loc[("proj", 0), "dur"] == pytest.approx(4.0)
     assert table.loc[("proj", 1), "dur"] == pytest.approx(10.0)
     # rows in the order of the median start: down (4.0 us in two steps of three) before topk (5.0)
-    assert list(per_kernel.kernel_table(_kernels(rows))["name"]) == ["attn", "down", "topk", "proj", "proj"]
+    assert list(ordered["name"]) == ["attn", "down", "topk", "proj", "proj"]
     # own time: topk 2 us where it starts first (one step), else 0 inside down's interval; down all its 20 there
     assert table.loc[("topk", 0), "own"] == pytest.approx(0.0)
     assert table.loc[("down", 0), "own"] == pytest.approx(20.0)
