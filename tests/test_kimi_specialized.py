@@ -449,7 +449,6 @@ def test_gemv_preload_setting_other_than_a_whole_number_is_refused_by_name(monke
     ("KIMI_DECODE_SHARED_IN_EXPERTS", "always", "1"), ("KIMI_DECODE_SHARED_GLU_IN", "w2", "w13"),
     ("KIMI_DECODE_TC_MIN_ROWS", "0", "4"), ("KIMI_DECODE_TC_MAX_ROWS", "65", "3"),
     ("KIMI_DECODE_PREFETCH_MB", "lots", "12"), ("KIMI_DECODE_PREFETCH_MB", "-1", "0.5"),
-    ("KIMI_DECODE_STRIPE_PREFETCH", "101", "50"), ("KIMI_DECODE_STRIPE_PREFETCH", "0.5", "0"),
 ])
 def test_backend_settings_with_a_bad_value_are_refused_by_name(monkeypatch, name, bad, good):
     """A mistyped setting fails when the backend is built, naming the variable, instead of quietly running a
@@ -2065,45 +2064,21 @@ def test_prefetch_view_takes_whole_chunks_of_the_first_bytes():
 
     w = torch.arange(3 * CHUNK + 100, dtype=torch.uint8)
     v = prefetch_view(w, 2 * CHUNK + 5)
-    assert v.shape == (2, 1, CHUNK) and v.data_ptr() == w.data_ptr() and torch.equal(v.reshape(-1), w[: 2 * CHUNK])
-    assert prefetch_view(w, 10**9).shape == (3, 1, CHUNK)  # never past the tensor
+    assert v.shape == (2, CHUNK) and v.data_ptr() == w.data_ptr() and torch.equal(v.reshape(-1), w[: 2 * CHUNK])
+    assert prefetch_view(w, 10**9).shape == (3, CHUNK)  # never past the tensor
     assert prefetch_view(w, CHUNK - 1) is None
     with pytest.raises(ValueError, match="contiguous"):
         prefetch_view(torch.empty(64, 64 * 1024, dtype=torch.uint8)[:, ::2], CHUNK)
 
 
-def test_stripe_view_takes_the_head_of_every_k_slice_of_every_row():
-    from kimi_decode.kernels.prefetch import stripe_view
-
-    rows, K, split = 5, 320, 128  # bf16: 640-byte rows in slices of 256, 256 and a last one of 128 bytes
-    w = torch.arange(rows * K, dtype=torch.int16).view(torch.bfloat16).view(rows, K)
-    data = w.view(-1).view(torch.uint8).view(rows, 2 * K)
-    v = stripe_view(w, split, 40)  # 40% of 256 bytes is 102, rounded down to 96
-    assert v.shape == (rows, 3, 96) and v.data_ptr() == w.data_ptr()
-    for r in range(rows):
-        for s in range(3):
-            assert torch.equal(v[r, s], data[r, 256 * s: 256 * s + 96])
-    assert stripe_view(w, split, 100).shape == (rows, 3, 128)  # at most the shortest (last) slice
-    assert stripe_view(w, K, 100).shape == (rows, 1, 2 * K)  # one slice: whole rows
-    assert stripe_view(w, split, 5) is None  # 12 bytes: less than one 16-byte request
-    with pytest.raises(ValueError, match="contiguous"):
-        stripe_view(torch.empty(64, 512, dtype=torch.bfloat16)[:, ::2], 64, 50)
-
-
 @needs_cute
 def test_prefetch_compiles_for_sm90a(sm90a):
-    from kimi_decode.kernels.gemm_wgmma import KS, wgmma_plan_for
-    from kimi_decode.kernels.prefetch import compile_prefetch, prefetch_view, stripe_view
+    from kimi_decode.kernels.prefetch import compile_prefetch, prefetch_view
 
     m = shard("k3", tp=16).model
     for mb in (1, 24, 200):  # fewer chunks than threads, a few per thread, all of a 51 MB weight
         assert compile_prefetch(prefetch_view(torch.empty(m.moe_latent, m.hidden, dtype=torch.bfloat16),
                                               mb << 20)) is not None
-    for n, k in ((m.moe_latent, m.hidden), (m.hidden, m.moe_latent)):  # the latent down- and up-projection
-        w = torch.empty(n, k, dtype=torch.bfloat16)
-        for rows in (2, 8, 32):
-            view = stripe_view(w, wgmma_plan_for(rows, n, k).per_split * KS, 40)
-            assert view is not None and compile_prefetch(view) is not None
 
 
 @pytest.mark.parametrize("env, overlap, prefetch, fused_gate", [

@@ -285,28 +285,6 @@ def test_specialized_layer_with_other_prefetch_sizes_matches_reference(monkeypat
     check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
 
 
-@pytest.mark.parametrize("tp, batch", [(16, 8), (8, 8), (16, 2)])
-def test_specialized_layer_with_stripe_prefetch_matches_reference(monkeypatch, tp, batch):
-    """KIMI_DECODE_STRIPE_PREFETCH asks L2 for stripes of the latent down-projection (beside the KDA core) and of the
-    up-projection (beside the w2 kernel: the per-pair experts at TP16, the grouped ones at TP8 batch 8), each view
-    shaped by the warpgroup-mma plan of its projection; a hint changes no result."""
-    from kimi_decode.kernels import prefetch
-    from kimi_decode.kernels.gemm_wgmma import KS, wgmma_plan_for
-
-    asked = []
-    ask = prefetch.prefetch_bytes
-    monkeypatch.setattr(prefetch, "prefetch_bytes", lambda view: (asked.append(tuple(view.shape)), ask(view)))
-    monkeypatch.setenv("KIMI_DECODE_STRIPE_PREFETCH", "40")
-    s = shard("k3", tp=tp)
-    lw, res, state = layer_case(s, 1, batch, seed=4600 + tp + batch, device="cuda")
-    check_layer(get_backend("latency_specialized", poison=True), lw, res, state, s).assert_within(BF16_TOL)
-    m = s.model
-    down, up = (wgmma_plan_for(batch, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-                for n, k in ((m.moe_latent, m.hidden), (m.hidden, m.moe_latent)))
-    assert [v[:2] for v in asked] == [(m.moe_latent, down.splits), (m.hidden, up.splits)]
-    assert [v[2] for v in asked] == [p.per_split * KS * 2 * 40 // 100 // 16 * 16 for p in (down, up)]
-
-
 @pytest.mark.parametrize("tp", [16, 8])
 def test_forked_moe_block_replays_in_a_graph_like_eager(tp):
     """The forked MoE block captured in a CUDA graph (fork and join across three streams) gives the eager step's

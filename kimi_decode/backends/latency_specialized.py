@@ -110,7 +110,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -269,11 +268,6 @@ TC_MAX_ROWS = 16
 # L2 prefetch per streaming projection, in MB: off by default, since on the H200 12 / 24 / 40 MB made the TP16 batch-1
 # KDA layer 1.1 / 3.3 / 5.9 us slower (benchmarks/NOTES.md, v6); KIMI_DECODE_PREFETCH_MB turns it on
 PREFETCH_MB = 0
-# L2 prefetch in stripes (`prefetch.stripe_view`) for the projections on the warpgroup mma, whose CTAs run in one wave
-# (from 2 rows): the first N % of every CTA's K slice of the latent down-projection beside the KDA core, output
-# projection and AttnRes, and of the up-projection beside the w2 expert kernel. Off by default until measured
-# (KIMI_DECODE_STRIPE_PREFETCH=N, 0..100)
-STRIPE_PREFETCH = 0
 # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue only at batch 1: it saves a kernel and 0.3-0.5 us there,
 # and costs 1.4 us at batch 4 and 2-8 us at batch 8 (two weight rows per warp, half the warps; NOTES, v6)
 GLU_MAX_ROWS = 1
@@ -363,8 +357,6 @@ class LatencySpecializedBackend(AutoBackend):
         self._cute_attn_res = cute_common.env_flag("KIMI_DECODE_CUTE_ATTN_RES", "1")
         self._overlap_on = cute_common.env_flag("KIMI_DECODE_OVERLAP", "1")
         self._prefetch_bytes = int(prefetch_mb() * 2**20)
-        self._stripe_pct = cute_common.env_int("KIMI_DECODE_STRIPE_PREFETCH", STRIPE_PREFETCH, 0, 100,
-                                               "percent of each K slice")
         self._lw = None
         # the shared experts' SiTU-GLU in the gate/up GEMV's epilogue at batch 1 ("1"), also in the warpgroup-mma
         # projection's from 2 rows ("all", `_wgmma_glu`), or as a kernel of its own at every batch ("0")
@@ -679,19 +671,6 @@ class LatencySpecializedBackend(AutoBackend):
         with rng("prefetch"), self.branch("prefetch", w):
             prefetch_weights(w, self._prefetch_bytes)
 
-    def _prefetch_stripes(self, w: torch.Tensor, rows: int, name: str) -> None:
-        """Ask L2 for the first KIMI_DECODE_STRIPE_PREFETCH % of every CTA's K slice of `w`, the weights of projection
-        `name` of `rows` tokens to come, where `_project` will run it on the warpgroup mma (the caller says that
-        `_project` runs it), on the `prefetch` stage's stream beside the kernels launched next."""
-        if not (self._overlap and self._stripe_pct and self._project_kernel(rows, name) == "wgmma"):
-            return
-        from ..kernels.gemm_wgmma import KS, wgmma_plan_for
-        from ..kernels.prefetch import prefetch_bytes, stripe_view
-
-        plan = wgmma_plan_for(rows, w.shape[0], w.shape[1], cute_common.sm_count(w.device))
-        with rng("prefetch"), self.branch("prefetch", w):
-            prefetch_bytes(stripe_view(w, plan.per_split * KS, self._stripe_pct))
-
     # ---- AttnRes -----------------------------------------------------------------------------------------------------
     def attn_res(self, res: ResidualState, w, *, n_blocks: int, commit: bool, delta, delta_mode: int,
                  use_partial: bool, eps: float) -> torch.Tensor:
@@ -735,8 +714,6 @@ class LatencySpecializedBackend(AutoBackend):
         m = shard.model
         if self._mlp_fast and y.shape[0] <= GEMV_MAX_ROWS:  # KDA core, output projection and AttnRes:
             self._prefetch(self._lw.mlp.down)  # latency-bound; the latent projection comes next
-        if self._mlp_fast and not self._plain_on_cublas(y.shape[0], "latent_down"):  # (`latent_down`'s `_gemv`)
-            self._prefetch_stripes(self._lw.mlp.down, y.shape[0], "latent_down")
         out = self._empty(y.shape[0], shard.kda_dim, device=y.device)
         fused = f is None  # from our kda_in_proj: the kernel applies f_b to y's f_a columns
         return kda_decode(y, self._f_b_columns(w.f_b) if fused else f, state.conv, w.conv, w.A_log, w.dt_bias,
@@ -936,13 +913,11 @@ class LatencySpecializedBackend(AutoBackend):
                 counting.moe_align(ids.reshape(-1), *align, experts=w13.shape[0],
                                    latent=latent if how == "1" else None, operands=ops)
                 latent = ops if how == "1" else latent
-            between = partial(self._prefetch_stripes, w.up, B, "latent_up") if self._tail_ours(B) else None
             return moe_mxfp4_grouped(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, align,
                                      act=self._empty(B * k, used, dtype=torch.float16, device=x.device),
                                      pair_out=self._empty(B * k, L, device=x.device,
                                                           dtype=BF16 if self._pairs_bf16 else torch.float32),
-                                     summed=not self._pairs_to_tail, quad_major=quad, x_operands=how == "1",
-                                     between=between)
+                                     summed=not self._pairs_to_tail, quad_major=quad, x_operands=how == "1")
         if self._mlp_fast:  # the expert kernels are latency-bound at small batch; the tail GEMV comes next
             self._prefetch(w.up)
         act = self._empty(B * k, used, dtype=torch.float16, device=x.device)
@@ -951,13 +926,9 @@ class LatencySpecializedBackend(AutoBackend):
         # with the norm fused into the tail: the expert kernel also writes bf16(routed * norm weight) for it
         self._scaled = self._empty(B, L, device=x.device) if self._fused_norm else None
         counters = self._counter("experts", x.device, EXPERT_COUNTERS) if self._experts_one_on else None
-        between = None  # the up-projection's stripes beside the w2 kernel, where `moe_tail` runs it on `_project`
-        if counters is None and (self._fused_norm or self._tail_ours(B)):
-            between = partial(self._prefetch_stripes, w.up, B, "latent_up")
         return moe_mxfp4(latent, ids, weights, w13, w.w13_scale, w2, w.w2_scale, used, act=act, out=out,
                          ssq=self._ssq, scaled=(w.latent_norm, self._scaled) if self._fused_norm else None,
-                         counters=counters, shared=shared, shared_act_ready=glu_in_entry, quad_major=quad,
-                         between=between)
+                         counters=counters, shared=shared, shared_act_ready=glu_in_entry, quad_major=quad)
 
     def moe_tail(self, routed, shared, w: MoEWeights, res: ResidualState, shard: ShardConfig) -> None:
         if routed.dim() == 3:  # the grouped experts' per-pair outputs [B, k, L] (`routed_experts`)

@@ -1041,8 +1041,7 @@ def _check_shared(shared, B: int) -> None:
 
 
 def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act=None, out=None, ssq=None,
-              scaled=None, counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False,
-              between=None):
+              scaled=None, counters=None, shared=None, shared_act_ready: bool = False, quad_major: bool = False):
     """Routed experts of one rank: latent [B, L] bf16, ids [B, k] int32, weights [B, k] fp32 -> out [B, L] fp32
     (the weighted sum over the k experts, before any cross-rank reduction). `used` is the expert slice without
     padding. `act` [B*k, used] fp16, `out` and `ssq` may be given (their contents are overwritten); `ssq`
@@ -1054,9 +1053,7 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     [1, H]): the shared experts as well, out = down @ SiTU-GLU(x @ gate_up.T), their GEMVs in CTAs of their own in
     the two expert kernels (not with `counters`); with `shared_act_ready` their act is already computed (by
     `moe_entry`) and only the down-projection rides along, in the w2 kernel. `quad_major`: w13 and w2 come in
-    `quad_major` order (the kernels then load each lane's words without exchanging them). `between`, a callable, is
-    called after the w13 kernel's launch and before the w2 kernel's (work to fork off beside the w2 kernel); the
-    one-kernel form (`counters`) has no such point and refuses it."""
+    `quad_major` order (the kernels then load each lane's words without exchanging them)."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -1078,13 +1075,9 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
                               shared=shared, shared_act_ready=shared_act_ready, quad_major=quad_major)
         gate_up, hx, s_act, down, s_out = shared
         launch(f13, *_w13_args(latent, ids, w13, w13_scale, act), *(() if shared_act_ready else (gate_up, hx, s_act)))
-        if between is not None:
-            between()
         launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled), down, s_act, s_out)
         return out
     if counters is not None:
-        if between is not None:
-            raise ValueError("MoE MXFP4: the one-kernel experts have no point between w13 and w2 for `between`")
         if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < 2 + B:
             raise ValueError(f"MoE MXFP4: the one-kernel experts need int32 counters [>= {2 + B}]")
         counters = counters[:2 + B]
@@ -1096,7 +1089,5 @@ def moe_mxfp4(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, act
     f13, f2 = compile_moe(latent, ids, weights, w13, w13_scale, w2, w2_scale, act, out, ssq, used, scaled,
                           quad_major=quad_major)
     launch(f13, *_w13_args(latent, ids, w13, w13_scale, act))
-    if between is not None:
-        between()
     launch(f2, *_w2_args(act, ids, weights, w2, w2_scale, out, ssq, scaled))
     return out

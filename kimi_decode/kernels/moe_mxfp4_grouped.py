@@ -687,16 +687,14 @@ def compile_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, align, a
 
 
 def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: int, align, act=None,
-                      pair_out=None, summed: bool = True, quad_major: bool = False, x_operands: bool = False,
-                      between=None):
+                      pair_out=None, summed: bool = True, quad_major: bool = False, x_operands: bool = False):
     """Routed experts of one rank, each selected expert read once: latent [B, L] bf16, ids [B, k] int32, weights
     [B, k] fp32, `align` the four int32 [B*k] outputs of `moe_align(ids)` (order, segment start, length, expert)
     -> [B, L] fp32, the weighted sum over each token's k experts, or without `summed` the routing-weighted outputs
     per pair [B, k, L] (for a consumer that adds them itself, `rmsnorm.routed_norm`). `act` [B*k, used] fp16 and
     `pair_out` [B*k, L] fp32, or bf16 (each pair's output rounded once, half the bytes written and read back), may
     be given (overwritten). `quad_major`: w13 and w2 come in `moe_mxfp4.quad_major` order. `x_operands`: `latent`
-    comes as fp16 mma operands (`latent_operands`), not bf16. `between`, a callable, is called after the w13
-    kernel's launch and before the w2 kernel's (work to fork off beside the w2 kernel)."""
+    comes as fp16 mma operands (`latent_operands`), not bf16."""
     B, k = ids.shape
     L = latent.shape[1]
     act = act if act is not None else torch.empty(B * k, used, dtype=torch.float16, device=latent.device)
@@ -706,7 +704,5 @@ def moe_mxfp4_grouped(latent, ids, weights, w13, w13_scale, w2, w2_scale, used: 
                               quad_major, x_operands)
     a13, a2 = kernel_args(latent, weights, w13, w13_scale, w2, w2_scale, align, act, pair_out)
     launch(f13, *a13)
-    if between is not None:
-        between()
     launch(f2, *a2)
     return pair_out.view(B, k, L).sum(1, dtype=torch.float32) if summed else pair_out.view(B, k, L)
