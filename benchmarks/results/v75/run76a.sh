@@ -12,5 +12,6 @@ NEW_LIMIT=75 NEW_TESTS="after_the_routing" bash benchmarks/run_h200.sh 80 numeri
 AB_BATCHES=8 AB_LIMIT=55 AB_ENVS="KIMI_DECODE_SHARED_AFTER=latent KIMI_DECODE_SHARED_AFTER=route KIMI_DECODE_SHARED_AFTER=latent KIMI_DECODE_SHARED_AFTER=route" \
   bash benchmarks/run_h200.sh 190 ab
 AB_BATCHES=8 AB_LIMIT=55 AB_ENVS="DEFAULTS=1 KIMI_DECODE_GROUPED_FROM=8" bash benchmarks/run_h200.sh 120 ab
-NCU_TP=16 NCU_BATCH=8 NCU_KERNELS="MoEW13Act|MoEW2Sum" NCU_COUNT=2 bash benchmarks/run_h200.sh 120 ncu-b1
+NCU_TP=16 NCU_BATCH=8 NCU_KERNELS="MoEW13Act|MoEW2Sum" NCU_COUNT=2 NCU_SECTIONS="MemoryWorkloadAnalysis SchedulerStats" \
+  NCU_ARGS="--metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct" bash benchmarks/run_h200.sh 120 ncu-b1
 ls -R "$OUT"
