@@ -29,8 +29,7 @@
 # oprojlate (batch 1, the output projection's first rows after the wait), ab (latency_specialized once per setting
 # in AB_ENVS), capture-ab (a capture per setting in AB_ENVS, at CAPTURE_BATCH, default 1), w13warps (batch 1 and 8, the w13 kernel on
 # W13_WARPS warps, default 4), epilate (batch 1 and 8, the GEMV epilogue's reads after the loop), ncu-b1 (ncu sections of the KDA, o_proj + AttnRes and expert kernels, or NCU_KERNELS, at batch NCU_BATCH (default 1),
-# TP NCU_TP, default 8; NCU_L2 sets the L2 fetch granularity), l2fetch (latency_specialized once per L2 fetch
-# granularity in L2_VALUES, benchmarks/l2_fetch.py), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1), resources
+# TP NCU_TP, default 8), chain (benchmarks/stream_chain.py at CHAIN_BATCHES, default 1), resources
 # (benchmarks/kernel_resources.py at RES_TP x RES_BATCHES: each kernel's registers under the machine's cutlass-dsl),
 # v24 (the A/B runs of benchmarks/NOTES.md items 35 and 36: KIMI_DECODE_GROUPED_ALIGN, KIMI_DECODE_W13_FIRST),
 # v25 (item 38: KIMI_DECODE_W2_COMPACT at TP16, both backends beside the new setting), v26 (items 40 and 41:
@@ -295,22 +294,8 @@ for name in "$@"; do
         -k "regex:${NCU_KERNELS:-KDADecode|OProjAttnRes|MoEW13Act|MoEW2Sum}" --launch-skip ${NCU_SKIP:-20} \
         --launch-count ${NCU_COUNT:-4} --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats $(for n in ${NCU_SECTIONS:-}; do echo "--section $n"; done) ${NCU_ARGS:-} \
-        python3 $([ -n "${NCU_L2:-}" ] && echo "benchmarks/l2_fetch.py $NCU_L2" || echo "-m") kimi_decode.bench \
-        --backend latency_specialized --tp ${NCU_TP:-8} --batch ${NCU_BATCH:-1} --layers 1 --copies 1 --replays 5 \
-        --warmup 2 ;;
-    l2fetch)  # latency_specialized at L2_BATCHES (default 8) and L2_TPS (default 16 8) once per L2 fetch granularity
-      # in L2_VALUES (bytes, or "default": the context's own), set by benchmarks/l2_fetch.py; JSONs as `ab`'s
-      for v in ${L2_VALUES:-default 32 default 32}; do
-        json="bench_l2_$v.json" n=1
-        while [ -e "$OUT/$json" ]; do n=$((n + 1)); json="bench_l2_${v}_run$n.json"; done
-        args=(--copies 3 --replays 100 --json "$OUT/$json" --backend latency_specialized --tp ${L2_TPS:-16 8}
-              --batch ${L2_BATCHES:-8})
-        if [ "$v" = default ]; then
-          step "l2fetch $v" ${L2_LIMIT:-70} python3 -m kimi_decode.bench "${args[@]}"
-        else
-          step "l2fetch $v" ${L2_LIMIT:-70} python3 benchmarks/l2_fetch.py "$v" kimi_decode.bench "${args[@]}"
-        fi
-      done ;;
+        python3 -m kimi_decode.bench --backend latency_specialized --tp ${NCU_TP:-8} \
+        --batch ${NCU_BATCH:-1} --layers 1 --copies 1 --replays 5 --warmup 2 ;;
     ncu-experts)  # per-kernel metrics of the grouped expert kernels at TP16 batch 64 (one eager launch each)
       for v in w13 w2; do
         step "ncu-experts $v" 90 ncu --clock-control none -k regex:Grouped --launch-count 1 --section SpeedOfLight \
