@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # v77 run 3 (copy to .devsite/; NOTES item 137): ncu's per-instruction stall samples (SourceCounters) of the per-pair
 # expert kernels at TP16 batch 8 and of the grouped w2 kernel at TP16 batch 64, as SASS listings with their samples;
-# everything packed into one file.
+# everything packed into one file (run_h200.sh's PACK).
 set -u
-ncu --clock-control none -k "regex:MoEW13Act|MoEW2Sum" --launch-skip 20 --launch-count 2 --section SourceCounters \
-  --section WarpStateStats --section SpeedOfLight -o "$OUT/b8" -f python3 -m kimi_decode.bench \
-  --backend latency_specialized --tp 16 --batch 8 --layers 1 --copies 1 --replays 5 --warmup 2 >"$OUT/b8_run.txt" 2>&1
-echo "b8 rc=$?"
+NCU_TP=16 NCU_BATCH=8 NCU_KERNELS="MoEW13Act|MoEW2Sum" NCU_COUNT=2 NCU_SECTIONS=SourceCounters \
+  NCU_ARGS="-o $OUT/b8 -f" bash benchmarks/run_h200.sh 100 ncu-b1
 timeout 120 ncu --clock-control none -k regex:Grouped --launch-count 1 --section SourceCounters \
   --section WarpStateStats --section SpeedOfLight -o "$OUT/g64" -f python3 benchmarks/expert_sweep.py --tp 16 \
   --batch 64 --sets 1 --replays 1 --only "grouped w2" >"$OUT/g64_run.txt" 2>&1
@@ -16,5 +14,4 @@ for r in b8 g64; do
   ncu -i "$OUT/$r.ncu-rep" --page source --print-source sass --csv >"$OUT/${r}_sass.csv" 2>&1
   ncu -i "$OUT/$r.ncu-rep" --page details --print-details all >"$OUT/${r}_details.txt" 2>&1
 done
-ls -la "$OUT"
-tar czf /tmp/run77c.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/run77c.tgz "$OUT/"
+PACK=run77c bash benchmarks/run_h200.sh 0  # no steps: only the packing
